@@ -1,0 +1,5 @@
+import sys
+
+from chip_child.serve import main
+
+main(sys.argv)

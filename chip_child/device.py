@@ -1,0 +1,78 @@
+"""Device selection and the few calls that differ between cpu, cuda and npu."""
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import torch
+
+DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
+
+
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return torch.npu.is_available() and torch.npu.device_count() > 0
+
+
+def resolve_device(device: str, device_id: int = 0) -> torch.device:
+    """`auto` picks npu (torch_npu importable and a device present), then cuda, then cpu."""
+    if device not in DEVICE_TYPES:
+        raise ValueError(f"device must be one of {DEVICE_TYPES}, got {device!r}")
+    if device == "auto":
+        if _npu_available():
+            device = "npu"
+        elif torch.cuda.is_available():
+            device = "cuda"
+        else:
+            device = "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "npu":
+        import torch_npu  # noqa: F401
+
+        count = torch.npu.device_count()
+    else:
+        count = torch.cuda.device_count()
+    if not 0 <= device_id < count:
+        raise ValueError(f"device_ids: {device} device {device_id} does not exist ({count} present)")
+    dev = torch.device(device, device_id)
+    getattr(torch, device).set_device(dev)
+    return dev
+
+
+def synchronize(dev: torch.device) -> None:
+    if dev.type != "cpu":
+        getattr(torch, dev.type).synchronize(dev)
+
+
+class DeviceTimer:
+    """Times device work: events on accelerators, wall clock on the cpu (where work is synchronous)."""
+
+    def __init__(self, dev: torch.device):
+        self._events = None
+        if dev.type != "cpu":
+            backend = getattr(torch, dev.type)
+            self._events = (backend.Event(enable_timing=True), backend.Event(enable_timing=True))
+        self._t0 = 0.0
+        self._elapsed = 0.0
+
+    def start(self) -> None:
+        if self._events:
+            self._events[0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events:
+            self._events[1].record()
+        else:
+            self._elapsed = time.perf_counter() - self._t0
+
+    def elapsed_s(self) -> float:
+        """Call after the step's final synchronisation (the copy of the sampled ids)."""
+        if self._events:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self._elapsed

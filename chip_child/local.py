@@ -1,0 +1,115 @@
+"""Drives a ChipRuntime in-process: no parent, no IPC. Used by tests and as the benchmark floor."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from chip_child.protocol import Admit, Command, FullState
+from chip_child.runtime import ChipRuntime
+from chip_child.sampling import seed_key
+
+
+@dataclass
+class LocalRequest:
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass
+class LocalResult:
+    token_ids: list[list[int]]
+    logits: list[list[torch.Tensor]] = field(default_factory=list)  # per request, one [V] per token
+
+
+class LocalDriver:
+    """Admits up to max_batch_size requests in one prefill, then decodes until all reach
+    max_new_tokens. Pages are handed out interleaved across rows so block tables are not
+    contiguous, and each page boundary crosses as a (row, block, page) triple."""
+
+    def __init__(self, rt: ChipRuntime):
+        self.rt = rt
+        self.page = rt.cfg.page_size
+        self.step = 0
+        self.out = torch.zeros(rt.cfg.max_batch_size, dtype=torch.int32)
+        self._free_pages = list(range(1, rt.cfg.total_pages))
+
+    def _take_page(self) -> int:
+        return self._free_pages.pop(0)
+
+    def run(self, requests: list[LocalRequest], keep_logits: bool = False) -> LocalResult:
+        rt, page = self.rt, self.page
+        if len(requests) > rt.cfg.max_batch_size:
+            raise ValueError("LocalDriver admits at most max_batch_size requests")
+        staging = np.concatenate([np.asarray(r.prompt, np.int32) for r in requests])
+        offsets = np.concatenate([[0], np.cumsum([len(r.prompt) for r in requests])[:-1]]).astype(int)
+        pages = [[] for _ in requests]
+        for blk in range(max(math.ceil(len(r.prompt) / page) for r in requests)):
+            for i, r in enumerate(requests):
+                if blk < math.ceil(len(r.prompt) / page):
+                    pages[i].append(self._take_page())
+        admits = [Admit(i, len(r.prompt), int(offsets[i]), np.array(pages[i], np.int32), r.temperature, r.top_p,
+                        r.top_k, r.seed) for i, r in enumerate(requests)]
+        result = LocalResult(token_ids=[[] for _ in requests], logits=[[] for _ in requests])
+        self._execute(Command(step=self.step, admits=admits), staging, requests, result, keep_logits)
+        positions = [len(r.prompt) for r in requests]
+        finished: list[int] = []
+        while any(len(t) < r.max_new_tokens for t, r in zip(result.token_ids, requests)):
+            triples = []
+            for i, r in enumerate(requests):
+                if i in finished or len(result.token_ids[i]) >= r.max_new_tokens:
+                    continue
+                if positions[i] % page == 0:
+                    pages[i].append(self._take_page())
+                    triples.append((i, positions[i] // page, pages[i][-1]))
+            done = [i for i, (t, r) in enumerate(zip(result.token_ids, requests))
+                    if len(t) >= r.max_new_tokens and i not in finished]
+            finished += done
+            cmd = Command(step=self.step, finished_rows=done, new_pages=np.array(triples, np.int32).reshape(-1, 3))
+            if rt.cfg.copy_policy == "always":
+                cmd.full_state = self._full_state(requests, positions, pages, finished)
+            self._execute(cmd, staging, requests, result, keep_logits, skip=finished)
+            for i in range(len(requests)):
+                if i not in finished:
+                    positions[i] += 1
+        self._execute_finish(list(range(len(requests))), finished)
+        return result
+
+    def _execute(self, cmd, staging, requests, result, keep_logits, skip=()):
+        self.rt.execute(cmd, staging, self.out)
+        self.step += 1
+        for i in range(len(requests)):
+            if i not in skip:
+                result.token_ids[i].append(int(self.out[i]))
+                if keep_logits:
+                    result.logits[i].append(self.rt.logits[i].clone())
+
+    def _execute_finish(self, rows: list[int], already: list[int]) -> None:
+        """Frees the rows and pages so the driver can run another batch."""
+        rest = [r for r in rows if r not in already]
+        if rest:
+            self.rt.finish_rows(rest)
+        self._free_pages = list(range(1, self.rt.cfg.total_pages))
+
+    def _full_state(self, requests, positions, pages, finished) -> FullState:
+        cfg = self.rt.cfg
+        b = cfg.max_batch_size
+        table = np.zeros((b, cfg.max_blocks_per_row), np.int32)
+        pos = np.zeros(b, np.int64)
+        active = np.zeros(b, bool)
+        temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+        top_k, keys = np.zeros(b, np.int64), np.zeros(b, np.int64)
+        for i, r in enumerate(requests):
+            table[i, :len(pages[i])] = pages[i]
+            if i not in finished:
+                active[i] = True
+                pos[i] = positions[i]
+            temp[i], top_p[i], top_k[i], keys[i] = r.temperature, r.top_p, r.top_k, seed_key(r.seed)
+        slots = np.where(active, table[np.arange(b), pos // self.page].astype(np.int64) * self.page + pos % self.page, 0)
+        return FullState(pos, active, table, slots, temp, top_p, top_k, keys)

@@ -1,0 +1,196 @@
+"""Qwen3 as transformers defines it, as plain functions over a paged KV cache.
+
+Weights are fused once at load (q/k/v into one matrix, gate/up into another) so a layer is four
+matmuls. Attention never builds a dense mask on the host: decode reads K/V through the block table
+and masks by each row's position on the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from chip_child.loader import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class Qwen3Weights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+    @classmethod
+    def from_hf(cls, state: dict[str, torch.Tensor], cfg: ModelConfig) -> "Qwen3Weights":
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            qkv_bias = None
+            o_bias = None
+            if cfg.attention_bias:
+                qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"] for n in "qkv"])
+                o_bias = state[attn + "o_proj.bias"]
+            layers.append(
+                LayerWeights(
+                    input_norm=state[p + "input_layernorm.weight"],
+                    qkv=torch.cat([state[attn + f"{n}_proj.weight"] for n in "qkv"]),
+                    qkv_bias=qkv_bias,
+                    q_norm=state[attn + "q_norm.weight"],
+                    k_norm=state[attn + "k_norm.weight"],
+                    o_proj=state[attn + "o_proj.weight"],
+                    o_bias=o_bias,
+                    post_norm=state[p + "post_attention_layernorm.weight"],
+                    gate_up=torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]),
+                    down=state[p + "mlp.down_proj.weight"],
+                )
+            )
+        embed = state["model.embed_tokens.weight"]
+        lm_head = embed if cfg.tie_word_embeddings else state["lm_head.weight"]
+        return cls(embed=embed, layers=layers, norm=state["model.norm.weight"], lm_head=lm_head)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Computed in fp32 and cast back before the weight, exactly as transformers' Qwen3RMSNorm."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for every position [max_len, head_dim], computed in fp32 then cast like transformers."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, hd]; cos/sin: [T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dataclass
+class PagedKV:
+    """The KV cache: [layers, 2, num_pages, page_size, kv_heads, head_dim]. Page 0 is scratch:
+    inactive rows write there so a step never needs a host-side branch."""
+
+    cache: torch.Tensor
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.shape[3]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        flat = self.cache[layer].flatten(1, 2)  # [2, num_pages * page_size, kv_heads, hd]
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every row as [B, kv_heads, blocks * page_size, hd], read through the block table."""
+        kv = self.cache[layer][:, block_table]  # [2, B, blocks, page, kv_heads, hd]
+        kv = kv.flatten(2, 3).transpose(2, 3)
+        return kv[0], kv[1]
+
+
+def _qkv(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    t = x.shape[0]
+    qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+    q_size = cfg.num_heads * cfg.head_dim
+    kv_size = cfg.num_kv_heads * cfg.head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = rms_norm(q.view(t, cfg.num_heads, cfg.head_dim), lw.q_norm, cfg.rms_norm_eps)
+    k = rms_norm(k.view(t, cfg.num_kv_heads, cfg.head_dim), lw.k_norm, cfg.rms_norm_eps)
+    v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp_residual(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+    gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, lw.down)
+
+
+def prefill_forward(
+    cfg: ModelConfig,
+    w: Qwen3Weights,
+    kv: PagedKV,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    prompt_lens: list[int],
+    last_index: torch.Tensor,
+) -> torch.Tensor:
+    """Several prompts packed into one token axis; causal within each prompt. Returns the last
+    token's logits of each prompt [N, vocab] in fp32 and leaves every prompt's K/V in its pages."""
+    cos, sin = rope[0][positions], rope[1][positions]
+    h = F.embedding(tokens, w.embed)
+    scale = cfg.head_dim**-0.5
+    for i, lw in enumerate(w.layers):
+        x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, lw, x, cos, sin)
+        kv.write(i, k, v, slot_mapping)
+        outs = []
+        for qs, ks, vs in zip(q.split(prompt_lens), k.split(prompt_lens), v.split(prompt_lens)):
+            o = F.scaled_dot_product_attention(
+                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )
+            outs.append(o.transpose(0, 1))
+        attn = torch.cat(outs).flatten(1)
+        h = h + F.linear(attn, lw.o_proj, lw.o_bias)
+        h = _mlp_residual(cfg, lw, h)
+    h = rms_norm(h[last_index], w.norm, cfg.rms_norm_eps)
+    return F.linear(h, w.lm_head).float()
+
+
+def decode_forward(
+    cfg: ModelConfig,
+    w: Qwen3Weights,
+    kv: PagedKV,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row. `block_table` is already narrowed to the blocks the longest row uses.
+    Returns logits [B, vocab] in fp32."""
+    cos, sin = rope[0][positions], rope[1][positions]
+    h = F.embedding(input_ids, w.embed)
+    b = input_ids.shape[0]
+    ctx = block_table.shape[1] * kv.page_size
+    # Key j of a row is visible when j <= the row's position: built on the device from positions.
+    mask = (torch.arange(ctx, device=positions.device)[None, :] <= positions[:, None]).view(b, 1, 1, ctx)
+    scale = cfg.head_dim**-0.5
+    for i, lw in enumerate(w.layers):
+        x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+        q, k, v = _qkv(cfg, lw, x, cos, sin)
+        kv.write(i, k, v, slot_mapping)
+        keys, values = kv.gather(i, block_table)
+        o = F.scaled_dot_product_attention(
+            q.view(b, cfg.num_heads, 1, cfg.head_dim), keys, values,
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
+        h = h + F.linear(o.view(b, -1), lw.o_proj, lw.o_bias)
+        h = _mlp_residual(cfg, lw, h)
+    return F.linear(rms_norm(h, w.norm, cfg.rms_norm_eps), w.lm_head).float()

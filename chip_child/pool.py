@@ -1,0 +1,56 @@
+"""Pooled device tensors keyed by (callable, argument slot, shape, dtype)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+PoolKey = tuple[str, str, tuple[int, ...], torch.dtype]
+Role = Literal["in", "out", "inout"]
+
+
+@dataclass(frozen=True)
+class TaskArg:
+    """One argument of a registered callable: which pooled tensor it names and how the step uses it.
+
+    `owner` names the pool namespace; tensors that several callables share (the KV cache, the
+    decode state that prefill seeds) live under a common owner instead of the callable's name.
+    """
+
+    slot: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: Role
+    owner: str | None = None
+
+
+class TensorPool:
+    """Allocates each tensor once and hands the same storage back for every later step.
+
+    `allocations` counts misses; after warm-up a decode step must not add to it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._tensors: dict[PoolKey, torch.Tensor] = {}
+        self.allocations = 0
+
+    def get(self, owner: str, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        key = (owner, slot, tuple(shape), dtype)
+        tensor = self._tensors.get(key)
+        if tensor is None:
+            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+            self._tensors[key] = tensor
+            self.allocations += 1
+        return tensor
+
+    def resolve(self, callable_name: str, args: tuple[TaskArg, ...]) -> dict[str, torch.Tensor]:
+        return {a.slot: self.get(a.owner or callable_name, a.slot, a.shape, a.dtype) for a in args}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def release(self) -> None:
+        self._tensors.clear()

@@ -1,0 +1,195 @@
+"""The wire between the L3 parent and a chip-child: msgpack arrays, validated before use.
+
+A steady decode command is `[0, step, [], b""]` (7 bytes): the finished rows and new
+(row, block index, page id) triples are the only things that ever change. Token ids and page
+lists travel as raw int32 bytes, never as per-element lists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+OP_DECODE, OP_PREFILL, OP_SHUTDOWN = 0, 1, 2
+
+
+class ProtocolError(ValueError):
+    """A command that is malformed or names something outside the runtime's limits."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_size: int
+    max_blocks_per_row: int
+    num_pages: int
+    max_seq_len: int
+    max_prefill_tokens: int
+    page_size: int
+
+
+@dataclass
+class Admit:
+    """A request entering `row`: its prompt sits at `staging_offset` in the step's staging slot."""
+
+    row: int
+    prompt_len: int
+    staging_offset: int
+    pages: np.ndarray  # int32 page ids for blocks 0..len-1
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+@dataclass
+class FullState:
+    """copy_policy="always": every decode input the parent owns, rebuilt and sent each step."""
+
+    positions: np.ndarray  # int64 [B]
+    active: np.ndarray  # bool [B]
+    block_table: np.ndarray  # int32 [B, max_blocks]
+    slot_mapping: np.ndarray  # int64 [B]
+    temperature: np.ndarray  # float32 [B]
+    top_p: np.ndarray  # float32 [B]
+    top_k: np.ndarray  # int64 [B]
+    seed_keys: np.ndarray  # int64 [B]
+
+    _FIELDS = (("positions", np.int64), ("active", np.bool_), ("block_table", np.int32),
+               ("slot_mapping", np.int64), ("temperature", np.float32), ("top_p", np.float32),
+               ("top_k", np.int64), ("seed_keys", np.int64))
+
+
+@dataclass
+class Command:
+    """One step. `admits` non-empty makes it a prefill step, otherwise a decode step."""
+
+    step: int
+    finished_rows: list[int] = field(default_factory=list)
+    new_pages: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))  # (row, block, page)
+    admits: list[Admit] = field(default_factory=list)
+    full_state: FullState | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.admits)
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+def encode(cmd: Command | Shutdown) -> bytes:
+    if isinstance(cmd, Shutdown):
+        return msgpack.packb([OP_SHUTDOWN])
+    pages = cmd.new_pages.astype(np.int32, copy=False).tobytes()
+    if cmd.admits:
+        admits = [[a.row, a.prompt_len, a.staging_offset, a.pages.astype(np.int32, copy=False).tobytes(),
+                   a.temperature, a.top_p, a.top_k, a.seed] for a in cmd.admits]
+        return msgpack.packb([OP_PREFILL, cmd.step, cmd.finished_rows, pages, admits])
+    body = [OP_DECODE, cmd.step, cmd.finished_rows, pages]
+    if cmd.full_state is not None:
+        fs = cmd.full_state
+        body.append([np.ascontiguousarray(getattr(fs, n), dtype=t).tobytes() for n, t in FullState._FIELDS])
+    return msgpack.packb(body)
+
+
+def _int_array(raw: object, what: str) -> np.ndarray:
+    if not isinstance(raw, bytes) or len(raw) % 4:
+        raise ProtocolError(f"{what}: expected int32 bytes")
+    return np.frombuffer(raw, dtype=np.int32)
+
+
+def _check_row(row: object, limits: Limits, what: str) -> int:
+    if not isinstance(row, int) or not 0 <= row < limits.max_batch_size:
+        raise ProtocolError(f"{what}: row {row!r} outside [0, {limits.max_batch_size})")
+    return row
+
+
+def _check_pages(pages: np.ndarray, limits: Limits, what: str) -> None:
+    # Page 0 is the scratch page; no request may be given it.
+    if pages.size and (pages.min() < 1 or pages.max() >= limits.num_pages):
+        raise ProtocolError(f"{what}: page id outside [1, {limits.num_pages})")
+
+
+def decode(raw: bytes, limits: Limits) -> Command | Shutdown:
+    """Parses and range-checks a command; raises ProtocolError before anything is applied."""
+    try:
+        msg = msgpack.unpackb(raw)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"undecodable command: {exc}") from None
+    if not isinstance(msg, list) or not msg or msg[0] not in (OP_DECODE, OP_PREFILL, OP_SHUTDOWN):
+        raise ProtocolError(f"unknown op in command {msg!r:.80}")
+    if msg[0] == OP_SHUTDOWN:
+        return Shutdown()
+    if len(msg) < 4 or not isinstance(msg[1], int) or not isinstance(msg[2], list):
+        raise ProtocolError("command must be [op, step, finished_rows, new_pages, ...]")
+    finished = [_check_row(r, limits, "finished_rows") for r in msg[2]]
+    triples = _int_array(msg[3], "new_pages")
+    if triples.size % 3:
+        raise ProtocolError("new_pages: length is not a multiple of 3")
+    triples = triples.reshape(-1, 3)
+    for row in triples[:, 0].tolist():
+        _check_row(row, limits, "new_pages")
+    if triples.size and (triples[:, 1].min() < 0 or triples[:, 1].max() >= limits.max_blocks_per_row):
+        raise ProtocolError(f"new_pages: block index outside [0, {limits.max_blocks_per_row})")
+    _check_pages(triples[:, 2], limits, "new_pages")
+    cmd = Command(step=msg[1], finished_rows=finished, new_pages=triples)
+    if msg[0] == OP_PREFILL:
+        cmd.admits = [_decode_admit(a, limits) for a in (msg[4] if len(msg) > 4 else [])]
+        if not cmd.admits:
+            raise ProtocolError("prefill command without admits")
+        if len({a.row for a in cmd.admits}) != len(cmd.admits):
+            raise ProtocolError("admits: a row appears twice")
+        if sum(a.prompt_len for a in cmd.admits) > limits.max_prefill_tokens:
+            raise ProtocolError(f"admits: more than max_prefill_tokens={limits.max_prefill_tokens} tokens")
+    elif len(msg) > 4:
+        cmd.full_state = _decode_full_state(msg[4], limits)
+    return cmd
+
+
+def _decode_admit(raw: object, limits: Limits) -> Admit:
+    if not isinstance(raw, list) or len(raw) != 8:
+        raise ProtocolError("admit must be [row, prompt_len, staging_offset, pages, temperature, top_p, top_k, seed]")
+    row, plen, offset, pages, temperature, top_p, top_k, seed = raw
+    _check_row(row, limits, "admit")
+    if not isinstance(plen, int) or not 1 <= plen < limits.max_seq_len:
+        raise ProtocolError(f"admit: prompt_len {plen!r} outside [1, {limits.max_seq_len})")
+    if not isinstance(offset, int) or offset < 0 or offset + plen > limits.max_prefill_tokens:
+        raise ProtocolError(f"admit: staging range outside [0, {limits.max_prefill_tokens})")
+    pages = _int_array(pages, "admit pages")
+    if not 0 < len(pages) <= limits.max_blocks_per_row:
+        raise ProtocolError(f"admit: {len(pages)} pages, expected 1..{limits.max_blocks_per_row}")
+    _check_pages(pages, limits, "admit pages")
+    return Admit(row, plen, offset, pages, float(temperature), float(top_p), int(top_k), int(seed))
+
+
+def _decode_full_state(raw: object, limits: Limits) -> FullState:
+    if not isinstance(raw, list) or len(raw) != len(FullState._FIELDS):
+        raise ProtocolError("full_state: wrong number of fields")
+    b = limits.max_batch_size
+    arrays = {}
+    for blob, (name, dtype) in zip(raw, FullState._FIELDS):
+        want = b * limits.max_blocks_per_row if name == "block_table" else b
+        arr = np.frombuffer(blob, dtype=dtype) if isinstance(blob, bytes) else None
+        if arr is None or arr.size != want:
+            raise ProtocolError(f"full_state.{name}: expected {want} values of {np.dtype(dtype).name}")
+        arrays[name] = arr
+    arrays["block_table"] = arrays["block_table"].reshape(b, limits.max_blocks_per_row)
+    # Unassigned blocks hold 0 (the scratch page) in a full block table.
+    if arrays["block_table"].min() < 0 or arrays["block_table"].max() >= limits.num_pages:
+        raise ProtocolError(f"full_state.block_table: page id outside [0, {limits.num_pages})")
+    slots = arrays["slot_mapping"]
+    if slots.min() < 0 or slots.max() >= limits.num_pages * limits.page_size:
+        raise ProtocolError("full_state.slot_mapping: slot outside the KV cache")
+    return FullState(**arrays)
+
+
+# Replies from the child.
+def encode_ack(step: int, apply_us: int, device_us: int, h2d_copies: int, h2d_bytes: int, pool_allocs: int) -> bytes:
+    return msgpack.packb([step, apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs])
+
+
+def encode_error(step: int | None, message: str, traceback_text: str) -> bytes:
+    return msgpack.packb({"error": message, "traceback": traceback_text, "step": step})

@@ -1,0 +1,298 @@
+"""The chip runtime: one device's model, KV cache, pooled step tensors and the step contract.
+
+It runs in-process (tests, the benchmark floor) or inside a chip-child. `execute` applies one
+command: finished rows, new page triples and admitted rows are the only inputs that cross from
+the host; positions advance, slot mappings are computed and next tokens are sampled on the device.
+The one host synchronisation of a decode step is the copy of the sampled ids into `out`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chip_child.device import DeviceTimer, resolve_device
+from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
+from chip_child.model import PagedKV, Qwen3Weights, decode_forward, prefill_forward, rope_tables
+from chip_child.pool import TaskArg, TensorPool
+from chip_child.protocol import Command, FullState, Limits
+from chip_child.sampling import sample, seed_key, vocab_hash
+
+COPY_POLICIES = ("dirty", "always")
+STATE = "state"  # pool owner of the tensors prefill and decode share
+
+
+@dataclass
+class RuntimeConfig:
+    model_dir: str
+    device: str = "auto"
+    device_id: int = 0
+    dtype: str = "auto"
+    max_batch_size: int = 16
+    max_seq_len: int = 4096
+    page_size: int = 128
+    num_pages: int | None = None  # None: every row can reach max_seq_len
+    max_prefill_tokens: int | None = None  # None: max(max_seq_len, 2048)
+    copy_policy: str = "dirty"
+    num_threads: int | None = None  # cpu intra-op threads; None leaves torch's default
+
+    @property
+    def max_blocks_per_row(self) -> int:
+        return math.ceil(self.max_seq_len / self.page_size)
+
+    @property
+    def total_pages(self) -> int:
+        """Pages in the cache, counting page 0, the scratch page idle rows write to."""
+        if self.num_pages is not None:
+            return self.num_pages + 1
+        return self.max_batch_size * self.max_blocks_per_row + 1
+
+    @property
+    def prefill_capacity(self) -> int:
+        return self.max_prefill_tokens or max(self.max_seq_len, 2048)
+
+    def limits(self) -> Limits:
+        return Limits(self.max_batch_size, self.max_blocks_per_row, self.total_pages,
+                      self.max_seq_len, self.prefill_capacity, self.page_size)
+
+
+@dataclass
+class StepResult:
+    apply_s: float
+    device_s: float
+    h2d_copies: int
+    h2d_bytes: int
+    pool_allocs: int
+
+
+class ChipRuntime:
+    def __init__(self, cfg: RuntimeConfig):
+        if cfg.copy_policy not in COPY_POLICIES:
+            raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {cfg.copy_policy!r}")
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = resolve_device(cfg.device, cfg.device_id)
+        self.model_cfg: ModelConfig = load_config(cfg.model_dir)
+        self.dtype = resolve_dtype(cfg.dtype, self.device.type, self.model_cfg)
+        mc = self.model_cfg
+        self.weights = Qwen3Weights.from_hf(load_weights(cfg.model_dir, mc, self.dtype, self.device), mc)
+        self.rope = rope_tables(mc, cfg.max_seq_len, self.dtype, self.device)
+        self.limits = cfg.limits()
+        self.pool = TensorPool(self.device)
+        self._callables = {"prefill": self._prefill, "decode": self._decode}
+        self._h2d_copies = 0
+        self._h2d_bytes = 0
+        self._timer = DeviceTimer(self.device)
+
+        b, mb, v = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size
+        kv_shape = (mc.num_layers, 2, cfg.total_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim)
+        i64, f32 = torch.int64, torch.float32
+        state = lambda slot, shape, dtype, role: TaskArg(slot, shape, dtype, role, owner=STATE)  # noqa: E731
+        shared = (
+            state("kv_cache", kv_shape, self.dtype, "inout"),
+            state("input_ids", (b,), i64, "inout"),
+            state("positions", (b,), i64, "inout"),
+            state("active", (b,), torch.bool, "in"),
+            state("block_table", (b, mb), i64, "in"),
+            state("temperature", (b,), f32, "in"),
+            state("top_p", (b,), f32, "in"),
+            state("top_k", (b,), i64, "in"),
+            state("seed_keys", (b,), i64, "in"),
+            state("vocab_keys", (v,), i64, "in"),
+            state("sampled", (b,), i64, "out"),
+            state("logits", (b, v), f32, "out"),
+        )
+        self.decode_args = shared + (TaskArg("slot_mapping", (b,), i64, "inout"),)
+        p = cfg.prefill_capacity
+        self.prefill_args = shared + (
+            TaskArg("tokens", (p,), i64, "in"),
+            TaskArg("prompt_positions", (p,), i64, "in"),
+            TaskArg("prompt_slots", (p,), i64, "in"),
+            TaskArg("last_index", (b,), i64, "in"),
+            TaskArg("rows", (b,), i64, "in"),
+        )
+        self.state = self.pool.resolve("decode", self.decode_args)  # the decode step's tensors, by slot
+        self.pool.resolve("prefill", self.prefill_args)
+        self.state["vocab_keys"].copy_(vocab_hash(v, self.device))
+        self.kv = PagedKV(self.state["kv_cache"])
+
+        # Host mirrors of per-row facts the child needs without reading the device.
+        self._positions = np.zeros(b, np.int64)
+        self._active = np.zeros(b, bool)
+        self._temperature = np.zeros(b, np.float32)
+        self._filtered = np.zeros(b, bool)
+
+        self._warm_up()
+        self.warm_pool_allocations = self.pool.allocations
+        self.setup_s = time.perf_counter() - t0
+
+    def register_callable(self, name: str, fn) -> None:
+        """Callables are registered before the first step; `submit_next_level` names them."""
+        self._callables[name] = fn
+
+    # -- the single dispatch point ---------------------------------------------------------------
+    def submit_next_level(self, callable_name: str, task_args: tuple[TaskArg, ...], **scalars):
+        """Runs a registered callable on the pooled tensors its arguments name."""
+        return self._callables[callable_name](**self.pool.resolve(callable_name, task_args), **scalars)
+
+    # -- applying a command ----------------------------------------------------------------------
+    def execute(self, cmd: Command, staging: np.ndarray, out: torch.Tensor) -> StepResult:
+        """Applies one validated command and writes the sampled id of every row into `out` [B]."""
+        t0 = time.perf_counter()
+        copies0, bytes0, allocs0 = self._h2d_copies, self._h2d_bytes, self.pool.allocations
+        if cmd.finished_rows:
+            self.finish_rows(cmd.finished_rows)
+        if len(cmd.new_pages):
+            rows, blocks, pages = self._h2d(cmd.new_pages.astype(np.int64)).unbind(1)
+            self.state["block_table"][rows, blocks] = pages
+        self._timer.start()
+        if cmd.is_prefill:
+            self._run_prefill(cmd, staging)
+        else:
+            if cmd.full_state is not None:
+                self._load_full_state(cmd.full_state)
+            self._run_decode(compute_slots=cmd.full_state is None)
+        self._timer.stop()
+        out.copy_(self.state["sampled"])  # the step's only synchronisation
+        return StepResult(
+            apply_s=time.perf_counter() - t0,
+            device_s=self._timer.elapsed_s(),
+            h2d_copies=self._h2d_copies - copies0,
+            h2d_bytes=self._h2d_bytes - bytes0,
+            pool_allocs=self.pool.allocations - allocs0,
+        )
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Last step's fp32 logits per row (prefill fills the admitted rows only)."""
+        return self.state["logits"]
+
+    def positions_host(self) -> np.ndarray:
+        return self._positions.copy()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _h2d(self, arr: np.ndarray) -> torch.Tensor:
+        """Every host-to-device transfer goes through here so the counters see it."""
+        self._h2d_copies += 1
+        self._h2d_bytes += arr.nbytes
+        return torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
+
+    def finish_rows(self, rows: list[int]) -> None:
+        idx = self._h2d(np.asarray(rows, np.int64))
+        self.state["active"][idx] = False
+        self.state["positions"][idx] = 0
+        self._active[rows] = False
+        self._positions[rows] = 0
+
+    def _sampling_flags(self) -> tuple[bool, bool]:
+        live = self._active
+        return bool((self._temperature[live] > 0).any()), bool((self._filtered[live]).any())
+
+    def _run_decode(self, compute_slots: bool) -> None:
+        live = self._positions[self._active]
+        num_blocks = int(live.max()) // self.cfg.page_size + 1 if live.size else 1
+        any_random, any_filter = self._sampling_flags()
+        self.submit_next_level("decode", self.decode_args, num_blocks=num_blocks, any_random=any_random,
+                               any_filter=any_filter, compute_slots=compute_slots)
+        self._positions[self._active] += 1
+
+    def _decode(self, *, kv_cache, input_ids, positions, active, block_table, slot_mapping, temperature,
+                top_p, top_k, seed_keys, vocab_keys, sampled, logits, num_blocks: int, any_random: bool,
+                any_filter: bool, compute_slots: bool) -> None:
+        page = self.cfg.page_size
+        if compute_slots:
+            blocks = block_table.gather(1, (positions // page)[:, None]).squeeze(1)
+            # Idle rows write to slot 0 of the scratch page, never into a page another row owns.
+            slot_mapping.copy_(torch.where(active, blocks * page + positions % page, 0))
+        logits.copy_(decode_forward(self.model_cfg, self.weights, self.kv, self.rope, input_ids, positions,
+                                    slot_mapping, block_table[:, :num_blocks]))
+        ids = sample(logits, temperature, top_k, top_p, seed_keys, positions, vocab_keys, any_random, any_filter)
+        sampled.copy_(ids)
+        input_ids.copy_(torch.where(active, ids, input_ids))
+        positions.add_(active)
+
+    def _load_full_state(self, fs: FullState) -> None:
+        """copy_policy="always": overwrite every decode input from the host, as older systems did."""
+        for name in ("positions", "active", "block_table", "slot_mapping", "temperature", "top_p", "top_k",
+                     "seed_keys"):
+            self.state[name].copy_(self._h2d(getattr(fs, name)))
+        self._positions[:] = fs.positions
+        self._active[:] = fs.active
+        self._temperature[:] = fs.temperature
+        self._filtered[:] = (fs.top_k > 0) | (fs.top_p < 1)
+
+    def _run_prefill(self, cmd: Command, staging: np.ndarray) -> None:
+        admits = cmd.admits
+        page = self.cfg.page_size
+        lens = [a.prompt_len for a in admits]
+        total = sum(lens)
+        tokens = np.concatenate([staging[a.staging_offset:a.staging_offset + a.prompt_len] for a in admits])
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        slots = np.concatenate([a.pages.astype(np.int64)[np.arange(n) // page] * page + np.arange(n) % page
+                                for a, n in zip(admits, lens)])
+        rows = np.array([a.row for a in admits], np.int64)
+        table = np.zeros((len(admits), self.cfg.max_blocks_per_row), np.int64)
+        for i, a in enumerate(admits):
+            table[i, :len(a.pages)] = a.pages
+        seeds = np.array([seed_key(a.seed) for a in admits], np.int64)
+        params = np.array([[a.temperature, a.top_p] for a in admits], np.float32)
+        top_k = np.array([a.top_k for a in admits], np.int64)
+
+        n = len(admits)
+        t = self.pool.resolve("prefill", self.prefill_args)
+        t["tokens"][:total].copy_(self._h2d(tokens.astype(np.int64)))
+        t["prompt_positions"][:total].copy_(self._h2d(positions))
+        t["prompt_slots"][:total].copy_(self._h2d(slots))
+        t["last_index"][:n].copy_(self._h2d(np.cumsum(lens) - 1))
+        t["rows"][:n].copy_(self._h2d(rows))
+        idx = t["rows"][:n]
+        self.state["block_table"][idx] = self._h2d(table)
+        self.state["temperature"][idx] = self._h2d(params[:, 0])
+        self.state["top_p"][idx] = self._h2d(params[:, 1])
+        self.state["top_k"][idx] = self._h2d(top_k)
+        self.state["seed_keys"][idx] = self._h2d(seeds)
+
+        self._active[rows] = True
+        self._positions[rows] = lens
+        self._temperature[rows] = params[:, 0]
+        self._filtered[rows] = (top_k > 0) | (params[:, 1] < 1)
+        any_random, any_filter = self._sampling_flags()
+        self.submit_next_level("prefill", self.prefill_args, num_tokens=total, num_rows=n, prompt_lens=lens,
+                               any_random=any_random, any_filter=any_filter)
+
+    def _prefill(self, *, kv_cache, input_ids, positions, active, block_table, temperature, top_p, top_k,
+                 seed_keys, vocab_keys, sampled, logits, tokens, prompt_positions, prompt_slots, last_index, rows,
+                 num_tokens: int, num_rows: int, prompt_lens: list[int], any_random: bool,
+                 any_filter: bool) -> None:
+        idx = rows[:num_rows]
+        pos = prompt_positions[:num_tokens]
+        row_logits = prefill_forward(self.model_cfg, self.weights, self.kv, self.rope, tokens[:num_tokens], pos,
+                                     prompt_slots[:num_tokens], prompt_lens, last_index[:num_rows])
+        logits[idx] = row_logits
+        counters = pos[last_index[:num_rows]]
+        ids = sample(row_logits, temperature[idx], top_k[idx], top_p[idx], seed_keys[idx], counters, vocab_keys,
+                     any_random, any_filter)
+        sampled[idx] = ids
+        input_ids[idx] = ids
+        positions[idx] = counters + 1
+        active[idx] = True
+
+    def _warm_up(self) -> None:
+        """One prefill and one decode through every code path, then back to an empty batch."""
+        from chip_child.protocol import Admit
+
+        b = self.cfg.max_batch_size
+        out = torch.zeros(b, dtype=torch.int32)
+        staging = np.zeros(2, np.int32)
+        admit = Admit(row=0, prompt_len=2, staging_offset=0, pages=np.array([1], np.int32), temperature=1.0,
+                      top_p=0.9, top_k=5, seed=0)
+        self.execute(Command(step=0, admits=[admit]), staging, out)
+        self.execute(Command(step=1), staging, out)
+        self.finish_rows([0])
+        self.state["block_table"].zero_()
+        self.kv.cache.zero_()

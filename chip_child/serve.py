@@ -1,0 +1,148 @@
+"""The chip-child process: opens its device, builds a ChipRuntime, then applies one command per
+message until told to stop or its parent disappears.
+
+Started by the parent as `python -m chip_child SPEC_JSON` with the shared buffers' descriptors
+inherited. It replies to every command: an ack `[step, apply_us, device_us, h2d_copies, h2d_bytes,
+pool_allocs]` after writing the sampled ids into the step's ring slot, or an error naming the
+problem. A bad command is refused before anything is applied.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import msgpack
+import torch
+import zmq
+
+from chip_child import protocol
+from chip_child.runtime import ChipRuntime, RuntimeConfig
+
+PR_SET_PDEATHSIG = 1
+PARENT_CHECK_MS = 500
+
+
+@dataclass
+class ChildSpec:
+    endpoint: str
+    rank: int
+    parent_pid: int
+    socket_dir: str
+    runtime: RuntimeConfig
+    buffers: dict[str, list]  # name -> [fd, nbytes, shape, dtype]
+    fault: str | None = None  # test-only: "raise@STEP", "hang@STEP" or "exit@STEP"
+
+    @classmethod
+    def from_json(cls, text: str) -> "ChildSpec":
+        raw = json.loads(text)
+        raw["runtime"] = RuntimeConfig(**raw["runtime"])
+        return cls(**raw)
+
+
+def open_shared(spec: list) -> torch.Tensor:
+    """Maps a buffer the parent made with share_memory_() from its inherited descriptor."""
+    fd, nbytes, shape, dtype = spec
+    storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+    return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage).view(*shape)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when the parent dies; the poll loop also checks, as a fallback."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(0)
+
+
+def _inject_fault(rt: ChipRuntime, fault: str) -> None:
+    """Test-only: replace the decode callable with one that fails at a given step."""
+    kind, at = fault.split("@")
+    decode = rt._callables["decode"]
+    calls = {"n": 0}
+
+    def faulty(**kwargs):
+        calls["n"] += 1
+        if calls["n"] > int(at):
+            if kind == "raise":
+                raise RuntimeError(f"injected fault in decode call {calls['n']}")
+            if kind == "hang":
+                time.sleep(3600)
+            if kind == "exit":
+                os._exit(3)
+        return decode(**kwargs)
+
+    rt.register_callable("decode", faulty)
+
+
+def serve(spec: ChildSpec) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(spec.endpoint)
+    try:
+        try:
+            rt = ChipRuntime(spec.runtime)
+            if spec.fault:
+                _inject_fault(rt, spec.fault)
+        except Exception as exc:
+            sock.send(protocol.encode_error(None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            return
+        sampled = open_shared(spec.buffers["sampled"])
+        staging = open_shared(spec.buffers["staging"]).numpy()
+        slots = sampled.shape[0]
+        sock.send(msgpack.packb({
+            "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
+            "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
+        }))
+        limits = rt.limits
+        while True:
+            if not sock.poll(PARENT_CHECK_MS):
+                if os.getppid() != spec.parent_pid:
+                    return
+                continue
+            raw = sock.recv()
+            try:
+                cmd = protocol.decode(raw, limits)
+            except protocol.ProtocolError as exc:
+                sock.send(protocol.encode_error(None, f"bad command: {exc}", ""))
+                continue
+            if isinstance(cmd, protocol.Shutdown):
+                return
+            slot = cmd.step % slots
+            try:
+                r = rt.execute(cmd, staging[slot], sampled[slot])
+            except Exception as exc:
+                sock.send(protocol.encode_error(cmd.step, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                continue
+            sock.send(protocol.encode_ack(cmd.step, int(r.apply_s * 1e6), int(r.device_s * 1e6), r.h2d_copies,
+                                          r.h2d_bytes, r.pool_allocs))
+    finally:
+        sock.close(0)
+        ctx.term()
+        if os.getppid() != spec.parent_pid:  # orphaned: nobody else will remove the socket files
+            shutil.rmtree(spec.socket_dir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> None:
+    spec = ChildSpec.from_json(argv[1])
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _die_with_parent()
+    if os.getppid() != spec.parent_pid:
+        return
+    serve(spec)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,98 @@
+"""The parent's handle on one chip-child: start it, talk to it, stop it.
+
+A child is a fresh interpreter (`python -m chip_child`), not a bare fork: torch's CPU build uses
+GNU OpenMP, and a forked child of a parent that already ran a parallel region deadlocks in its
+first one. The child inherits the shared buffers' descriptors and runs in its own session, so a
+Ctrl-C aimed at the user's program reaches the parent, which then stops the children itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import msgpack
+import zmq
+
+import chip_child
+from chip_child.runtime import RuntimeConfig
+from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError
+from l3worker.shared import StepBuffers
+
+LIVENESS_POLL_MS = 100
+
+
+class ChildProcess:
+    def __init__(self, ctx: zmq.Context, rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_dir: str,
+                 fault: str | None = None):
+        self.rank = rank
+        self.socket_path = os.path.join(socket_dir, f"chip{rank}.sock")
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"ipc://{self.socket_path}")
+        spec = {
+            "endpoint": f"ipc://{self.socket_path}", "rank": rank, "parent_pid": os.getpid(),
+            "socket_dir": socket_dir, "runtime": asdict(runtime),
+            "buffers": {k: v.to_json() for k, v in buffers.specs.items()}, "fault": fault,
+        }
+        env = dict(os.environ)
+        package_root = str(Path(chip_child.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "chip_child", json.dumps(spec)],
+            pass_fds=buffers.fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.info: dict = {}
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, payload: bytes) -> None:
+        self.sock.send(payload, copy=False)
+
+    def recv(self, timeout_s: float | None, what: str) -> object:
+        """The next reply, raising if the child dies, reports an error, or `timeout_s` passes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.sock.poll(LIVENESS_POLL_MS):
+            code = self.proc.poll()
+            if code is not None:
+                raise ChildDiedError(f"chip-child {self.rank} (pid {self.pid}) exited with code {code} "
+                                     f"while the parent waited for {what}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise StepTimeoutError(f"chip-child {self.rank} (pid {self.pid}) gave no reply to {what} "
+                                       f"within {timeout_s:g}s")
+        reply = msgpack.unpackb(self.sock.recv())
+        if isinstance(reply, dict) and "error" in reply:
+            tb = reply.get("traceback") or ""
+            raise ChildError(f"chip-child {self.rank} failed on {what}: {reply['error']}" + (f"\n{tb}" if tb else ""))
+        return reply
+
+    def wait_ready(self, timeout_s: float | None) -> dict:
+        self.info = self.recv(timeout_s, "start-up (device, weights, KV cache, warm-up)")
+        return self.info
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Asks the child to exit, then insists. Safe to call on a dead child."""
+        if self.proc.poll() is None:
+            try:
+                from chip_child.protocol import Shutdown, encode
+
+                self.sock.send(encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            for sig_wait in (grace_s, 2.0):
+                try:
+                    self.proc.wait(sig_wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    if sig_wait == grace_s:
+                        self.proc.terminate()
+            else:
+                self.proc.kill()
+                self.proc.wait()
+        self.sock.close(0)

@@ -1,0 +1,56 @@
+"""Host buffers shared by the parent and its chip-children.
+
+Made with `share_memory_()` before any child starts. torch backs them with an already-unlinked
+shared-memory file, so nothing is left in /dev/shm whatever way the processes end; children map
+the same memory from the inherited file descriptor.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """How a child maps a shared tensor: the descriptor it inherits, and the tensor's layout."""
+
+    fd: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_json(self) -> list:
+        return [self.fd, self.nbytes, list(self.shape), self.dtype]
+
+
+def make_shared(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, BufferSpec]:
+    tensor = torch.zeros(shape, dtype=dtype).share_memory_()
+    fd, nbytes = tensor.untyped_storage()._share_fd_cpu_()
+    os.set_inheritable(fd, True)
+    return tensor, BufferSpec(fd, nbytes, tuple(shape), str(dtype).removeprefix("torch."))
+
+
+@dataclass
+class StepBuffers:
+    """Ring slot s serves step s % slots: sampled ids out, prompt ids in. A slot is reused only after
+    its step was acknowledged, since at most `pipeline_depth` < `slots` steps are in flight."""
+
+    sampled: torch.Tensor  # int32 [slots, max_batch_size]
+    staging: torch.Tensor  # int32 [slots, prefill_capacity]
+    specs: dict[str, BufferSpec]
+
+    @classmethod
+    def create(cls, slots: int, max_batch_size: int, prefill_capacity: int) -> "StepBuffers":
+        sampled, sampled_spec = make_shared((slots, max_batch_size), torch.int32)
+        staging, staging_spec = make_shared((slots, prefill_capacity), torch.int32)
+        return cls(sampled, staging, {"sampled": sampled_spec, "staging": staging_spec})
+
+    @property
+    def slots(self) -> int:
+        return self.sampled.shape[0]
+
+    @property
+    def fds(self) -> list[int]:
+        return [s.fd for s in self.specs.values()]

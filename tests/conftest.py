@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints written by transformers, and the built-in model."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The built-in tiny model goes to a per-session cache, never the user's home."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("L3WORKER_CACHE", str(tmp_path_factory.mktemp("l3worker-cache")))
+    yield
+    mp.undo()
+
+
+def write_hf_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    """A random Qwen3ForCausalLM saved with save_pretrained; returns the directory."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kwargs = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
+                  max_position_embeddings=512, eos_token_id=None)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**kwargs)).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """make_checkpoint(name, **Qwen3Config overrides) -> directory, cached per session by name."""
+    made: dict[str, Path] = {}
+
+    def make(name: str = "default", seed: int = 0, **overrides) -> Path:
+        if name not in made:
+            made[name] = write_hf_checkpoint(tmp_path_factory.mktemp(f"ckpt-{name}"), seed, **overrides)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[Path], "torch.nn.Module"]:
+    """Loads a checkpoint directory with transformers in fp32, cached per directory."""
+    from transformers import Qwen3ForCausalLM
+
+    cache: dict[Path, torch.nn.Module] = {}
+
+    def load(path: Path):
+        if path not in cache:
+            cache[path] = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return cache[path]
+
+    return load
