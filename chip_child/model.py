@@ -6,7 +6,8 @@ and masks by each row's position on the device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,33 +37,75 @@ class Qwen3Weights:
     lm_head: torch.Tensor
 
     @classmethod
-    def from_hf(cls, state: dict[str, torch.Tensor], cfg: ModelConfig) -> "Qwen3Weights":
+    def from_hf(cls, state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int = 0,
+                world: int = 1) -> "Qwen3Weights":
+        """Fuses the HF tensors; with world > 1 keeps this rank's tensor-parallel shard: its
+        slice of the heads and of the MLP's intermediate dimension (Megatron-style), with
+        o_proj and down_proj split by input so one all-reduce after each completes the layer."""
+        hd = cfg.head_dim
+        heads = _shard(rank, world, cfg.num_heads * hd)
+        kv_heads = _shard(rank, world, cfg.num_kv_heads * hd)
+        inter = _shard(rank, world, cfg.intermediate_size)
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
+            rows = {"q": heads, "k": kv_heads, "v": kv_heads}
             qkv_bias = None
             o_bias = None
             if cfg.attention_bias:
-                qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"] for n in "qkv"])
-                o_bias = state[attn + "o_proj.bias"]
+                qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"][rows[n]] for n in "qkv"])
+                # Added by one rank only, so the all-reduce sums it in once.
+                o_bias = state[attn + "o_proj.bias"] if rank == 0 else None
             layers.append(
                 LayerWeights(
                     input_norm=state[p + "input_layernorm.weight"],
-                    qkv=torch.cat([state[attn + f"{n}_proj.weight"] for n in "qkv"]),
+                    qkv=torch.cat([state[attn + f"{n}_proj.weight"][rows[n]] for n in "qkv"]),
                     qkv_bias=qkv_bias,
                     q_norm=state[attn + "q_norm.weight"],
                     k_norm=state[attn + "k_norm.weight"],
-                    o_proj=state[attn + "o_proj.weight"],
+                    o_proj=state[attn + "o_proj.weight"][:, heads].contiguous(),
                     o_bias=o_bias,
                     post_norm=state[p + "post_attention_layernorm.weight"],
-                    gate_up=torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]),
-                    down=state[p + "mlp.down_proj.weight"],
+                    gate_up=torch.cat([state[p + "mlp.gate_proj.weight"][inter], state[p + "mlp.up_proj.weight"][inter]]),
+                    down=state[p + "mlp.down_proj.weight"][:, inter].contiguous(),
                 )
             )
         embed = state["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else state["lm_head.weight"]
         return cls(embed=embed, layers=layers, norm=state["model.norm.weight"], lm_head=lm_head)
+
+    def to(self, device: torch.device) -> "Qwen3Weights":
+        return _move(self, device)
+
+
+def _move(w: Qwen3Weights, device: torch.device) -> Qwen3Weights:
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    layers = [LayerWeights(**{k: to(v) for k, v in vars(lw).items()}) for lw in w.layers]
+    return Qwen3Weights(embed=to(w.embed), layers=layers, norm=to(w.norm),
+                        lm_head=w.embed.to(device) if w.lm_head is w.embed else to(w.lm_head))
+
+
+def _shard(rank: int, world: int, size: int) -> slice:
+    step = size // world
+    return slice(rank * step, (rank + 1) * step)
+
+
+def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
+    """The per-rank view of the model under tensor parallelism over `world` devices."""
+    for name, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                        ("intermediate_size", cfg.intermediate_size)):
+        if value % world:
+            raise ValueError(f"device_ids: {world} devices do not divide the model's {name}={value}")
+    return replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
+                   intermediate_size=cfg.intermediate_size // world)
+
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,8 +149,10 @@ class PagedKV:
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every row as [B, kv_heads, blocks * page_size, hd], read through the block table."""
-        kv = self.cache[layer][:, block_table]  # [2, B, blocks, page, kv_heads, hd]
-        kv = kv.flatten(2, 3).transpose(2, 3)
+        b, blocks = block_table.shape
+        # index_select copies whole pages; advanced indexing is about twice as slow on the cpu.
+        kv = self.cache[layer].index_select(1, block_table.flatten())  # [2, B * blocks, page, kv_heads, hd]
+        kv = kv.view(2, b, blocks * self.page_size, *kv.shape[-2:]).transpose(2, 3)
         return kv[0], kv[1]
 
 
@@ -123,10 +168,10 @@ def _qkv(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _mlp_residual(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+def _mlp_residual(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
     x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
     gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, lw.down)
+    return h + all_reduce(F.linear(F.silu(gate) * up, lw.down))
 
 
 def prefill_forward(
@@ -139,6 +184,7 @@ def prefill_forward(
     slot_mapping: torch.Tensor,
     prompt_lens: list[int],
     last_index: torch.Tensor,
+    all_reduce: AllReduce = _no_reduce,
 ) -> torch.Tensor:
     """Several prompts packed into one token axis; causal within each prompt. Returns the last
     token's logits of each prompt [N, vocab] in fp32 and leaves every prompt's K/V in its pages."""
@@ -157,8 +203,8 @@ def prefill_forward(
             )
             outs.append(o.transpose(0, 1))
         attn = torch.cat(outs).flatten(1)
-        h = h + F.linear(attn, lw.o_proj, lw.o_bias)
-        h = _mlp_residual(cfg, lw, h)
+        h = h + all_reduce(F.linear(attn, lw.o_proj, lw.o_bias))
+        h = _mlp_residual(cfg, lw, h, all_reduce)
     h = rms_norm(h[last_index], w.norm, cfg.rms_norm_eps)
     return F.linear(h, w.lm_head).float()
 
@@ -172,6 +218,7 @@ def decode_forward(
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
+    all_reduce: AllReduce = _no_reduce,
 ) -> torch.Tensor:
     """One token per row. `block_table` is already narrowed to the blocks the longest row uses.
     Returns logits [B, vocab] in fp32."""
@@ -191,6 +238,6 @@ def decode_forward(
             q.view(b, cfg.num_heads, 1, cfg.head_dim), keys, values,
             attn_mask=mask, scale=scale, enable_gqa=True,
         )
-        h = h + F.linear(o.view(b, -1), lw.o_proj, lw.o_bias)
-        h = _mlp_residual(cfg, lw, h)
+        h = h + all_reduce(F.linear(o.view(b, -1), lw.o_proj, lw.o_bias))
+        h = _mlp_residual(cfg, lw, h, all_reduce)
     return F.linear(rms_norm(h, w.norm, cfg.rms_norm_eps), w.lm_head).float()

@@ -16,7 +16,7 @@ import torch
 
 from chip_child.device import DeviceTimer, resolve_device
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
-from chip_child.model import PagedKV, Qwen3Weights, decode_forward, prefill_forward, rope_tables
+from chip_child.model import PagedKV, Qwen3Weights, decode_forward, prefill_forward, rope_tables, shard_config
 from chip_child.pool import TaskArg, TensorPool
 from chip_child.protocol import Command, FullState, Limits
 from chip_child.sampling import sample, seed_key, vocab_hash
@@ -38,6 +38,9 @@ class RuntimeConfig:
     max_prefill_tokens: int | None = None  # None: max(max_seq_len, 2048)
     copy_policy: str = "dirty"
     num_threads: int | None = None  # cpu intra-op threads; None leaves torch's default
+    tp_rank: int = 0
+    tp_size: int = 1
+    dist_init: str | None = None  # torch.distributed init_method when tp_size > 1
 
     @property
     def max_blocks_per_row(self) -> int:
@@ -77,10 +80,15 @@ class ChipRuntime:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device, cfg.device_id)
-        self.model_cfg: ModelConfig = load_config(cfg.model_dir)
-        self.dtype = resolve_dtype(cfg.dtype, self.device.type, self.model_cfg)
+        full_cfg = load_config(cfg.model_dir)
+        self.dtype = resolve_dtype(cfg.dtype, self.device.type, full_cfg)
+        self.model_cfg: ModelConfig = shard_config(full_cfg, cfg.tp_size)  # this rank's heads and MLP slice
+        self._all_reduce = self._init_tensor_parallel() if cfg.tp_size > 1 else (lambda x: x)
+        # Fuse and shard on the host (memory-mapped), so only this rank's weights reach the device.
+        host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu")
+        self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size).to(self.device)
+        del host
         mc = self.model_cfg
-        self.weights = Qwen3Weights.from_hf(load_weights(cfg.model_dir, mc, self.dtype, self.device), mc)
         self.rope = rope_tables(mc, cfg.max_seq_len, self.dtype, self.device)
         self.limits = cfg.limits()
         self.pool = TensorPool(self.device)
@@ -130,6 +138,28 @@ class ChipRuntime:
         self._warm_up()
         self.warm_pool_allocations = self.pool.allocations
         self.setup_s = time.perf_counter() - t0
+
+    def _init_tensor_parallel(self):
+        import torch.distributed as dist
+
+        backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[self.device.type]
+        dist.init_process_group(backend, init_method=self.cfg.dist_init, rank=self.cfg.tp_rank,
+                                world_size=self.cfg.tp_size)
+
+        def all_reduce(x: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(x)
+            return x
+
+        return all_reduce
+
+    def close(self) -> None:
+        """Frees the pooled tensors and leaves the process group."""
+        self.pool.release()
+        if self.cfg.tp_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def register_callable(self, name: str, fn) -> None:
         """Callables are registered before the first step; `submit_next_level` names them."""
@@ -210,7 +240,7 @@ class ChipRuntime:
             # Idle rows write to slot 0 of the scratch page, never into a page another row owns.
             slot_mapping.copy_(torch.where(active, blocks * page + positions % page, 0))
         logits.copy_(decode_forward(self.model_cfg, self.weights, self.kv, self.rope, input_ids, positions,
-                                    slot_mapping, block_table[:, :num_blocks]))
+                                    slot_mapping, block_table[:, :num_blocks], self._all_reduce))
         ids = sample(logits, temperature, top_k, top_p, seed_keys, positions, vocab_keys, any_random, any_filter)
         sampled.copy_(ids)
         input_ids.copy_(torch.where(active, ids, input_ids))
@@ -272,7 +302,8 @@ class ChipRuntime:
         idx = rows[:num_rows]
         pos = prompt_positions[:num_tokens]
         row_logits = prefill_forward(self.model_cfg, self.weights, self.kv, self.rope, tokens[:num_tokens], pos,
-                                     prompt_slots[:num_tokens], prompt_lens, last_index[:num_rows])
+                                     prompt_slots[:num_tokens], prompt_lens, last_index[:num_rows],
+                                     self._all_reduce)
         logits[idx] = row_logits
         counters = pos[last_index[:num_rows]]
         ids = sample(row_logits, temperature[idx], top_k[idx], top_p[idx], seed_keys[idx], counters, vocab_keys,

@@ -90,6 +90,7 @@ def serve(spec: ChildSpec) -> None:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(spec.endpoint)
+    rt = None
     try:
         try:
             rt = ChipRuntime(spec.runtime)
@@ -99,6 +100,8 @@ def serve(spec: ChildSpec) -> None:
             sock.send(protocol.encode_error(None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
             return
         sampled = open_shared(spec.buffers["sampled"])
+        if spec.rank != 0:  # tensor-parallel peers sample the same ids; rank 0 alone writes the ring
+            sampled = torch.zeros_like(sampled)
         staging = open_shared(spec.buffers["staging"]).numpy()
         slots = sampled.shape[0]
         sock.send(msgpack.packb({
@@ -128,6 +131,8 @@ def serve(spec: ChildSpec) -> None:
             sock.send(protocol.encode_ack(cmd.step, int(r.apply_s * 1e6), int(r.device_s * 1e6), r.h2d_copies,
                                           r.h2d_bytes, r.pool_allocs))
     finally:
+        if rt is not None:
+            rt.close()
         sock.close(0)
         ctx.term()
         if os.getppid() != spec.parent_pid:  # orphaned: nobody else will remove the socket files

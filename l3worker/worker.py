@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -23,6 +23,7 @@ import zmq
 from chip_child import protocol
 from chip_child.device import DEVICE_TYPES
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
+from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
 from chip_child.tiny_model import ensure_tiny_model
 from l3worker.child import ChildProcess
@@ -73,11 +74,12 @@ class DistributedWorker:
         if copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {copy_policy!r}")
         device_ids = tuple(device_ids)
-        if len(device_ids) != 1:
-            raise ValueError(f"device_ids must name exactly one device for now (tensor parallelism across "
-                             f"several is not implemented), got {device_ids}")
+        if not device_ids:
+            raise ValueError("device_ids must name at least one device")
         for d in device_ids:
             _positive_int("device_ids entry", d, 0)
+        if len(set(device_ids)) != len(device_ids) and device != "cpu":
+            raise ValueError(f"device_ids must not repeat a device, got {device_ids}")
         _positive_int("max_batch_size", max_batch_size)
         _positive_int("max_seq_len", max_seq_len, 2)
         _positive_int("page_size", page_size)
@@ -90,6 +92,7 @@ class DistributedWorker:
         if max_seq_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{self.model_config.max_position_embeddings}")
+        shard_config(self.model_config, len(device_ids))  # tensor parallelism must divide heads and MLP
         self.tokenizer = load_tokenizer(self.model_dir)
         self.runtime_config = RuntimeConfig(
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
@@ -128,8 +131,10 @@ class DistributedWorker:
             self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
+            world = len(self.device_ids)
             for rank, device_id in enumerate(self.device_ids):
-                rc = RuntimeConfig(**{**cfg.__dict__, "device_id": device_id})
+                rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
+                             dist_init=f"file://{self._socket_dir}/tp-store" if world > 1 else None)
                 self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir, self._fault))
             for child in self._children:
                 child.wait_ready(self.startup_timeout_s)
