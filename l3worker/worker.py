@@ -6,15 +6,15 @@ reads sampled ids from the shared ring; close() stops the children and removes t
 """
 from __future__ import annotations
 
-import math
+import atexit
 import os
 import secrets
 import shutil
 import tempfile
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -131,6 +131,7 @@ class DistributedWorker:
             self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
+            _live_workers.add(self)
             world = len(self.device_ids)
             for rank, device_id in enumerate(self.device_ids):
                 rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
@@ -172,6 +173,16 @@ class DistributedWorker:
     def __del__(self):
         if getattr(self, "_children", None):
             self.close()
+
+
+_live_workers: "weakref.WeakSet[DistributedWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_workers() -> None:
+    """A program that forgets close() still stops its children on a normal exit."""
+    for worker in list(_live_workers):
+        worker.close()
 
     @property
     def child_pids(self) -> list[int]:
