@@ -126,16 +126,9 @@ def decode(raw: bytes, limits: Limits) -> Command | Shutdown:
     if len(msg) < 4 or not isinstance(msg[1], int) or not isinstance(msg[2], list):
         raise ProtocolError("command must be [op, step, finished_rows, new_pages, ...]")
     finished = [_check_row(r, limits, "finished_rows") for r in msg[2]]
-    triples = _int_array(msg[3], "new_pages")
-    if triples.size % 3:
-        raise ProtocolError("new_pages: length is not a multiple of 3")
-    triples = triples.reshape(-1, 3)
-    for row in triples[:, 0].tolist():
-        _check_row(row, limits, "new_pages")
-    if triples.size and (triples[:, 1].min() < 0 or triples[:, 1].max() >= limits.max_blocks_per_row):
-        raise ProtocolError(f"new_pages: block index outside [0, {limits.max_blocks_per_row})")
-    _check_pages(triples[:, 2], limits, "new_pages")
-    cmd = Command(step=msg[1], finished_rows=finished, new_pages=triples)
+    cmd = Command(step=msg[1], finished_rows=finished)
+    if msg[3] != b"":  # the steady state skips numpy entirely
+        cmd.new_pages = _decode_triples(msg[3], limits)
     if msg[0] == OP_PREFILL:
         cmd.admits = [_decode_admit(a, limits) for a in (msg[4] if len(msg) > 4 else [])]
         if not cmd.admits:
@@ -147,6 +140,19 @@ def decode(raw: bytes, limits: Limits) -> Command | Shutdown:
     elif len(msg) > 4:
         cmd.full_state = _decode_full_state(msg[4], limits)
     return cmd
+
+
+def _decode_triples(raw: object, limits: Limits) -> np.ndarray:
+    triples = _int_array(raw, "new_pages")
+    if triples.size % 3:
+        raise ProtocolError("new_pages: length is not a multiple of 3")
+    triples = triples.reshape(-1, 3)
+    for row in triples[:, 0].tolist():
+        _check_row(row, limits, "new_pages")
+    if triples[:, 1].min() < 0 or triples[:, 1].max() >= limits.max_blocks_per_row:
+        raise ProtocolError(f"new_pages: block index outside [0, {limits.max_blocks_per_row})")
+    _check_pages(triples[:, 2], limits, "new_pages")
+    return triples
 
 
 def _decode_admit(raw: object, limits: Limits) -> Admit:

@@ -319,8 +319,9 @@ class ChipRuntime:
 
         b = self.cfg.max_batch_size
         out = torch.zeros(b, dtype=torch.int32)
-        staging = np.zeros(2, np.int32)
-        admit = Admit(row=0, prompt_len=2, staging_offset=0, pages=np.array([1], np.int32), temperature=1.0,
+        staging = np.zeros(1, np.int32)
+        # One prompt token on one page; the decode step's block, if beyond it, is the scratch page.
+        admit = Admit(row=0, prompt_len=1, staging_offset=0, pages=np.array([1], np.int32), temperature=1.0,
                       top_p=0.9, top_k=5, seed=0)
         self.execute(Command(step=0, admits=[admit]), staging, out)
         self.execute(Command(step=1), staging, out)

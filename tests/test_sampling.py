@@ -1,0 +1,130 @@
+"""Unit tests of chip_child.sampling: the top-k/top-p filter, the counter-based noise and the
+distribution temperature sampling draws from."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from chip_child.sampling import (
+    filter_top_k_top_p,
+    sample,
+    seed_key,
+    uniform_noise,
+    vocab_hash,
+)
+
+# Token ids ranked by logit: 1 (4.0), 4 (3.0), 3 (2.0), 0 (1.0), 2 (0.0).
+# softmax probabilities in that order: 0.636, 0.234, 0.086, 0.032, 0.012.
+LOGITS = torch.tensor([1.0, 4.0, 0.0, 2.0, 3.0])
+
+
+def kept(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    out = filter_top_k_top_p(logits[None, :], torch.tensor([top_k]), torch.tensor([top_p]))[0]
+    assert torch.equal(out[out.isfinite()], logits[out.isfinite()])  # survivors keep their values
+    return set(torch.nonzero(out.isfinite()).flatten().tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p,expected", [
+    (0, 1.0, {0, 1, 2, 3, 4}),  # both filters off
+    (1, 1.0, {1}),
+    (2, 1.0, {1, 4}),
+    (5, 1.0, {0, 1, 2, 3, 4}),
+    (9, 1.0, {0, 1, 2, 3, 4}),  # k beyond the vocabulary
+    (0, 0.5, {1}),  # the most likely token always stays
+    (0, 0.8, {1, 4}),  # mass before token 3 is 0.870
+    (0, 0.9, {1, 4, 3}),  # mass before token 0 is 0.956
+    (0, 0.99, {1, 4, 3, 0, 2}),
+    (3, 0.9, {1, 4}),  # after top-k the mass before token 3 is renormalised to 0.910
+    (3, 0.95, {1, 4, 3}),
+])
+def test_filter_keeps_expected_tokens(top_k: int, top_p: float, expected: set[int]) -> None:
+    assert kept(LOGITS, top_k, top_p) == expected
+
+
+def test_filter_applies_per_row_parameters() -> None:
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
+    out = filter_top_k_top_p(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.8, 1.0]))
+    assert [set(torch.nonzero(r.isfinite()).flatten().tolist()) for r in out] == [{1, 4}, {3, 0}, {0, 1, 2, 3, 4}]
+
+
+def test_filter_agrees_with_transformers_warpers() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 2
+    params = [(0, 0.7), (5, 1.0), (10, 0.5), (1, 0.3), (0, 0.95), (20, 0.9)]
+    ours = filter_top_k_top_p(logits, torch.tensor([k for k, _ in params]), torch.tensor([p for _, p in params]))
+    for row, (k, p) in enumerate(params):
+        want = logits[row:row + 1]
+        if k:
+            want = TopKLogitsWarper(k)(None, want)
+        if p < 1:
+            want = TopPLogitsWarper(p)(None, want)
+        assert torch.equal(ours[row].isfinite(), want[0].isfinite()), f"row {row} (top_k={k}, top_p={p})"
+
+
+def test_noise_is_a_pure_function_of_key_counter_and_token() -> None:
+    vocab = vocab_hash(64, torch.device("cpu"))
+    keys = torch.tensor([seed_key(1), seed_key(2), seed_key(1)])
+    counters = torch.tensor([5, 5, 5])
+    noise = uniform_noise(keys, counters, vocab)
+    assert ((noise > 0) & (noise < 1)).all()
+    assert torch.equal(noise[0], noise[2])
+    assert not torch.equal(noise[0], noise[1])
+    assert not torch.equal(noise[0], uniform_noise(keys[:1], counters[:1] + 1, vocab)[0])
+    # A row's noise does not depend on which other rows are in the batch.
+    assert torch.equal(uniform_noise(keys[1:2], counters[1:2], vocab)[0], noise[1])
+
+
+def test_seed_key_separates_large_seeds() -> None:
+    keys = {seed_key(s) for s in (0, 1, 2**32, 2**32 + 1, 2**62, 2**63 - 1)}
+    assert len(keys) == 6
+    assert all(0 <= k < 2**32 for k in keys)
+
+
+def _draws(logits: torch.Tensor, temperature: float, top_k: int, keys: torch.Tensor,
+           counters: torch.Tensor) -> torch.Tensor:
+    n = keys.numel()
+    rows = logits.expand(n, -1)
+    return sample(rows, torch.full((n,), temperature), torch.full((n,), top_k), torch.ones(n), keys, counters,
+                  vocab_hash(logits.numel(), torch.device("cpu")), any_random=True, any_filter=top_k > 0)
+
+
+def _total_variation(ids: torch.Tensor, probs: torch.Tensor) -> float:
+    freq = torch.bincount(ids, minlength=probs.numel()).float() / ids.numel()
+    return 0.5 * (freq - probs).abs().sum().item()
+
+
+DRAWS = 4000
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 2.0])
+def test_temperature_sampling_over_seeds_matches_softmax(temperature: float) -> None:
+    keys = torch.tensor([seed_key(s) for s in range(DRAWS)])
+    ids = _draws(LOGITS, temperature, 0, keys, torch.full((DRAWS,), 17))
+    assert _total_variation(ids, (LOGITS / temperature).softmax(-1)) < 0.05
+
+
+def test_sampling_along_one_sequence_matches_softmax() -> None:
+    """One seed, successive positions: the counter alone must decorrelate the draws."""
+    ids = _draws(LOGITS, 1.0, 0, torch.full((DRAWS,), seed_key(42)), torch.arange(DRAWS))
+    assert _total_variation(ids, LOGITS.softmax(-1)) < 0.05
+
+
+def test_top_k_sampling_matches_renormalised_softmax() -> None:
+    keys = torch.tensor([seed_key(s) for s in range(DRAWS)])
+    ids = _draws(LOGITS, 1.0, 3, keys, torch.zeros(DRAWS, dtype=torch.int64))
+    want = torch.where(torch.isin(torch.arange(5), torch.tensor([1, 4, 3])), LOGITS, -torch.inf).softmax(-1)
+    assert set(ids.tolist()) <= {1, 4, 3}
+    assert _total_variation(ids, want) < 0.05
+
+
+def test_greedy_rows_and_top_k_one_take_the_argmax() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=g)
+    keys = torch.tensor([seed_key(s) for s in range(4)])
+    args = (torch.tensor([0.0, 1.5, 0.0, 2.0]), torch.tensor([0, 1, 0, 0]), torch.ones(4), keys,
+            torch.arange(4), vocab_hash(30, torch.device("cpu")))
+    ids = sample(logits, *args, any_random=True, any_filter=True)
+    argmax = logits.argmax(-1)
+    assert ids[:3].tolist() == argmax[:3].tolist()
+    assert sample(logits, *args, any_random=False, any_filter=False).tolist() == argmax.tolist()
