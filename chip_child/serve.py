@@ -88,7 +88,8 @@ def _inject_fault(rt: ChipRuntime, fault: str) -> None:
 def serve(spec: ChildSpec) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 0)
+    # A bounded linger: the last reply (a start-up error, say) must still reach the parent.
+    sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(spec.endpoint)
     rt = None
     try:
@@ -133,7 +134,7 @@ def serve(spec: ChildSpec) -> None:
     finally:
         if rt is not None:
             rt.close()
-        sock.close(0)
+        sock.close()
         ctx.term()
         if os.getppid() != spec.parent_pid:  # orphaned: nobody else will remove the socket files
             shutil.rmtree(spec.socket_dir, ignore_errors=True)

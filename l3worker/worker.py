@@ -174,16 +174,6 @@ class DistributedWorker:
         if getattr(self, "_children", None):
             self.close()
 
-
-_live_workers: "weakref.WeakSet[DistributedWorker]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_workers() -> None:
-    """A program that forgets close() still stops its children on a normal exit."""
-    for worker in list(_live_workers):
-        worker.close()
-
     @property
     def child_pids(self) -> list[int]:
         return [c.pid for c in self._children]
@@ -374,3 +364,13 @@ def _close_live_workers() -> None:
 
 def _is_tensor(x: object) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+_live_workers: "weakref.WeakSet[DistributedWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_workers() -> None:
+    """A program that forgets close() still stops its children on a normal exit."""
+    for worker in list(_live_workers):
+        worker.close()
