@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except WorkerError as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)  # a child's failure carries its traceback text
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
