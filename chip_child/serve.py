@@ -53,16 +53,23 @@ def open_shared(spec: list) -> torch.Tensor:
     return torch.empty(0, dtype=getattr(torch, dtype)).set_(storage).view(*shape)
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel for SIGTERM when the parent dies; the poll loop also checks, as a fallback."""
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Ask the kernel for SIGTERM when the parent goes, and exit on it only once reparented.
+
+    PR_SET_PDEATHSIG fires when the *thread* that started this child ends, which can be before
+    its process is gone, or while the process lives on; so the handler checks the parent pid,
+    and the poll loop in serve() checks it too, for a signal that came too early."""
+
+    def on_sigterm(signum, frame):
+        if os.getppid() != parent_pid:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
-
-
-def _on_sigterm(signum, frame):
-    raise SystemExit(0)
 
 
 def _inject_fault(rt: ChipRuntime, fault: str) -> None:
@@ -142,9 +149,8 @@ def serve(spec: ChildSpec) -> None:
 
 def main(argv: list[str]) -> None:
     spec = ChildSpec.from_json(argv[1])
-    signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _die_with_parent()
+    _exit_when_orphaned(spec.parent_pid)
     if os.getppid() != spec.parent_pid:
         return
     serve(spec)

@@ -19,6 +19,7 @@ import msgpack
 import zmq
 
 import chip_child
+from chip_child.protocol import Shutdown, encode
 from chip_child.runtime import RuntimeConfig
 from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError
 from l3worker.shared import StepBuffers
@@ -77,22 +78,15 @@ class ChildProcess:
         return self.info
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Asks the child to exit, then insists. Safe to call on a dead child."""
+        """Asks the child to exit, then kills it. Safe to call on a dead child."""
         if self.proc.poll() is None:
             try:
-                from chip_child.protocol import Shutdown, encode
-
                 self.sock.send(encode(Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            for sig_wait in (grace_s, 2.0):
-                try:
-                    self.proc.wait(sig_wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    if sig_wait == grace_s:
-                        self.proc.terminate()
-            else:
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:  # hung in a step: it ignores SIGTERM while we live
                 self.proc.kill()
                 self.proc.wait()
         self.sock.close(0)
