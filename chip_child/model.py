@@ -20,8 +20,7 @@ class LayerWeights:
     input_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm per query head, then k_norm per kv head
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
@@ -62,8 +61,8 @@ class Qwen3Weights:
                     input_norm=state[p + "input_layernorm.weight"],
                     qkv=torch.cat([state[attn + f"{n}_proj.weight"][rows[n]] for n in "qkv"]),
                     qkv_bias=qkv_bias,
-                    q_norm=state[attn + "q_norm.weight"],
-                    k_norm=state[attn + "k_norm.weight"],
+                    qk_norm=torch.cat([state[attn + "q_norm.weight"].expand(cfg.num_heads // world, hd),
+                                       state[attn + "k_norm.weight"].expand(cfg.num_kv_heads // world, hd)]),
                     o_proj=state[attn + "o_proj.weight"][:, heads].contiguous(),
                     o_bias=o_bias,
                     post_norm=state[p + "post_attention_layernorm.weight"],
@@ -110,25 +109,25 @@ def _no_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Computed in fp32 and cast back before the weight, exactly as transformers' Qwen3RMSNorm."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def rope_tables(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for every position [max_len, head_dim], computed in fp32 then cast like transformers."""
+    """cos and sign-folded sin for every position [max_len, head_dim], computed in fp32 then cast
+    like transformers. The sin table carries rotate-half's minus sign on its first half, so
+    apply_rope needs a roll instead of a negate-and-concatenate."""
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    sign = torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
+    return emb.cos().to(dtype=dtype, device=device), (emb.sin().to(dtype) * sign.to(dtype)).to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, heads, hd]; cos/sin: [T, hd]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, hd]; cos/signed_sin: [T, hd]."""
+    rotated = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2, x1]; the sign lives in signed_sin
+    return x * cos[:, None, :] + rotated * signed_sin[:, None, :]
 
 
 @dataclass
@@ -157,15 +156,12 @@ class PagedKV:
 
 
 def _qkv(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    t = x.shape[0]
-    qkv = F.linear(x, lw.qkv, lw.qkv_bias)
-    q_size = cfg.num_heads * cfg.head_dim
-    kv_size = cfg.num_kv_heads * cfg.head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    q = rms_norm(q.view(t, cfg.num_heads, cfg.head_dim), lw.q_norm, cfg.rms_norm_eps)
-    k = rms_norm(k.view(t, cfg.num_kv_heads, cfg.head_dim), lw.k_norm, cfg.rms_norm_eps)
-    v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    """q [T, heads, hd], k and v [T, kv_heads, hd]. q and k are normed and rotated together:
+    one op sequence instead of two."""
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = F.linear(x, lw.qkv, lw.qkv_bias).unflatten(-1, (nh + 2 * nkv, hd))
+    qk = apply_rope(rms_norm(qkv[:, :nh + nkv], lw.qk_norm, cfg.rms_norm_eps), cos, sin)
+    return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
 
 
 def _mlp_residual(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
@@ -235,7 +231,7 @@ def decode_forward(
         kv.write(i, k, v, slot_mapping)
         keys, values = kv.gather(i, block_table)
         o = F.scaled_dot_product_attention(
-            q.view(b, cfg.num_heads, 1, cfg.head_dim), keys, values,
+            q.unsqueeze(2), keys, values,
             attn_mask=mask, scale=scale, enable_gqa=True,
         )
         h = h + all_reduce(F.linear(o.view(b, -1), lw.o_proj, lw.o_bias))
