@@ -178,7 +178,8 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
     arrays = {}
     for blob, (name, dtype) in zip(raw, FullState._FIELDS):
         want = b * limits.max_blocks_per_row if name == "block_table" else b
-        arr = np.frombuffer(blob, dtype=dtype) if isinstance(blob, bytes) else None
+        # A writable copy: torch refuses to wrap read-only memory without a warning.
+        arr = np.frombuffer(blob, dtype=dtype).copy() if isinstance(blob, bytes) else None
         if arr is None or arr.size != want:
             raise ProtocolError(f"full_state.{name}: expected {want} values of {np.dtype(dtype).name}")
         arrays[name] = arr
@@ -192,9 +193,9 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
     return FullState(**arrays)
 
 
-# Replies from the child.
-def encode_ack(step: int, apply_us: int, device_us: int, h2d_copies: int, h2d_bytes: int, pool_allocs: int) -> bytes:
-    return msgpack.packb([step, apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs])
+# Replies from the child: a wake-up is the bare step number; errors and the ready report are maps.
+def encode_wakeup(step: int) -> bytes:
+    return msgpack.packb(step)
 
 
 def encode_error(step: int | None, message: str, traceback_text: str) -> bytes:

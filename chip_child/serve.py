@@ -2,9 +2,9 @@
 message until told to stop or its parent disappears.
 
 Started by the parent as `python -m chip_child SPEC_JSON` with the shared buffers' descriptors
-inherited. It replies to every command: an ack `[step, apply_us, device_us, h2d_copies, h2d_bytes,
-pool_allocs]` after writing the sampled ids into the step's ring slot, or an error naming the
-problem. A bad command is refused before anything is applied.
+inherited. After each step rank 0 writes the sampled ids and the step's figures into the step's
+ring slot and rings the shared doorbell; a failed or refused command gets an error reply naming
+the problem, and a bad command is refused before anything is applied.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ class ChildSpec:
     socket_dir: str
     runtime: RuntimeConfig
     buffers: dict[str, list]  # name -> [fd, nbytes, shape, dtype]
+    wake_every_step: bool = False  # send a wake-up after every step, not only to a sleeping parent
     fault: str | None = None  # test-only: "raise@STEP", "hang@STEP" or "exit@STEP"
 
     @classmethod
@@ -108,9 +109,12 @@ def serve(spec: ChildSpec) -> None:
             sock.send(protocol.encode_error(None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
             return
         sampled = open_shared(spec.buffers["sampled"])
-        if spec.rank != 0:  # tensor-parallel peers sample the same ids; rank 0 alone writes the ring
-            sampled = torch.zeros_like(sampled)
+        step_stats = open_shared(spec.buffers["step_stats"]).numpy()
+        doorbell = open_shared(spec.buffers["doorbell"]).numpy()
         staging = open_shared(spec.buffers["staging"]).numpy()
+        leader = spec.rank == 0  # tensor-parallel peers sample the same ids; rank 0 alone reports them
+        if not leader:
+            sampled = torch.zeros_like(sampled)
         slots = sampled.shape[0]
         sock.send(msgpack.packb({
             "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
@@ -136,8 +140,13 @@ def serve(spec: ChildSpec) -> None:
             except Exception as exc:
                 sock.send(protocol.encode_error(cmd.step, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
                 continue
-            sock.send(protocol.encode_ack(cmd.step, int(r.apply_s * 1e6), int(r.device_s * 1e6), r.h2d_copies,
-                                          r.h2d_bytes, r.pool_allocs))
+            if leader:
+                step_stats[slot] = (int(r.apply_s * 1e6), int(r.device_s * 1e6), r.h2d_copies, r.h2d_bytes,
+                                    r.pool_allocs)
+                doorbell[0] = cmd.step + 1  # after the ids and figures: x86 keeps stores in order
+                # A socket message costs tens of microseconds to send: only a sleeping parent gets one.
+                if spec.wake_every_step or 0 <= doorbell[1] <= cmd.step:
+                    sock.send(protocol.encode_wakeup(cmd.step))
     finally:
         if rt is not None:
             rt.close()

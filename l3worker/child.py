@@ -29,7 +29,7 @@ LIVENESS_POLL_MS = 100
 
 class ChildProcess:
     def __init__(self, ctx: zmq.Context, rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_dir: str,
-                 fault: str | None = None):
+                 wake_every_step: bool, fault: str | None = None):
         self.rank = rank
         self.socket_path = os.path.join(socket_dir, f"chip{rank}.sock")
         self.sock = ctx.socket(zmq.PAIR)
@@ -38,7 +38,8 @@ class ChildProcess:
         spec = {
             "endpoint": f"ipc://{self.socket_path}", "rank": rank, "parent_pid": os.getpid(),
             "socket_dir": socket_dir, "runtime": asdict(runtime),
-            "buffers": {k: v.to_json() for k, v in buffers.specs.items()}, "fault": fault,
+            "buffers": {k: v.to_json() for k, v in buffers.specs.items()},
+            "wake_every_step": wake_every_step, "fault": fault,
         }
         env = dict(os.environ)
         package_root = str(Path(chip_child.__file__).resolve().parent.parent)
@@ -56,21 +57,42 @@ class ChildProcess:
     def send(self, payload: bytes) -> None:
         self.sock.send(payload, copy=False)
 
-    def recv(self, timeout_s: float | None, what: str) -> object:
-        """The next reply, raising if the child dies, reports an error, or `timeout_s` passes."""
+    def check_alive(self, what: str) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise ChildDiedError(f"chip-child {self.rank} (pid {self.pid}) exited with code {code} "
+                                 f"while the parent waited for {what}")
+
+    def recv(self, timeout_s: float | None, what: str) -> dict:
+        """The next report (ready, or an error, which raises), skipping wake-ups; raises if the
+        child dies or `timeout_s` passes first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.sock.poll(LIVENESS_POLL_MS):
-            code = self.proc.poll()
-            if code is not None:
-                raise ChildDiedError(f"chip-child {self.rank} (pid {self.pid}) exited with code {code} "
-                                     f"while the parent waited for {what}")
-            if deadline is not None and time.monotonic() > deadline:
-                raise StepTimeoutError(f"chip-child {self.rank} (pid {self.pid}) gave no reply to {what} "
-                                       f"within {timeout_s:g}s")
-        reply = msgpack.unpackb(self.sock.recv())
+        while True:
+            while not self.sock.poll(LIVENESS_POLL_MS):
+                self.check_alive(what)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise StepTimeoutError(f"chip-child {self.rank} (pid {self.pid}) gave no reply to {what} "
+                                           f"within {timeout_s:g}s")
+            reply = self._unpack(self.sock.recv(), what)
+            if isinstance(reply, dict):
+                return reply
+
+    def drain(self) -> None:
+        """Consumes every waiting message: wake-ups are dropped, an error reply raises."""
+        while True:
+            try:
+                raw = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._unpack(raw, "a step")
+
+    def _unpack(self, raw: bytes, what: str) -> object:
+        reply = msgpack.unpackb(raw)
         if isinstance(reply, dict) and "error" in reply:
+            step = reply.get("step")
+            where = f"step {step}" if step is not None else what
             tb = reply.get("traceback") or ""
-            raise ChildError(f"chip-child {self.rank} failed on {what}: {reply['error']}" + (f"\n{tb}" if tb else ""))
+            raise ChildError(f"chip-child {self.rank} failed on {where}: {reply['error']}" + (f"\n{tb}" if tb else ""))
         return reply
 
     def wait_ready(self, timeout_s: float | None) -> dict:

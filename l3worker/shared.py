@@ -34,18 +34,25 @@ def make_shared(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tenso
 
 @dataclass
 class StepBuffers:
-    """Ring slot s serves step s % slots: sampled ids out, prompt ids in. A slot is reused only after
-    its step was acknowledged, since at most `pipeline_depth` < `slots` steps are in flight."""
+    """Ring slot s serves step s % slots: sampled ids and the step's figures out, prompt ids in.
+    A slot is reused only after its step completed, since at most `pipeline_depth` < `slots`
+    steps are in flight. The doorbell says which steps completed (see l3worker.doorbell)."""
 
     sampled: torch.Tensor  # int32 [slots, max_batch_size]
     staging: torch.Tensor  # int32 [slots, prefill_capacity]
+    step_stats: torch.Tensor  # int64 [slots, 5]: apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs
+    doorbell: torch.Tensor  # int64 [2]: steps completed, step the parent sleeps on (-1: none)
     specs: dict[str, BufferSpec]
 
     @classmethod
     def create(cls, slots: int, max_batch_size: int, prefill_capacity: int) -> "StepBuffers":
-        sampled, sampled_spec = make_shared((slots, max_batch_size), torch.int32)
-        staging, staging_spec = make_shared((slots, prefill_capacity), torch.int32)
-        return cls(sampled, staging, {"sampled": sampled_spec, "staging": staging_spec})
+        shapes = {"sampled": ((slots, max_batch_size), torch.int32),
+                  "staging": ((slots, prefill_capacity), torch.int32),
+                  "step_stats": ((slots, 5), torch.int64), "doorbell": ((2,), torch.int64)}
+        made = {name: make_shared(shape, dtype) for name, (shape, dtype) in shapes.items()}
+        made["doorbell"][0][1] = -1
+        return cls(**{name: tensor for name, (tensor, _) in made.items()},
+                   specs={name: spec for name, (_, spec) in made.items()})
 
     @property
     def slots(self) -> int:

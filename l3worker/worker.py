@@ -27,6 +27,7 @@ from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
 from chip_child.tiny_model import ensure_tiny_model
 from l3worker.child import ChildProcess
+from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.errors import WorkerError
 from l3worker.params import RequestMetrics, RequestOutput, SamplingParams
 from l3worker.scheduler import Request, Scheduled, Scheduler
@@ -67,6 +68,7 @@ class DistributedWorker:
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
         num_threads: int | None = None,
+        spin_wait_s: float = 0.003,
         fault_injection: str | None = None,  # test-only, see chip_child.serve
     ):
         if device not in DEVICE_TYPES:
@@ -103,6 +105,10 @@ class DistributedWorker:
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
+        if not spin_wait_s >= 0:
+            raise ValueError(f"spin_wait_s must be >= 0, got {spin_wait_s}")
+        self.spin_wait_s = spin_wait_s  # how long the parent spins on the doorbell before it sleeps
+        self._doorbell: Doorbell | None = None
         self._fault = fault_injection
         self._children: list[ChildProcess] = []
         self._ctx: zmq.Context | None = None
@@ -133,12 +139,15 @@ class DistributedWorker:
             self._state = "ready"  # from here on close() has something to release
             _live_workers.add(self)
             world = len(self.device_ids)
+            wake_every_step = self.spin_wait_s == 0 or not ORDERED_STORES
             for rank, device_id in enumerate(self.device_ids):
                 rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
                              dist_init=f"file://{self._socket_dir}/tp-store" if world > 1 else None)
-                self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir, self._fault))
+                self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir,
+                                                   wake_every_step, self._fault))
             for child in self._children:
                 child.wait_ready(self.startup_timeout_s)
+            self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self.spin_wait_s)
         except BaseException:
             self.close()
             raise
@@ -162,6 +171,7 @@ class DistributedWorker:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
         self._buffers = None
+        self._doorbell = None
         self._state = "closed"
 
     def __enter__(self) -> "DistributedWorker":
@@ -219,18 +229,18 @@ class DistributedWorker:
             entry = inflight.popleft()
             step = entry.scheduled.command.step
             t_wait = time.perf_counter()
-            acks = [child.recv(self.step_timeout_s, f"step {step}") for child in self._children]
+            self._doorbell.wait(step, self.step_timeout_s)
             now = time.perf_counter()
-            ack = acks[0]
-            if ack[0] != step:
-                raise WorkerError(f"chip-child acknowledged step {ack[0]} while step {step} was expected")
-            ids = self._buffers.sampled[step % self._buffers.slots].numpy()
+            slot = step % self._buffers.slots
+            ids = self._buffers.sampled[slot].numpy()
+            apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs = self._buffers.step_stats[slot].tolist()
             for req in sched.on_tokens(entry.scheduled.producers, ids, now):
                 stats.generated_tokens += len(req.tokens)
             stats.steps.append(StepRecord(
                 step=step, prefill=entry.scheduled.command.is_prefill, parent_wall_s=now - last_done,
-                wait_s=now - t_wait, apply_s=ack[1] / 1e6, device_s=ack[2] / 1e6,
-                command_bytes=entry.command_bytes, h2d_copies=ack[3], h2d_bytes=ack[4], pool_allocs=ack[5],
+                wait_s=now - t_wait, apply_s=apply_us / 1e6, device_s=device_us / 1e6,
+                command_bytes=entry.command_bytes, h2d_copies=h2d_copies, h2d_bytes=h2d_bytes,
+                pool_allocs=pool_allocs,
             ))
             last_done = now
         for req in requests:
