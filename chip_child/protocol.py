@@ -14,6 +14,10 @@ import numpy as np
 OP_DECODE, OP_PREFILL, OP_SHUTDOWN = 0, 1, 2
 
 
+_NO_PAGES = np.zeros((0, 3), np.int32)
+_NO_PAGES.flags.writeable = False
+
+
 class ProtocolError(ValueError):
     """A command that is malformed or names something outside the runtime's limits."""
 
@@ -66,7 +70,7 @@ class Command:
 
     step: int
     finished_rows: list[int] = field(default_factory=list)
-    new_pages: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int32))  # (row, block, page)
+    new_pages: np.ndarray = field(default_factory=lambda: _NO_PAGES)  # (row, block, page) int32
     admits: list[Admit] = field(default_factory=list)
     full_state: FullState | None = None
 

@@ -122,11 +122,12 @@ def serve(spec: ChildSpec) -> None:
         }))
         limits = rt.limits
         while True:
-            if not sock.poll(PARENT_CHECK_MS):
-                if os.getppid() != spec.parent_pid:
+            try:  # with run-ahead the next command is usually queued already: skip the poll
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if not sock.poll(PARENT_CHECK_MS) and os.getppid() != spec.parent_pid:
                     return
                 continue
-            raw = sock.recv()
             try:
                 cmd = protocol.decode(raw, limits)
             except protocol.ProtocolError as exc:

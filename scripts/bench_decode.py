@@ -190,37 +190,67 @@ class L3:
 
 
 # -- hf ----------------------------------------------------------------------------------------------------
+def _hf_generate(model, prompts: list[np.ndarray], new_tokens: int, cache: str) -> tuple[list[float], np.ndarray]:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Clock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids = torch.from_numpy(np.stack(prompts).astype(np.int64))
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                             logits_processor=LogitsProcessorList([Clock()]), **kwargs)
+    return list(np.diff(stamps)), out[:, ids.shape[1]:].numpy().astype(np.int32)
+
+
+def _hf_server(conn, model_dir: str, threads: int) -> None:
+    from transformers import Qwen3ForCausalLM
+
+    torch.set_num_threads(threads)
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    while (request := conn.recv()) is not None:
+        try:
+            conn.send(("ok", _hf_generate(model, *request)))
+        except Exception as exc:  # a cache kind this transformers cannot do
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
 class HF:
     """transformers generate, greedy, the same prompts as one [batch, prompt_len] tensor (all prompts
     have the same length, so left padding adds nothing). A logits processor timestamps every
-    step; the differences between consecutive calls are the decode steps."""
+    step; the differences between consecutive calls are the decode steps.
+
+    It runs in a process of its own: an HF generate in the benchmark's process measurably slowed
+    the l3 variants measured after it (about 8% on the overhead workload), which would credit
+    transformers' state to the path under test."""
 
     CACHES = ("static", "dynamic")
 
     def __init__(self, model_dir: str, threads: int):
-        from transformers import Qwen3ForCausalLM
+        import multiprocessing as mp
 
-        torch.set_num_threads(threads)
-        self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_hf_server, args=(child_conn, model_dir, threads), daemon=True)
+        self.proc.start()
 
     def run(self, prompts: list[np.ndarray], new_tokens: int, cache: str) -> Run:
-        from transformers import LogitsProcessor, LogitsProcessorList
+        self.conn.send((prompts, new_tokens, cache))
+        status, payload = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(payload)
+        step_s, tokens = payload
+        return Run(step_s=step_s, tokens=tokens)
 
-        stamps: list[float] = []
-
-        class Clock(LogitsProcessor):
-            def __call__(self, input_ids, scores):
-                stamps.append(time.perf_counter())
-                return scores
-
-        ids = torch.from_numpy(np.stack(prompts).astype(np.int64))
-        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
-        with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      min_new_tokens=new_tokens,
-                                      do_sample=False, pad_token_id=0, eos_token_id=None,
-                                      logits_processor=LogitsProcessorList([Clock()]), **kwargs)
-        return Run(step_s=list(np.diff(stamps)), tokens=out[:, ids.shape[1]:].numpy().astype(np.int32))
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=30)
 
 
 # -- summaries ---------------------------------------------------------------------------------------------
@@ -375,7 +405,7 @@ def bench_workload(wl: Workload, model_dir: str, params: int, threads: int, use_
         l3_stats = runners["l3"].w.stats()
     finally:
         for runner in runners.values():
-            if isinstance(runner, L3):
+            if isinstance(runner, (L3, HF)):
                 runner.close()
 
     variants: dict[str, dict] = {}
