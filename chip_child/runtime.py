@@ -8,6 +8,7 @@ The one host synchronisation of a decode step is the copy of the sampled ids int
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ class RuntimeConfig:
     num_pages: int | None = None  # None: every row can reach max_seq_len
     max_prefill_tokens: int | None = None  # None: max(max_seq_len, 2048)
     copy_policy: str = "dirty"
-    num_threads: int | None = None  # cpu intra-op threads; None leaves torch's default
+    num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
     tp_rank: int = 0
     tp_size: int = 1
     dist_init: str | None = None  # torch.distributed init_method when tp_size > 1
@@ -62,6 +63,14 @@ class RuntimeConfig:
                       self.max_seq_len, self.prefill_capacity, self.page_size)
 
 
+def default_cpu_threads(children: int) -> int:
+    """The cores this process may use, less one for the parent, shared among the children: a
+    parent that waits for steps must not take a core from a child's OpenMP team, whose threads
+    then wait on each other (a 2-core box ran the tiny model's step 2.4x slower that way)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, (cores - 1) // children)
+
+
 @dataclass
 class StepResult:
     apply_s: float
@@ -77,9 +86,9 @@ class ChipRuntime:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {cfg.copy_policy!r}")
         t0 = time.perf_counter()
         self.cfg = cfg
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device, cfg.device_id)
+        if cfg.num_threads or self.device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads or default_cpu_threads(cfg.tp_size))
         full_cfg = load_config(cfg.model_dir)
         self.dtype = resolve_dtype(cfg.dtype, self.device.type, full_cfg)
         self.model_cfg: ModelConfig = shard_config(full_cfg, cfg.tp_size)  # this rank's heads and MLP slice

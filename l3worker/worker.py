@@ -139,7 +139,7 @@ class DistributedWorker:
             self._state = "ready"  # from here on close() has something to release
             _live_workers.add(self)
             world = len(self.device_ids)
-            wake_every_step = self.spin_wait_s == 0 or not ORDERED_STORES
+            wake_every_step = not ORDERED_STORES
             for rank, device_id in enumerate(self.device_ids):
                 rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
                              dist_init=f"file://{self._socket_dir}/tp-store" if world > 1 else None)
@@ -147,7 +147,7 @@ class DistributedWorker:
                                                    wake_every_step, self._fault))
             for child in self._children:
                 child.wait_ready(self.startup_timeout_s)
-            self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self.spin_wait_s)
+            self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget())
         except BaseException:
             self.close()
             raise
@@ -158,6 +158,16 @@ class DistributedWorker:
         )
         self._prepare_s = time.perf_counter() - t0
         return self
+
+    def _spin_budget(self) -> float:
+        """Spin only where a core is free for it: on accelerators, or when the cpu children's
+        threads leave one. A spinning parent inside a child's OpenMP team slows every step."""
+        info = self._children[0].info
+        if info.get("device") == "cpu":
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            if info.get("threads", cores) * len(self._children) >= cores:
+                return 0.0
+        return self.spin_wait_s
 
     def close(self) -> None:
         """Stops every child and removes the socket directory. Idempotent; safe after failures."""
