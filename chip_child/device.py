@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 
 import torch
@@ -41,6 +42,11 @@ def resolve_device(device: str, device_id: int = 0) -> torch.device:
     dev = torch.device(device, device_id)
     getattr(torch, device).set_device(dev)
     return dev
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def synchronize(dev: torch.device) -> None:

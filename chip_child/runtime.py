@@ -8,14 +8,13 @@ The one host synchronisation of a decode step is the copy of the sampled ids int
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from chip_child.device import DeviceTimer, resolve_device
+from chip_child.device import DeviceTimer, available_cores, resolve_device
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
 from chip_child.model import PagedKV, Qwen3Weights, decode_forward, prefill_forward, rope_tables, shard_config
 from chip_child.pool import TaskArg, TensorPool
@@ -67,8 +66,7 @@ def default_cpu_threads(children: int) -> int:
     """The cores this process may use, less one for the parent, shared among the children: a
     parent that waits for steps must not take a core from a child's OpenMP team, whose threads
     then wait on each other (a 2-core box ran the tiny model's step 2.4x slower that way)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, (cores - 1) // children)
+    return max(1, (available_cores() - 1) // children)
 
 
 @dataclass

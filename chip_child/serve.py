@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -164,7 +163,3 @@ def main(argv: list[str]) -> None:
     if os.getppid() != spec.parent_pid:
         return
     serve(spec)
-
-
-if __name__ == "__main__":
-    main(sys.argv)

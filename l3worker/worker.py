@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from chip_child import protocol
-from chip_child.device import DEVICE_TYPES
+from chip_child.device import DEVICE_TYPES, available_cores
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
@@ -164,7 +164,7 @@ class DistributedWorker:
         threads leave one. A spinning parent inside a child's OpenMP team slows every step."""
         info = self._children[0].info
         if info.get("device") == "cpu":
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            cores = available_cores()
             if info.get("threads", cores) * len(self._children) >= cores:
                 return 0.0
         return self.spin_wait_s
