@@ -1,17 +1,19 @@
 """The wire between the L3 parent and a chip-child: msgpack arrays, validated before use.
 
-A steady decode command is `[0, step, [], b""]` (7 bytes): the finished rows and new
+A steady decode command is `[0, step, [], b""]` (6 to 10 bytes as the step grows): the finished rows and new
 (row, block index, page id) triples are the only things that ever change. Token ids and page
 lists travel as raw int32 bytes, never as per-element lists.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
 OP_DECODE, OP_PREFILL, OP_SHUTDOWN = 0, 1, 2
+MAX_STEP = 2**62  # step numbers stay well inside int64 wherever they are stored
 
 
 _NO_PAGES = np.zeros((0, 3), np.int32)
@@ -120,6 +122,15 @@ def _check_pages(pages: np.ndarray, limits: Limits, what: str) -> None:
 def decode(raw: bytes, limits: Limits) -> Command | Shutdown:
     """Parses and range-checks a command; raises ProtocolError before anything is applied."""
     try:
+        return _decode(raw, limits)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a field of the wrong type deep inside: still the sender's error
+        raise ProtocolError(f"malformed command: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(raw: bytes, limits: Limits) -> Command | Shutdown:
+    try:
         msg = msgpack.unpackb(raw)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise ProtocolError(f"undecodable command: {exc}") from None
@@ -129,12 +140,16 @@ def decode(raw: bytes, limits: Limits) -> Command | Shutdown:
         return Shutdown()
     if len(msg) < 4 or not isinstance(msg[1], int) or not isinstance(msg[2], list):
         raise ProtocolError("command must be [op, step, finished_rows, new_pages, ...]")
+    if not 0 <= msg[1] < MAX_STEP:
+        raise ProtocolError(f"step {msg[1]} outside [0, {MAX_STEP})")
     finished = [_check_row(r, limits, "finished_rows") for r in msg[2]]
     cmd = Command(step=msg[1], finished_rows=finished)
     if msg[3] != b"":  # the steady state skips numpy entirely
         cmd.new_pages = _decode_triples(msg[3], limits)
     if msg[0] == OP_PREFILL:
-        cmd.admits = [_decode_admit(a, limits) for a in (msg[4] if len(msg) > 4 else [])]
+        if len(msg) < 5 or not isinstance(msg[4], list):
+            raise ProtocolError("prefill command without an admits list")
+        cmd.admits = [_decode_admit(a, limits) for a in msg[4]]
         if not cmd.admits:
             raise ProtocolError("prefill command without admits")
         if len({a.row for a in cmd.admits}) != len(cmd.admits):
@@ -169,10 +184,19 @@ def _decode_admit(raw: object, limits: Limits) -> Admit:
     if not isinstance(offset, int) or offset < 0 or offset + plen > limits.max_prefill_tokens:
         raise ProtocolError(f"admit: staging range outside [0, {limits.max_prefill_tokens})")
     pages = _int_array(pages, "admit pages")
-    if not 0 < len(pages) <= limits.max_blocks_per_row:
-        raise ProtocolError(f"admit: {len(pages)} pages, expected 1..{limits.max_blocks_per_row}")
+    need = -(-plen // limits.page_size)
+    if not need <= len(pages) <= limits.max_blocks_per_row:
+        raise ProtocolError(f"admit: {len(pages)} pages for {plen} prompt tokens, expected "
+                            f"{need}..{limits.max_blocks_per_row}")
     _check_pages(pages, limits, "admit pages")
-    return Admit(row, plen, offset, pages, float(temperature), float(top_p), int(top_k), int(seed))
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ProtocolError(f"admit: {name} {value!r} is not a finite number")
+    if not isinstance(top_k, int) or not 0 <= top_k < 2**31:
+        raise ProtocolError(f"admit: top_k {top_k!r} outside [0, 2**31)")
+    if not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ProtocolError(f"admit: seed {seed!r} outside [0, 2**64)")
+    return Admit(row, plen, offset, pages, float(temperature), float(top_p), top_k, seed)
 
 
 def _decode_full_state(raw: object, limits: Limits) -> FullState:
@@ -188,6 +212,11 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
             raise ProtocolError(f"full_state.{name}: expected {want} values of {np.dtype(dtype).name}")
         arrays[name] = arr
     arrays["block_table"] = arrays["block_table"].reshape(b, limits.max_blocks_per_row)
+    if arrays["active"].view(np.uint8).max() > 1:
+        raise ProtocolError("full_state.active: values must be 0 or 1")
+    positions = arrays["positions"]
+    if positions.min() < 0 or positions.max() >= limits.max_seq_len:
+        raise ProtocolError(f"full_state.positions: position outside [0, {limits.max_seq_len})")
     # Unassigned blocks hold 0 (the scratch page) in a full block table.
     if arrays["block_table"].min() < 0 or arrays["block_table"].max() >= limits.num_pages:
         raise ProtocolError(f"full_state.block_table: page id outside [0, {limits.num_pages})")

@@ -73,23 +73,26 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def _inject_fault(rt: ChipRuntime, fault: str) -> None:
-    """Test-only: replace the decode callable with one that fails at a given step."""
-    kind, at = fault.split("@")
-    decode = rt._callables["decode"]
+    """Test-only: "[CALLABLE:]KIND@N" makes the registered callable (default decode) raise, hang or
+    exit on every call after its N-th real one (warm-up calls do not count)."""
+    target, _, rule = fault.rpartition(":")
+    target = target or "decode"
+    kind, at = rule.split("@")
+    original = rt._callables[target]
     calls = {"n": 0}
 
     def faulty(**kwargs):
         calls["n"] += 1
         if calls["n"] > int(at):
             if kind == "raise":
-                raise RuntimeError(f"injected fault in decode call {calls['n']}")
+                raise RuntimeError(f"injected fault in {target} call {calls['n']}")
             if kind == "hang":
                 time.sleep(3600)
             if kind == "exit":
                 os._exit(3)
-        return decode(**kwargs)
+        return original(**kwargs)
 
-    rt.register_callable("decode", faulty)
+    rt.register_callable(target, faulty)
 
 
 def serve(spec: ChildSpec) -> None:
@@ -120,6 +123,12 @@ def serve(spec: ChildSpec) -> None:
             "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
         }))
         limits = rt.limits
+        failed: str | None = None  # after a failed step the device state is suspect: refuse the rest
+
+        def report(step: int | None, message: str, tb: str) -> None:
+            sock.send(protocol.encode_error(step, message, tb))
+            doorbell[2] = 1  # after the message: a parent that sees the flag finds the message
+
         while True:
             try:  # with run-ahead the next command is usually queued already: skip the poll
                 raw = sock.recv(zmq.NOBLOCK)
@@ -130,15 +139,19 @@ def serve(spec: ChildSpec) -> None:
             try:
                 cmd = protocol.decode(raw, limits)
             except protocol.ProtocolError as exc:
-                sock.send(protocol.encode_error(None, f"bad command: {exc}", ""))
+                report(None, f"bad command: {exc}", "")
                 continue
             if isinstance(cmd, protocol.Shutdown):
                 return
+            if failed is not None:
+                report(cmd.step, f"refused: {failed}", "")
+                continue
             slot = cmd.step % slots
             try:
                 r = rt.execute(cmd, staging[slot], sampled[slot])
             except Exception as exc:
-                sock.send(protocol.encode_error(cmd.step, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                failed = f"step {cmd.step} failed earlier ({type(exc).__name__}: {exc})"
+                report(cmd.step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
                 continue
             if leader:
                 step_stats[slot] = (int(r.apply_s * 1e6), int(r.device_s * 1e6), r.h2d_copies, r.h2d_bytes,

@@ -32,22 +32,27 @@ class ChildProcess:
                  wake_every_step: bool, fault: str | None = None):
         self.rank = rank
         self.socket_path = os.path.join(socket_dir, f"chip{rank}.sock")
-        self.sock = ctx.socket(zmq.PAIR)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"ipc://{self.socket_path}")
-        spec = {
+        self._doorbell = buffers.doorbell.numpy()
+        spec = json.dumps({
             "endpoint": f"ipc://{self.socket_path}", "rank": rank, "parent_pid": os.getpid(),
             "socket_dir": socket_dir, "runtime": asdict(runtime),
             "buffers": {k: v.to_json() for k, v in buffers.specs.items()},
             "wake_every_step": wake_every_step, "fault": fault,
-        }
+        })
         env = dict(os.environ)
         package_root = str(Path(chip_child.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "chip_child", json.dumps(spec)],
-            pass_fds=buffers.fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self.sock.bind(f"ipc://{self.socket_path}")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "chip_child", spec],
+                pass_fds=buffers.fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        except BaseException:
+            self.sock.close(0)
+            raise
         self.info: dict = {}
 
     @property
@@ -89,6 +94,7 @@ class ChildProcess:
     def _unpack(self, raw: bytes, what: str) -> object:
         reply = msgpack.unpackb(raw)
         if isinstance(reply, dict) and "error" in reply:
+            self._doorbell[2] = 0  # this error is now the parent's
             step = reply.get("step")
             where = f"step {step}" if step is not None else what
             tb = reply.get("traceback") or ""

@@ -5,6 +5,8 @@ The leader child writes a step's sampled ids and figures into its ring slot, the
 ZeroMQ message costs the sender tens of microseconds, a few percent of a small model's step);
 one that would wait longer stores the step it sleeps on, and the child then also sends a wake-up
 message. A wake-up lost to the race between those two stores is recovered by the liveness poll.
+A child that sent an error reply raises the third word, so a parent never reads a later step's
+completion past a failed or refused one.
 
 Spinning reads the ring after the doorbell without a fence, which x86's ordered stores make
 safe; elsewhere the children send a wake-up after every step and the parent never spins.
@@ -35,10 +37,10 @@ class Doorbell:
     def wait(self, step: int, timeout_s: float | None) -> None:
         """Returns once `step` completed; raises if a child failed, died or timed out."""
         word = self.word
-        if word[0] > step:
+        if word[0] > step and not word[2]:
             return
         spin_until = time.perf_counter() + self.spin_s
-        while time.perf_counter() < spin_until:
+        while time.perf_counter() < spin_until and not word[2]:
             if word[0] > step:
                 return
         word[1] = step
@@ -49,7 +51,7 @@ class Doorbell:
 
     def _sleep(self, step: int, timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.word[0] <= step:
+        while self.word[0] <= step or self.word[2]:
             events = dict(self.poller.poll(LIVENESS_POLL_MS))
             for child in self.children:
                 if child.sock in events:

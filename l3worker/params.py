@@ -1,6 +1,8 @@
 """What a user passes in and gets back."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -16,21 +18,36 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError/TypeError naming the field and its limit."""
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
-            raise TypeError(f"max_new_tokens must be an int, got {type(self.max_new_tokens).__name__}")
+        _int("max_new_tokens", self.max_new_tokens)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _real("temperature", self.temperature)
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        _real("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        _int("top_k", self.top_k)
+        if not 0 <= self.top_k <= vocab_size:
+            raise ValueError(f"top_k must be in [0, vocab_size={vocab_size}] (0 disables), got {self.top_k}")
+        if self.seed is not None:
+            _int("seed", self.seed)
+            if not 0 <= self.seed < 2**63:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise ValueError(f"stop_token_ids: {t!r} outside [0, {vocab_size})")
+            _int("stop_token_ids entry", t)
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids: {t} outside [0, {vocab_size})")
+
+
+def _int(name: str, value: object) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _real(name: str, value: object) -> None:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
 
 
 @dataclass

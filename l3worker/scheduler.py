@@ -145,8 +145,8 @@ class Scheduler:
             req.scheduled = 1
             self.rows[req.row] = req
             p = req.params
-            admits.append(Admit(req.row, req.prompt_len, used, np.array(req.pages, np.int32), p.temperature,
-                                p.top_p, p.top_k, req.seed))
+            admits.append(Admit(req.row, req.prompt_len, used, np.array(req.pages, np.int32), float(p.temperature),
+                                float(p.top_p), int(p.top_k), int(req.seed)))
             producers.append((req.row, req))
             staging.append((used, req.prompt_ids))
             used += req.prompt_len
@@ -201,8 +201,8 @@ class Scheduler:
             st.active[row] = True
             st.block_table[row, :len(req.pages)] = req.pages
             st.slot_mapping[row] = req.pages[pos // page] * page + pos % page
-            st.temperature[row] = req.params.temperature
-            st.top_p[row] = req.params.top_p
-            st.top_k[row] = req.params.top_k
+            st.temperature[row] = float(req.params.temperature)
+            st.top_p[row] = float(req.params.top_p)
+            st.top_k[row] = int(req.params.top_k)
             st.seed_keys[row] = req.seed_key
         return st

@@ -41,14 +41,14 @@ class StepBuffers:
     sampled: torch.Tensor  # int32 [slots, max_batch_size]
     staging: torch.Tensor  # int32 [slots, prefill_capacity]
     step_stats: torch.Tensor  # int64 [slots, 5]: apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs
-    doorbell: torch.Tensor  # int64 [2]: steps completed, step the parent sleeps on (-1: none)
+    doorbell: torch.Tensor  # int64 [3]: steps completed, step the parent sleeps on (-1: none), error sent
     specs: dict[str, BufferSpec]
 
     @classmethod
     def create(cls, slots: int, max_batch_size: int, prefill_capacity: int) -> "StepBuffers":
         shapes = {"sampled": ((slots, max_batch_size), torch.int32),
                   "staging": ((slots, prefill_capacity), torch.int32),
-                  "step_stats": ((slots, 5), torch.int64), "doorbell": ((2,), torch.int64)}
+                  "step_stats": ((slots, 5), torch.int64), "doorbell": ((3,), torch.int64)}
         made = {name: make_shared(shape, dtype) for name, (shape, dtype) in shapes.items()}
         made["doorbell"][0][1] = -1
         return cls(**{name: tensor for name, (tensor, _) in made.items()},

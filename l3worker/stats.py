@@ -11,7 +11,7 @@ class StepRecord:
     step: int
     prefill: bool
     parent_wall_s: float  # since the previous step completed: the step period the parent sees
-    wait_s: float  # blocked waiting for the child's ack
+    wait_s: float  # waiting for the child to finish the step (doorbell spin or sleep)
     apply_s: float  # child: applying the command, running the step, copying the ids out
     device_s: float  # child: device time of the step
     command_bytes: int

@@ -35,6 +35,7 @@ from l3worker.shared import StepBuffers
 from l3worker.stats import GenerateStats, StepRecord
 
 Prompt = str | Sequence[int] | np.ndarray
+MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
 
 
 @dataclass
@@ -73,6 +74,8 @@ class DistributedWorker:
     ):
         if device not in DEVICE_TYPES:
             raise ValueError(f"device must be one of {DEVICE_TYPES}, got {device!r}")
+        if not isinstance(dtype, str):
+            raise TypeError(f"dtype must be a name such as 'auto', 'bfloat16' or 'float32', got {dtype!r}")
         if copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {copy_policy!r}")
         device_ids = tuple(device_ids)
@@ -105,8 +108,10 @@ class DistributedWorker:
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
-        if not spin_wait_s >= 0:
-            raise ValueError(f"spin_wait_s must be >= 0, got {spin_wait_s}")
+        if not 0 <= spin_wait_s <= MAX_SPIN_S:
+            raise ValueError(f"spin_wait_s must be in [0, {MAX_SPIN_S}] seconds, got {spin_wait_s}")
+        if num_threads is not None:
+            _positive_int("num_threads", num_threads)
         self.spin_wait_s = spin_wait_s  # how long the parent spins on the doorbell before it sleeps
         self._doorbell: Doorbell | None = None
         self._fault = fault_injection
@@ -175,7 +180,7 @@ class DistributedWorker:
         for child in children:
             child.stop()
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # also closes a socket whose child never started
             self._ctx = None
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
@@ -334,7 +339,10 @@ class DistributedWorker:
             elif isinstance(prompt, (list, tuple)):
                 if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
                     raise TypeError(f"prompts[{i}]: token ids must be ints")
-                ids = np.asarray(prompt, dtype=np.int64)
+                try:
+                    ids = np.asarray(prompt, dtype=np.int64)
+                except OverflowError:
+                    raise ValueError(f"prompts[{i}]: token id outside [0, {vocab}) (vocab_size)") from None
             else:
                 raise TypeError(f"prompts[{i}]: unsupported prompt type {type(prompt).__name__}")
         if ids.size == 0:

@@ -522,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompt token counts for the submission measurement (empty: skip)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    longest = min(wl.max_seq_len - wl.prompt_len for wl in WORKLOADS.values())
+    if args.steps is not None and not 2 <= args.steps <= longest:
+        ap.error(f"--steps must be in [2, {longest}] (at least one decode step; prompt + steps within max_seq_len)")
 
     names = {"overhead": ["overhead"], "compute": ["compute"], "all": ["overhead", "compute"],
              None: ["overhead"] if args.quick else ["overhead", "compute"]}[args.workload]
