@@ -22,6 +22,7 @@ import zmq
 from l3worker.child import LIVENESS_POLL_MS, ChildProcess
 from l3worker.errors import StepTimeoutError
 
+NAP_MARGIN_S = 0.0003
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -30,18 +31,26 @@ class Doorbell:
         self.word = word  # [steps completed, step the parent sleeps on or -1]
         self.children = children
         self.spin_s = spin_s if ORDERED_STORES else 0.0
+        self._expected_s = 0.0  # running mean of how long a wait lasted
         self.poller = zmq.Poller()
         for child in children:
             self.poller.register(child.sock, zmq.POLLIN)
 
-    def wait(self, step: int, timeout_s: float | None) -> None:
-        """Returns once `step` completed; raises if a child failed, died or timed out."""
+    def wait(self, step: int, timeout_s: float | None, queued_behind: bool = False) -> None:
+        """Returns once `step` completed; raises if a child failed, died or timed out.
+        `queued_behind`: the child already holds the next command, so waking late costs nothing."""
         word = self.word
         if word[0] > step and not word[2]:
             return
+        t0 = time.perf_counter()
+        if queued_behind and self.spin_s and self._expected_s > 2 * NAP_MARGIN_S:
+            # Nap through most of the expected wait: an idle core is where the children's socket
+            # threads wake, instead of preempting a child's step (3 to 8% of a small model's).
+            time.sleep(min(self._expected_s - NAP_MARGIN_S, self.spin_s))
         spin_until = time.perf_counter() + self.spin_s
         while time.perf_counter() < spin_until and not word[2]:
             if word[0] > step:
+                self._expected_s = 0.9 * self._expected_s + 0.1 * (time.perf_counter() - t0)
                 return
         word[1] = step
         try:

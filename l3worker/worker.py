@@ -244,7 +244,7 @@ class DistributedWorker:
             entry = inflight.popleft()
             step = entry.scheduled.command.step
             t_wait = time.perf_counter()
-            self._doorbell.wait(step, self.step_timeout_s)
+            self._doorbell.wait(step, self.step_timeout_s, queued_behind=bool(inflight))
             now = time.perf_counter()
             slot = step % self._buffers.slots
             ids = self._buffers.sampled[slot].numpy()
