@@ -91,6 +91,13 @@ class DistributedWorker:
         _positive_int("pipeline_depth", pipeline_depth)
         if num_pages is not None:
             _positive_int("num_pages", num_pages)
+        if num_threads is not None:
+            _positive_int("num_threads", num_threads)
+        if not 0 <= spin_wait_s <= MAX_SPIN_S:
+            raise ValueError(f"spin_wait_s must be in [0, {MAX_SPIN_S}] seconds, got {spin_wait_s}")
+        for name, value in (("step_timeout_s", step_timeout_s), ("startup_timeout_s", startup_timeout_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
         self.model_dir = str(model_dir) if model_dir is not None else str(ensure_tiny_model())
         self.model_config = load_config(self.model_dir)
         resolve_dtype(dtype, "cpu", self.model_config)  # rejects unknown names before any child starts
@@ -108,10 +115,6 @@ class DistributedWorker:
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
-        if not 0 <= spin_wait_s <= MAX_SPIN_S:
-            raise ValueError(f"spin_wait_s must be in [0, {MAX_SPIN_S}] seconds, got {spin_wait_s}")
-        if num_threads is not None:
-            _positive_int("num_threads", num_threads)
         self.spin_wait_s = spin_wait_s  # how long the parent spins on the doorbell before it sleeps
         self._doorbell: Doorbell | None = None
         self._fault = fault_injection

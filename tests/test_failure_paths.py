@@ -27,10 +27,13 @@ def test_failed_prefill_raises_even_when_later_steps_run_ahead(depth) -> None:
     assert w.stats()["state"] == "closed"
 
 
-def test_spin_wait_is_bounded() -> None:
+def test_spin_wait_and_timeouts_are_bounded() -> None:
     for bad in (float("inf"), 1.0, -0.001):
         with pytest.raises(ValueError, match="spin_wait_s"):
             DistributedWorker(None, spin_wait_s=bad, **SMALL)
+    for name in ("step_timeout_s", "startup_timeout_s"):
+        with pytest.raises(ValueError, match=name):
+            DistributedWorker(None, **{name: 0}, **SMALL)
 
 
 def test_sampling_values_are_checked_before_anything_is_sent() -> None:
