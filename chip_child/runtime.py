@@ -232,9 +232,10 @@ class ChipRuntime:
 
     def _run_decode(self, compute_slots: bool) -> None:
         live = self._positions[self._active]
-        if live.size and live.max() >= self.cfg.max_seq_len:
+        furthest = int(live.max()) if live.size else 0
+        if furthest >= self.cfg.max_seq_len:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
-        num_blocks = int(live.max()) // self.cfg.page_size + 1 if live.size else 1
+        num_blocks = furthest // self.cfg.page_size + 1
         any_random, any_filter = self._sampling_flags()
         self.submit_next_level("decode", self.decode_args, num_blocks=num_blocks, any_random=any_random,
                                any_filter=any_filter, compute_slots=compute_slots)
