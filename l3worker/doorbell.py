@@ -28,7 +28,7 @@ ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686
 
 class Doorbell:
     def __init__(self, word: np.ndarray, children: list[ChildProcess], spin_s: float):
-        self.word = word  # [steps completed, step the parent sleeps on or -1]
+        self.word = word  # [steps completed, step the parent sleeps on or -1, error reply pending]
         self.children = children
         self.spin_s = spin_s if ORDERED_STORES else 0.0
         self._expected_s = 0.0  # running mean of how long a wait lasted
