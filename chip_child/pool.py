@@ -34,6 +34,7 @@ class TensorPool:
     def __init__(self, device: torch.device):
         self.device = device
         self._tensors: dict[PoolKey, torch.Tensor] = {}
+        self._resolved: dict[tuple[str, int], tuple[tuple[TaskArg, ...], dict[str, torch.Tensor]]] = {}
         self.allocations = 0
 
     def get(self, owner: str, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -46,7 +47,15 @@ class TensorPool:
         return tensor
 
     def resolve(self, callable_name: str, args: tuple[TaskArg, ...]) -> dict[str, torch.Tensor]:
-        return {a.slot: self.get(a.owner or callable_name, a.slot, a.shape, a.dtype) for a in args}
+        """The tensors `args` name, by slot. A step resolves the same argument tuple every time,
+        so the answer is remembered per tuple (held, so its id cannot be reused)."""
+        key = (callable_name, id(args))
+        hit = self._resolved.get(key)
+        if hit is not None and hit[0] is args:
+            return hit[1]
+        tensors = {a.slot: self.get(a.owner or callable_name, a.slot, a.shape, a.dtype) for a in args}
+        self._resolved[key] = (args, tensors)
+        return tensors
 
     @property
     def nbytes(self) -> int:
@@ -54,3 +63,4 @@ class TensorPool:
 
     def release(self) -> None:
         self._tensors.clear()
+        self._resolved.clear()

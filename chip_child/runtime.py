@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chip_child.device import DeviceTimer, available_cores, resolve_device
+from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
-from chip_child.model import PagedKV, Qwen3Weights, decode_forward, prefill_forward, rope_tables, shard_config
+from chip_child.model import PagedKV, Qwen3Weights, decode_forward, prefill_forward, rope_table, shard_config
 from chip_child.pool import TaskArg, TensorPool
 from chip_child.protocol import Command, FullState, Limits
 from chip_child.sampling import sample, seed_key, vocab_hash
@@ -62,11 +62,14 @@ class RuntimeConfig:
                       self.max_seq_len, self.prefill_capacity, self.page_size)
 
 
-def default_cpu_threads(children: int) -> int:
-    """The cores this process may use, less one for the parent, shared among the children: a
-    parent that waits for steps must not take a core from a child's OpenMP team, whose threads
-    then wait on each other (a 2-core box ran the tiny model's step 2.4x slower that way)."""
-    return max(1, (available_cores() - 1) // children)
+@dataclass
+class BatchFacts:
+    """What the host knows of the batch between admissions: kept, not recomputed each step."""
+
+    furthest: int  # the longest active row's position (this step's input position)
+    any_random: bool
+    any_filter: bool
+    any_active: bool
 
 
 @dataclass
@@ -79,6 +82,9 @@ class StepResult:
 
 
 class ChipRuntime:
+    # Inference mode throughout: tensors without autograd bookkeeping make each small op cheaper,
+    # which is most of a decode step's cost on the cpu.
+    @torch.inference_mode()
     def __init__(self, cfg: RuntimeConfig):
         if cfg.copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {cfg.copy_policy!r}")
@@ -96,7 +102,7 @@ class ChipRuntime:
         self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size).to(self.device)
         del host
         mc = self.model_cfg
-        self.rope = rope_tables(mc, cfg.max_seq_len, self.dtype, self.device)
+        self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
         self.limits = cfg.limits()
         self.pool = TensorPool(self.device)
         self._callables = {"prefill": self._prefill, "decode": self._decode}
@@ -105,7 +111,7 @@ class ChipRuntime:
         self._timer = DeviceTimer(self.device)
 
         b, mb, v = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size
-        kv_shape = (mc.num_layers, 2, cfg.total_pages, cfg.page_size, mc.num_kv_heads, mc.head_dim)
+        kv_shape = (mc.num_layers, 2, mc.num_kv_heads, cfg.total_pages, cfg.page_size, mc.head_dim)
         i64, f32 = torch.int64, torch.float32
         state = lambda slot, shape, dtype, role: TaskArg(slot, shape, dtype, role, owner=STATE)  # noqa: E731
         shared = (
@@ -119,10 +125,12 @@ class ChipRuntime:
             state("top_k", (b,), i64, "in"),
             state("seed_keys", (b,), i64, "in"),
             state("vocab_keys", (v,), i64, "in"),
-            state("sampled", (b,), i64, "out"),
             state("logits", (b, v), f32, "out"),
         )
-        self.decode_args = shared + (TaskArg("slot_mapping", (b,), i64, "inout"),)
+        # The gather target of decode attention: one layer's K and V pages of every row at full length.
+        workspace = (2, mc.num_kv_heads, b * mb, cfg.page_size, mc.head_dim)
+        self.decode_args = shared + (TaskArg("slot_mapping", (b,), i64, "inout"),
+                                     TaskArg("kv_workspace", workspace, self.dtype, "inout"))
         p = cfg.prefill_capacity
         self.prefill_args = shared + (
             TaskArg("tokens", (p,), i64, "in"),
@@ -134,13 +142,15 @@ class ChipRuntime:
         self.state = self.pool.resolve("decode", self.decode_args)  # the decode step's tensors, by slot
         self.pool.resolve("prefill", self.prefill_args)
         self.state["vocab_keys"].copy_(vocab_hash(v, self.device))
-        self.kv = PagedKV(self.state["kv_cache"])
+        self.kv = PagedKV(self.state["kv_cache"], self.state["kv_workspace"])
 
         # Host mirrors of per-row facts the child needs without reading the device.
         self._positions = np.zeros(b, np.int64)
         self._active = np.zeros(b, bool)
         self._temperature = np.zeros(b, np.float32)
         self._filtered = np.zeros(b, bool)
+        self._batch_facts: BatchFacts | None = None
+        self._slot_steps = 0  # decode steps whose slots are the previous step's plus one
 
         self._warm_up()
         self.warm_pool_allocations = self.pool.allocations
@@ -178,6 +188,7 @@ class ChipRuntime:
         return self._callables[callable_name](**self.pool.resolve(callable_name, task_args), **scalars)
 
     # -- applying a command ----------------------------------------------------------------------
+    @torch.inference_mode()
     def execute(self, cmd: Command, staging: np.ndarray, out: torch.Tensor) -> StepResult:
         """Applies one validated command and writes the sampled id of every row into `out` [B]."""
         t0 = time.perf_counter()
@@ -187,6 +198,7 @@ class ChipRuntime:
         if len(cmd.new_pages):
             rows, blocks, pages = self._h2d(cmd.new_pages.astype(np.int64)).unbind(1)
             self.state["block_table"][rows, blocks] = pages
+            self._slot_steps = 0  # a row's current page may have changed: recompute its slot
         self._timer.start()
         if cmd.is_prefill:
             self._run_prefill(cmd, staging)
@@ -195,7 +207,7 @@ class ChipRuntime:
                 self._load_full_state(cmd.full_state)
             self._run_decode(compute_slots=cmd.full_state is None)
         self._timer.stop()
-        out.copy_(self.state["sampled"])  # the step's only synchronisation
+        out.copy_(self.state["input_ids"])  # the sampled ids: the step's only synchronisation
         return StepResult(
             apply_s=time.perf_counter() - t0,
             device_s=self._timer.elapsed_s(),
@@ -219,41 +231,64 @@ class ChipRuntime:
         self._h2d_bytes += arr.nbytes
         return torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
 
+    @torch.inference_mode()
     def finish_rows(self, rows: list[int]) -> None:
         idx = self._h2d(np.asarray(rows, np.int64))
         self.state["active"][idx] = False
         self.state["positions"][idx] = 0
         self._active[rows] = False
         self._positions[rows] = 0
+        self._rows_changed()
 
-    def _sampling_flags(self) -> tuple[bool, bool]:
-        live = self._active
-        return bool((self._temperature[live] > 0).any()), bool((self._filtered[live]).any())
+    def _rows_changed(self) -> None:
+        """Rows were admitted, finished or overwritten: the host-side facts of the batch are
+        recomputed before the next decode step instead of on every step."""
+        self._batch_facts = None
+        self._slot_steps = 0
+
+    def _facts(self) -> BatchFacts:
+        if self._batch_facts is None:
+            live = self._positions[self._active]
+            self._batch_facts = BatchFacts(int(live.max()) if live.size else 0,
+                                           bool((self._temperature[self._active] > 0).any()),
+                                           bool(self._filtered[self._active].any()), bool(live.size))
+        return self._batch_facts
 
     def _run_decode(self, compute_slots: bool) -> None:
-        live = self._positions[self._active]
-        furthest = int(live.max()) if live.size else 0
-        if furthest >= self.cfg.max_seq_len:
+        facts = self._facts()
+        if facts.furthest >= self.cfg.max_seq_len:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
-        num_blocks = furthest // self.cfg.page_size + 1
-        any_random, any_filter = self._sampling_flags()
-        self.submit_next_level("decode", self.decode_args, num_blocks=num_blocks, any_random=any_random,
-                               any_filter=any_filter, compute_slots=compute_slots)
-        self._positions[self._active] += 1
-
-    def _decode(self, *, kv_cache, input_ids, positions, active, block_table, slot_mapping, temperature,
-                top_p, top_k, seed_keys, vocab_keys, sampled, logits, num_blocks: int, any_random: bool,
-                any_filter: bool, compute_slots: bool) -> None:
         page = self.cfg.page_size
-        if compute_slots:
+        if not compute_slots:
+            slots = "given"
+        elif self._slot_steps > 0:
+            slots = "advance"
+            self._slot_steps -= 1
+        else:
+            slots = "compute"
+            # Every active row stays on its current page for this many more steps.
+            live = self._positions[self._active]
+            self._slot_steps = int((page - 1 - live % page).min()) if live.size else 0
+        self.submit_next_level("decode", self.decode_args, num_blocks=facts.furthest // page + 1,
+                               any_random=facts.any_random, any_filter=facts.any_filter, slots=slots)
+        self._positions += self._active
+        facts.furthest += facts.any_active
+
+    def _decode(self, *, kv_cache, kv_workspace, input_ids, positions, active, block_table, slot_mapping,
+                temperature, top_p, top_k, seed_keys, vocab_keys, logits, num_blocks: int, any_random: bool,
+                any_filter: bool, slots: str) -> None:
+        page = self.cfg.page_size
+        if slots == "compute":
             blocks = block_table.gather(1, (positions // page)[:, None]).squeeze(1)
             # Idle rows write to slot 0 of the scratch page, never into a page another row owns.
-            slot_mapping.copy_(torch.where(active, blocks * page + positions % page, 0))
-        logits.copy_(decode_forward(self.model_cfg, self.weights, self.kv, self.rope, input_ids, positions,
-                                    slot_mapping, block_table[:, :num_blocks], self._all_reduce))
-        ids = sample(logits, temperature, top_k, top_p, seed_keys, positions, vocab_keys, any_random, any_filter)
-        sampled.copy_(ids)
-        input_ids.copy_(torch.where(active, ids, input_ids))
+            torch.mul(blocks * page + positions % page, active, out=slot_mapping)
+        elif slots == "advance":
+            slot_mapping.add_(active)  # no active row crosses a page boundary this step
+        decode_forward(self.model_cfg, self.weights, self.kv, self.rope, input_ids, positions, slot_mapping,
+                       block_table[:, :num_blocks], logits, self._all_reduce)
+        # Idle rows' ids are never read: the parent ignores them and an admission overwrites them.
+        input_ids.copy_(sample(logits, temperature, top_k, top_p, seed_keys, positions, vocab_keys, any_random,
+                               any_filter))
         positions.add_(active)
 
     def _load_full_state(self, fs: FullState) -> None:
@@ -265,6 +300,7 @@ class ChipRuntime:
         self._active[:] = fs.active
         self._temperature[:] = fs.temperature
         self._filtered[:] = (fs.top_k > 0) | (fs.top_p < 1)
+        self._rows_changed()
 
     def _run_prefill(self, cmd: Command, staging: np.ndarray) -> None:
         admits = cmd.admits
@@ -301,12 +337,13 @@ class ChipRuntime:
         self._positions[rows] = lens
         self._temperature[rows] = params[:, 0]
         self._filtered[rows] = (top_k > 0) | (params[:, 1] < 1)
-        any_random, any_filter = self._sampling_flags()
+        self._rows_changed()
+        facts = self._facts()
         self.submit_next_level("prefill", self.prefill_args, num_tokens=total, num_rows=n, prompt_lens=lens,
-                               any_random=any_random, any_filter=any_filter)
+                               any_random=facts.any_random, any_filter=facts.any_filter)
 
     def _prefill(self, *, kv_cache, input_ids, positions, active, block_table, temperature, top_p, top_k,
-                 seed_keys, vocab_keys, sampled, logits, tokens, prompt_positions, prompt_slots, last_index, rows,
+                 seed_keys, vocab_keys, logits, tokens, prompt_positions, prompt_slots, last_index, rows,
                  num_tokens: int, num_rows: int, prompt_lens: list[int], any_random: bool,
                  any_filter: bool) -> None:
         idx = rows[:num_rows]
@@ -318,7 +355,6 @@ class ChipRuntime:
         counters = pos[last_index[:num_rows]]
         ids = sample(row_logits, temperature[idx], top_k[idx], top_p[idx], seed_keys[idx], counters, vocab_keys,
                      any_random, any_filter)
-        sampled[idx] = ids
         input_ids[idx] = ids
         positions[idx] = counters + 1
         active[idx] = True

@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from chip_child import protocol
+from chip_child.device import resolve_device
 from chip_child.runtime import ChipRuntime, RuntimeConfig
 
 PR_SET_PDEATHSIG = 1
@@ -37,6 +38,8 @@ class ChildSpec:
     runtime: RuntimeConfig
     buffers: dict[str, list]  # name -> [fd, nbytes, shape, dtype]
     wake_every_step: bool = False  # send a wake-up after every step, not only to a sleeping parent
+    cpu_cores: list[int] | None = None  # a cpu device's threads run here only
+    service_cores: list[int] | None = None  # the socket threads run here only
     fault: str | None = None  # test-only: "raise@STEP", "hang@STEP" or "exit@STEP"
 
     @classmethod
@@ -97,6 +100,8 @@ def _inject_fault(rt: ChipRuntime, fault: str) -> None:
 
 def serve(spec: ChildSpec) -> None:
     ctx = zmq.Context()
+    for core in spec.service_cores or ():  # before the first socket starts the context's threads
+        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
     sock = ctx.socket(zmq.PAIR)
     # A bounded linger: the last reply (a start-up error, say) must still reach the parent.
     sock.setsockopt(zmq.LINGER, 1000)
@@ -104,6 +109,8 @@ def serve(spec: ChildSpec) -> None:
     rt = None
     try:
         try:
+            if spec.cpu_cores and resolve_device(spec.runtime.device, spec.runtime.device_id).type == "cpu":
+                os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
             rt = ChipRuntime(spec.runtime)
             if spec.fault:
                 _inject_fault(rt, spec.fault)
@@ -118,9 +125,11 @@ def serve(spec: ChildSpec) -> None:
         if not leader:
             sampled = torch.zeros_like(sampled)
         slots = sampled.shape[0]
+        out_rows, staging_rows = list(sampled.unbind(0)), list(staging)  # per-slot views, made once
         sock.send(msgpack.packb({
             "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
             "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         }))
         limits = rt.limits
         failed: str | None = None  # after a failed step the device state is suspect: refuse the rest
@@ -148,14 +157,13 @@ def serve(spec: ChildSpec) -> None:
                 continue
             slot = cmd.step % slots
             try:
-                r = rt.execute(cmd, staging[slot], sampled[slot])
+                r = rt.execute(cmd, staging_rows[slot], out_rows[slot])
             except Exception as exc:
                 failed = f"step {cmd.step} failed earlier ({type(exc).__name__}: {exc})"
                 report(cmd.step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
                 continue
             if leader:
-                step_stats[slot] = (int(r.apply_s * 1e6), int(r.device_s * 1e6), r.h2d_copies, r.h2d_bytes,
-                                    r.pool_allocs)
+                step_stats[slot] = (r.apply_s * 1e6, r.device_s * 1e6, r.h2d_copies, r.h2d_bytes, r.pool_allocs)
                 doorbell[0] = cmd.step + 1  # after the ids and figures: x86 keeps stores in order
                 # A socket message costs tens of microseconds to send: only a sleeping parent gets one.
                 if spec.wake_every_step or 0 <= doorbell[1] <= cmd.step:

@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from chip_child import protocol
-from chip_child.device import DEVICE_TYPES, available_cores
+from chip_child.device import DEVICE_TYPES, available_cores, plan_cores
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
@@ -70,6 +70,7 @@ class DistributedWorker:
         startup_timeout_s: float | None = 600.0,
         num_threads: int | None = None,
         spin_wait_s: float = 0.003,
+        pin_cores: bool = True,
         fault_injection: str | None = None,  # test-only, see chip_child.serve
     ):
         if device not in DEVICE_TYPES:
@@ -93,6 +94,8 @@ class DistributedWorker:
             _positive_int("num_pages", num_pages)
         if num_threads is not None:
             _positive_int("num_threads", num_threads)
+        if not isinstance(pin_cores, bool):
+            raise TypeError(f"pin_cores must be a bool, got {type(pin_cores).__name__}")
         if not 0 <= spin_wait_s <= MAX_SPIN_S:
             raise ValueError(f"spin_wait_s must be in [0, {MAX_SPIN_S}] seconds, got {spin_wait_s}")
         for name, value in (("step_timeout_s", step_timeout_s), ("startup_timeout_s", startup_timeout_s)):
@@ -116,6 +119,7 @@ class DistributedWorker:
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.spin_wait_s = spin_wait_s  # how long the parent spins on the doorbell before it sleeps
+        self.pin_cores = pin_cores
         self._doorbell: Doorbell | None = None
         self._fault = fault_injection
         self._children: list[ChildProcess] = []
@@ -147,12 +151,17 @@ class DistributedWorker:
             self._state = "ready"  # from here on close() has something to release
             _live_workers.add(self)
             world = len(self.device_ids)
+            plan = plan_cores(world, cfg.num_threads) if self.pin_cores else None
+            for core in plan.service if plan else ():  # before the first socket starts the context's threads
+                self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
             wake_every_step = not ORDERED_STORES
             for rank, device_id in enumerate(self.device_ids):
                 rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
                              dist_init=f"file://{self._socket_dir}/tp-store" if world > 1 else None)
                 self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir,
-                                                   wake_every_step, self._fault))
+                                                   wake_every_step, self._fault,
+                                                   plan.children[rank] if plan else None,
+                                                   plan.service if plan else None))
             for child in self._children:
                 child.wait_ready(self.startup_timeout_s)
             self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget())

@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 from bench_submit import DEFAULT_SIZES, format_submission, measure_submission  # scripts/, next to this file
 
+from chip_child.device import plan_cores
 from chip_child.protocol import Admit, Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig
 from l3worker import DistributedWorker, SamplingParams
@@ -108,13 +110,36 @@ class Run:
 
 
 # -- floor ----------------------------------------------------------------------------------------------
+def compute_cores(threads: int) -> list[int] | None:
+    """The cores a worker's cpu child computes on; the floor and transformers are timed there
+    too, so every variant's arithmetic runs on the same pinned cores."""
+    plan = plan_cores(1, threads)
+    return plan.children[0] if plan else None
+
+
+@contextmanager
+def pinned(cores: list[int] | None):
+    """This thread on `cores` for the block (the floor's loop runs in the benchmark's main thread)."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class Floor:
     """The chip runtime's step in a loop. Commands are built before the clock starts, with page ids
     handed out by the parent's PageAllocator in the order the scheduler takes them (prompt pages at
-    admission, one triple per row at each page boundary); only `rt.execute` is timed."""
+    admission, one triple per row at each page boundary); only `rt.execute` is timed, on the cores
+    a worker's child would compute on."""
 
     def __init__(self, model_dir: str, wl: Workload, threads: int):
         self.wl = wl
+        self.threads = threads
         self.rt = ChipRuntime(RuntimeConfig(model_dir, device="cpu", max_batch_size=wl.batch,
                                             max_seq_len=wl.max_seq_len, page_size=wl.page_size,
                                             num_threads=threads))
@@ -151,6 +176,11 @@ class Floor:
         cmds, staging = self._commands(prompts, new_tokens)
         tokens = np.zeros((len(prompts), len(cmds)), np.int32)
         run = Run(step_s=[], tokens=tokens)
+        with pinned(compute_cores(self.threads)):
+            self._loop(cmds, staging, tokens, run)
+        return run
+
+    def _loop(self, cmds: list[Command], staging: np.ndarray, tokens: np.ndarray, run: Run) -> None:
         for j, cmd in enumerate(cmds):
             t0 = time.perf_counter()
             r = self.rt.execute(cmd, staging, self.out)
@@ -160,7 +190,6 @@ class Floor:
                 run.step_s.append(dt)
                 run.h2d_copies.append(r.h2d_copies)
                 run.pool_allocs.append(r.pool_allocs)
-        return run
 
 
 # -- l3 ---------------------------------------------------------------------------------------------------
@@ -212,6 +241,9 @@ def _hf_generate(model, prompts: list[np.ndarray], new_tokens: int, cache: str) 
 def _hf_server(conn, model_dir: str, threads: int) -> None:
     from transformers import Qwen3ForCausalLM
 
+    cores = compute_cores(threads)
+    if cores:
+        os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
     model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     while (request := conn.recv()) is not None:

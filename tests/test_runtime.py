@@ -85,6 +85,26 @@ def test_greedy_tokens_and_logits_match_transformers(make_checkpoint, hf_model, 
             assert rel <= 1e-4, f"prompt length {len(prompt)}, step {step}: relative logits error {rel:.2e}"
 
 
+def test_bfloat16_logits_track_transformers_in_bfloat16(default_ckpt: Path) -> None:
+    """The low-precision branches (norms cast back, softmax in fp32, logits cast up) against
+    transformers run in bfloat16 on the same checkpoint, fed the same tokens."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(default_ckpt, dtype=torch.bfloat16).eval()
+    rt = ChipRuntime(RuntimeConfig(str(default_ckpt), device="cpu", dtype="bfloat16", max_batch_size=4,
+                                   max_seq_len=80, page_size=3))
+    assert rt.kv.cache.dtype == torch.bfloat16
+    prompts = random_prompts((13, 5), model.config.vocab_size, seed=7)
+    res = LocalDriver(rt).run([LocalRequest(p, 8) for p in prompts], keep_logits=True)
+    for prompt, tokens, logits in zip(prompts, res.token_ids, res.logits):
+        with torch.no_grad():
+            want = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].float()
+        mine = torch.stack(logits)
+        assert mine.dtype == torch.float32
+        rel = ((mine - want).abs().max() / want.abs().max()).item()
+        assert rel <= 0.03, f"prompt length {len(prompt)}: relative logits error {rel:.2e} in bfloat16"
+
+
 def test_runtime_builds_with_one_token_pages(default_ckpt: Path) -> None:
     """Warm-up must give its 2-token prompt as many pages as the page size requires."""
     rt = make_runtime(default_ckpt, page_size=1)
