@@ -34,7 +34,7 @@ class TensorPool:
     def __init__(self, device: torch.device):
         self.device = device
         self._tensors: dict[PoolKey, torch.Tensor] = {}
-        self._resolved: dict[tuple[str, int], tuple[tuple[TaskArg, ...], dict[str, torch.Tensor]]] = {}
+        self._resolved: dict[str, tuple[tuple[TaskArg, ...], dict[str, torch.Tensor]]] = {}
         self.allocations = 0
 
     def get(self, owner: str, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -47,14 +47,13 @@ class TensorPool:
         return tensor
 
     def resolve(self, callable_name: str, args: tuple[TaskArg, ...]) -> dict[str, torch.Tensor]:
-        """The tensors `args` name, by slot. A step resolves the same argument tuple every time,
-        so the answer is remembered per tuple (held, so its id cannot be reused)."""
-        key = (callable_name, id(args))
-        hit = self._resolved.get(key)
+        """The tensors `args` name, by slot. Each step of a callable passes the same argument
+        tuple, so the last answer per callable is kept and reused while the tuple is the same."""
+        hit = self._resolved.get(callable_name)
         if hit is not None and hit[0] is args:
             return hit[1]
         tensors = {a.slot: self.get(a.owner or callable_name, a.slot, a.shape, a.dtype) for a in args}
-        self._resolved[key] = (args, tensors)
+        self._resolved[callable_name] = (args, tensors)
         return tensors
 
     @property

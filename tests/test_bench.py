@@ -80,3 +80,14 @@ def test_submission_setup_and_machine_sections(bench) -> None:
     assert result["machine"]["threads"] == 1
     assert "| variant |" in proc.stdout and "| prompt tokens |" in proc.stdout
     assert all({"target", "value", "met"} == set(t) for t in result["targets"])
+
+
+def test_op_count_reports_both_sides(tmp_path: Path) -> None:
+    out = tmp_path / "ops.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT.with_name("count_ops.py")), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = json.loads(out.read_text())["ops_per_decode_step"]
+    assert set(counts) == {"runtime", "transformers"}
+    assert all(isinstance(n, int) and n > 0 for n in counts.values())
+    assert f"runtime {counts['runtime']}, transformers generate {counts['transformers']}" in proc.stdout

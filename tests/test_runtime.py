@@ -23,6 +23,7 @@ from chip_child.protocol import (
     decode,
     encode,
 )
+from chip_child.pool import TaskArg, TensorPool
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepResult
 
 NEW_TOKENS = 32
@@ -172,6 +173,18 @@ class Stepper:
         result = self.rt.execute(decode(encode(cmd), self.rt.limits), staging, self.out)
         self.step += 1
         return result
+
+
+def test_pool_hands_back_the_same_tensors_and_never_a_stale_answer() -> None:
+    pool = TensorPool(torch.device("cpu"))
+    first_args = (TaskArg("x", (2,), torch.float32, "in"),)
+    first = pool.resolve("f", first_args)["x"]
+    assert pool.resolve("f", (TaskArg("x", (2,), torch.float32, "in"),))["x"] is first  # equal, not the same tuple
+    assert pool.allocations == 1
+    wider = pool.resolve("f", (TaskArg("x", (3,), torch.float32, "in"),))["x"]
+    assert wider.shape == (3,) and pool.allocations == 2
+    assert pool.resolve("f", first_args)["x"] is first
+    assert pool.resolve("g", first_args)["x"] is not first  # another callable owns its own tensors
 
 
 def test_pool_allocations_flat_over_many_decode_steps(default_ckpt: Path) -> None:
