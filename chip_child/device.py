@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import zmq
 
 DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
 
@@ -19,17 +20,20 @@ def _npu_available() -> bool:
     return torch.npu.is_available() and torch.npu.device_count() > 0
 
 
-def resolve_device(device: str, device_id: int = 0) -> torch.device:
-    """`auto` picks npu (torch_npu importable and a device present), then cuda, then cpu."""
+def device_type(device: str) -> str:
+    """What `device` resolves to, without opening anything: `auto` picks npu (torch_npu
+    importable and a device present), then cuda, then cpu."""
     if device not in DEVICE_TYPES:
         raise ValueError(f"device must be one of {DEVICE_TYPES}, got {device!r}")
-    if device == "auto":
-        if _npu_available():
-            device = "npu"
-        elif torch.cuda.is_available():
-            device = "cuda"
-        else:
-            device = "cpu"
+    if device != "auto":
+        return device
+    if _npu_available():
+        return "npu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device: str, device_id: int = 0) -> torch.device:
+    device = device_type(device)
     if device == "cpu":
         return torch.device("cpu")
     if device == "npu":
@@ -85,6 +89,17 @@ def plan_cores(children: int, threads: int | None) -> CorePlan | None:
         return None
     rest = cores[spare:]
     return CorePlan(cores[:spare], [rest[i * threads:(i + 1) * threads] for i in range(children)])
+
+
+def pin_socket_threads(ctx: zmq.Context, cores: list[int]) -> None:
+    """Keeps a ZeroMQ context's background threads on `cores`; call before its first socket.
+    A libzmq without the option (before 4.3) leaves them where the scheduler puts them."""
+    option = getattr(zmq, "THREAD_AFFINITY_CPU_ADD", None)
+    try:
+        for core in cores if option is not None else ():
+            ctx.set(option, core)
+    except zmq.ZMQError:
+        pass
 
 
 def synchronize(dev: torch.device) -> None:

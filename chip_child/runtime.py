@@ -185,12 +185,17 @@ class ChipRuntime:
     # -- the single dispatch point ---------------------------------------------------------------
     def submit_next_level(self, callable_name: str, task_args: tuple[TaskArg, ...], **scalars):
         """Runs a registered callable on the pooled tensors its arguments name."""
+        if not torch.is_inference_mode_enabled():  # called from outside a step: the pool holds inference tensors
+            with torch.inference_mode():
+                return self.submit_next_level(callable_name, task_args, **scalars)
         return self._callables[callable_name](**self.pool.resolve(callable_name, task_args), **scalars)
 
     # -- applying a command ----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, cmd: Command, staging: np.ndarray, out: torch.Tensor) -> StepResult:
-        """Applies one validated command and writes the sampled id of every row into `out` [B]."""
+        """Applies one validated command and writes the sampled id of every row into `out` [B].
+        A step that raises leaves host and device state out of step with each other: a chip-child
+        refuses every later command, and an in-process user must build a new runtime."""
         t0 = time.perf_counter()
         copies0, bytes0, allocs0 = self._h2d_copies, self._h2d_bytes, self.pool.allocations
         if cmd.finished_rows:

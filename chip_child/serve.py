@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from chip_child import protocol
-from chip_child.device import resolve_device
+from chip_child.device import pin_socket_threads
 from chip_child.runtime import ChipRuntime, RuntimeConfig
 
 PR_SET_PDEATHSIG = 1
@@ -38,8 +38,8 @@ class ChildSpec:
     runtime: RuntimeConfig
     buffers: dict[str, list]  # name -> [fd, nbytes, shape, dtype]
     wake_every_step: bool = False  # send a wake-up after every step, not only to a sleeping parent
-    cpu_cores: list[int] | None = None  # a cpu device's threads run here only
-    service_cores: list[int] | None = None  # the socket threads run here only
+    cpu_cores: list[int] | None = None  # a cpu child's threads run here only
+    service_cores: list[int] | None = None  # and its socket threads here
     fault: str | None = None  # test-only: "raise@STEP", "hang@STEP" or "exit@STEP"
 
     @classmethod
@@ -100,8 +100,7 @@ def _inject_fault(rt: ChipRuntime, fault: str) -> None:
 
 def serve(spec: ChildSpec) -> None:
     ctx = zmq.Context()
-    for core in spec.service_cores or ():  # before the first socket starts the context's threads
-        ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
+    pin_socket_threads(ctx, spec.service_cores or [])
     sock = ctx.socket(zmq.PAIR)
     # A bounded linger: the last reply (a start-up error, say) must still reach the parent.
     sock.setsockopt(zmq.LINGER, 1000)
@@ -109,7 +108,7 @@ def serve(spec: ChildSpec) -> None:
     rt = None
     try:
         try:
-            if spec.cpu_cores and resolve_device(spec.runtime.device, spec.runtime.device_id).type == "cpu":
+            if spec.cpu_cores:
                 os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
             rt = ChipRuntime(spec.runtime)
             if spec.fault:

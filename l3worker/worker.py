@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from chip_child import protocol
-from chip_child.device import DEVICE_TYPES, available_cores, plan_cores
+from chip_child.device import DEVICE_TYPES, CorePlan, available_cores, device_type, pin_socket_threads, plan_cores
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
@@ -121,6 +121,7 @@ class DistributedWorker:
         self.spin_wait_s = spin_wait_s  # how long the parent spins on the doorbell before it sleeps
         self.pin_cores = pin_cores
         self._doorbell: Doorbell | None = None
+        self._core_plan: CorePlan | None = None
         self._fault = fault_injection
         self._children: list[ChildProcess] = []
         self._ctx: zmq.Context | None = None
@@ -149,15 +150,18 @@ class DistributedWorker:
             self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
-            _live_workers.add(self)
             world = len(self.device_ids)
-            plan = plan_cores(world, cfg.num_threads) if self.pin_cores else None
-            for core in plan.service if plan else ():  # before the first socket starts the context's threads
-                self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
+            self._core_plan = plan = self._plan_cores(world)
+            _live_workers.add(self)
+            if plan:
+                pin_socket_threads(self._ctx, plan.service)  # before the first socket starts its threads
             wake_every_step = not ORDERED_STORES
             for rank, device_id in enumerate(self.device_ids):
                 rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
                              dist_init=f"file://{self._socket_dir}/tp-store" if world > 1 else None)
+                if plan and cfg.num_threads is None:
+                    # The child's own default would count only the cores it is pinned to.
+                    rc = replace(rc, num_threads=len(plan.children[rank]))
                 self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir,
                                                    wake_every_step, self._fault,
                                                    plan.children[rank] if plan else None,
@@ -175,6 +179,15 @@ class DistributedWorker:
         )
         self._prepare_s = time.perf_counter() - t0
         return self
+
+    def _plan_cores(self, children: int) -> CorePlan | None:
+        """Cores for cpu children only, and not when another worker of this process already
+        pinned its children: both would pick the same cores."""
+        if not self.pin_cores or device_type(self.runtime_config.device) != "cpu":
+            return None
+        if any(w._core_plan for w in _live_workers if w is not self):
+            return None
+        return plan_cores(children, self.runtime_config.num_threads)
 
     def _spin_budget(self) -> float:
         """Spin only where a core is free for it: on accelerators, or when the cpu children's
@@ -199,6 +212,7 @@ class DistributedWorker:
             self._socket_dir = None
         self._buffers = None
         self._doorbell = None
+        self._core_plan = None  # its cores are free for another worker
         self._state = "closed"
 
     def __enter__(self) -> "DistributedWorker":
@@ -387,6 +401,8 @@ class DistributedWorker:
             "dtype": info.get("dtype"),
             "child_pids": self.child_pids,
             "child_setup_s": info.get("setup_s"),
+            "child_threads": info.get("threads"),
+            "child_cores": info.get("cores"),
             "prepare_s": self._prepare_s,
             "pipeline_depth": self.pipeline_depth,
             "copy_policy": self.runtime_config.copy_policy,

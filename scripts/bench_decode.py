@@ -140,9 +140,10 @@ class Floor:
     def __init__(self, model_dir: str, wl: Workload, threads: int):
         self.wl = wl
         self.threads = threads
-        self.rt = ChipRuntime(RuntimeConfig(model_dir, device="cpu", max_batch_size=wl.batch,
-                                            max_seq_len=wl.max_seq_len, page_size=wl.page_size,
-                                            num_threads=threads))
+        with pinned(compute_cores(threads)):  # torch's thread pool starts here and keeps this mask
+            self.rt = ChipRuntime(RuntimeConfig(model_dir, device="cpu", max_batch_size=wl.batch,
+                                                max_seq_len=wl.max_seq_len, page_size=wl.page_size,
+                                                num_threads=threads))
         self.out = torch.zeros(wl.batch, dtype=torch.int32)
         self.pages = PageAllocator(self.rt.cfg.total_pages - 1)
         self.step = 0

@@ -17,8 +17,6 @@ import psutil
 import pytest
 import torch
 
-from chip_child import device
-from chip_child.device import CorePlan, allowed_cores, plan_cores
 from l3worker import ChildDiedError, ChildError, DistributedWorker, SamplingParams, WorkerError
 
 MAX_NEW = 32
@@ -226,47 +224,6 @@ def test_missing_device_is_reported_by_the_child(ckpt: Path) -> None:
         with pytest.raises(ChildError, match=r"device_ids: cuda device 0 does not exist"):
             w.prepare()
         assert w.stats()["state"] == "closed"
-
-
-# -- cores -----------------------------------------------------------------------------------------
-def zmq_threads(pid: int) -> list[int]:
-    """The ids of a process's ZeroMQ background threads (named ZMQbg/... by libzmq)."""
-    task = f"/proc/{pid}/task"
-    return [int(t) for t in os.listdir(task) if open(f"{task}/{t}/comm").read().startswith("ZMQbg")]
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
-def test_cpu_child_computes_on_its_own_cores_and_socket_threads_on_the_rest(ckpt: Path, ref) -> None:
-    plan = plan_cores(1, 1)
-    if plan is None:
-        pytest.skip("needs a core beyond the child's")
-    parent_before = set(zmq_threads(os.getpid()))
-    with DistributedWorker(ckpt, **COMMON) as w:
-        pid = w.child_pids[0]
-        assert os.sched_getaffinity(pid) == set(plan.children[0])
-        child_io = zmq_threads(pid)
-        parent_io = set(zmq_threads(os.getpid())) - parent_before
-        assert child_io and parent_io
-        for tid in [*child_io, *parent_io]:
-            assert os.sched_getaffinity(tid) == set(plan.service)
-        assert token_ids(w.generate(PROMPTS[0], greedy())) == [ref[tuple(PROMPTS[0])]]
-    with DistributedWorker(ckpt, **COMMON, pin_cores=False) as w:
-        assert os.sched_getaffinity(w.child_pids[0]) == set(allowed_cores())
-        assert all(os.sched_getaffinity(t) == set(allowed_cores()) for t in zmq_threads(w.child_pids[0]))
-
-
-def test_pin_cores_must_be_a_bool(ckpt: Path) -> None:
-    with pytest.raises(TypeError, match="pin_cores"):
-        DistributedWorker(ckpt, **COMMON, pin_cores="yes")
-
-
-def test_core_plan_leaves_a_core_over_or_pins_nothing(monkeypatch) -> None:
-    monkeypatch.setattr(device, "allowed_cores", lambda: list(range(8)))
-    assert plan_cores(2, None) == CorePlan(service=[0, 1], children=[[2, 3, 4], [5, 6, 7]])  # 3 threads each
-    assert plan_cores(1, 4) == CorePlan(service=[0, 1, 2, 3], children=[[4, 5, 6, 7]])
-    assert plan_cores(2, 4) is None  # the children would take every core
-    monkeypatch.setattr(device, "allowed_cores", lambda: [0])
-    assert plan_cores(1, None) is None
 
 
 # -- failures and clean-up -------------------------------------------------------------------------
