@@ -169,10 +169,6 @@ class PagedKV:
         self._visible_bias = torch.zeros((), dtype=cache.dtype, device=cache.device)
         self._hidden_bias = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
 
-    @property
-    def page_size(self) -> int:
-        return self.cache.shape[4]
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v: [T, kv_heads, hd] into the slots `slot_mapping` [T] names."""
         self._k_slots[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
@@ -232,8 +228,7 @@ def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, c
     return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
 
 
-def _mlp_residual(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, h: torch.Tensor,
-                  all_reduce: AllReduce) -> torch.Tensor:
+def _mlp_residual(w: Qwen3Weights, lw: LayerWeights, h: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
     x = rms_norm(h, lw.post_norm, w.eps, w.inv_hidden)
     gate_up = linear(x, lw.gate_up)
     inter = gate_up.shape[-1] // 2
@@ -280,7 +275,7 @@ def prefill_forward(
             outs.append(o.transpose(0, 1))
         attn = torch.cat(outs).flatten(1)
         h = h + all_reduce(linear(attn, lw.o_proj, lw.o_bias))
-        h = _mlp_residual(cfg, w, lw, h, all_reduce)
+        h = _mlp_residual(w, lw, h, all_reduce)
     return _logits(w, h[last_index])
 
 
@@ -310,5 +305,5 @@ def decode_forward(
         kv.gather(i, view)
         o = decode_attention(q, view, scale)
         h = h + all_reduce(linear(o, lw.o_proj, lw.o_bias))
-        h = _mlp_residual(cfg, w, lw, h, all_reduce)
+        h = _mlp_residual(w, lw, h, all_reduce)
     return _logits(w, h, out=logits)
