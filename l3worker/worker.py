@@ -29,7 +29,7 @@ from chip_child.tiny_model import ensure_tiny_model
 from l3worker.child import ChildProcess
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.errors import WorkerError
-from l3worker.params import RequestMetrics, RequestOutput, SamplingParams
+from l3worker.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from l3worker.scheduler import Request, Scheduled, Scheduler
 from l3worker.shared import StepBuffers
 from l3worker.stats import GenerateStats, StepRecord
@@ -389,8 +389,9 @@ class DistributedWorker:
             ttft_s=req.first_token_at - req.arrival, decode_s=decode_s,
             tpot_s=decode_s / (n - 1) if n > 1 else 0.0, queued_s=req.admitted_at - req.arrival,
         )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids.tolist(), list(req.tokens), text,
-                             req.finish_reason, metrics)
+        sample = CompletionOutput(0, list(req.tokens), text, finish_reason=req.finish_reason)
+        return RequestOutput(str(req.request_id), req.prompt, req.prompt_ids.tolist(), [sample], finished=True,
+                             metrics=metrics)
 
     # -- figures -------------------------------------------------------------------------------
     def stats(self) -> dict:
