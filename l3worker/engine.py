@@ -162,20 +162,19 @@ class Engine:
         state.reported = [0] * params.n
         if params.logprobs is not None:
             state.logprobs = [[] for _ in range(params.n)]
-        with self._ids_lock:
-            if request_id is None:
-                state.request_id = str(next(self._ids))
-            elif request_id in self._live_ids:
-                raise ValueError(f"request_id {request_id!r} is already in use by a running request")
-            self._live_ids.add(state.request_id)
+        state.request_id = str(next(self._ids)) if request_id is None else request_id
         for seq in state.seqs:
             seq.request_id = state.request_id
         return state
 
     def submit(self, state: RequestState) -> None:
+        """Queues a request made by make_request. Raises if its id is taken by a live request."""
         if self.error is not None:
-            self._forget(state.request_id)
             raise self.dead_error()
+        with self._ids_lock:
+            if state.request_id in self._live_ids:
+                raise ValueError(f"request_id {state.request_id!r} is already in use by a running request")
+            self._live_ids.add(state.request_id)
         self._inbox.append(("add", state))
         self._work.set()
 
