@@ -6,7 +6,8 @@ lists travel as raw int32 bytes, never as per-element lists.
 
 An admit is `[row, prompt_len, staging_offset, pages, temperature, top_p, top_k, seed, min_p,
 presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop_ids, logprobs,
-prompt_logprobs]`, with pages and stop_ids as int32 bytes.
+prompt_logprobs]`, with pages and stop_ids as int32 bytes. Its first eight fields alone are an
+admit that uses none of the optional sampling features (the form older senders write).
 """
 from __future__ import annotations
 
@@ -235,11 +236,15 @@ def _decode_triples(raw: object, limits: Limits) -> np.ndarray:
 
 
 _ADMIT_FIELDS = tuple(f.name for f in fields(Admit))
+_ADMIT_BASIC = 8  # row .. seed
+_ADMIT_NEUTRAL = [0.0, 0.0, 0.0, 1.0, 0, b"", -1, -1]  # min_p .. prompt_logprobs of an admit without them
 
 
 def _decode_admit(raw: object, limits: Limits) -> Admit:
-    if not isinstance(raw, list) or len(raw) != len(_ADMIT_FIELDS):
-        raise ProtocolError(f"admit must be [{', '.join(_ADMIT_FIELDS)}]")
+    if not isinstance(raw, list) or len(raw) not in (_ADMIT_BASIC, len(_ADMIT_FIELDS)):
+        raise ProtocolError(f"admit must be [{', '.join(_ADMIT_FIELDS)}] or its first {_ADMIT_BASIC} fields")
+    if len(raw) == _ADMIT_BASIC:
+        raw = raw + _ADMIT_NEUTRAL
     (row, plen, offset, pages, temperature, top_p, top_k, seed, min_p, presence, frequency, repetition,
      min_tokens, stop_ids, logprobs, prompt_logprobs) = raw
     _check_row(row, limits, "admit")

@@ -94,7 +94,7 @@ def _admit(**overrides) -> list:
     (_admit(repetition_penalty=0), "repetition_penalty"),
     (_admit(stop_ids=b"\x01"), "stop_ids"),
     (_admit(logprobs=50), "logprobs"),
-    (_admit()[:8], "admit must be"),
+    (_admit()[:9], "admit must be"),
 ])
 def test_malformed_admits_are_refused(admit, message) -> None:
     raw = msgpack.packb([protocol.OP_PREFILL, 0, [], b"", [admit]])

@@ -417,11 +417,17 @@ def test_malformed_new_admit_fields_are_refused(changes: dict, message: str) -> 
         decode(msgpack.packb(raw), LIMITS)
 
 
-def test_admit_of_the_old_length_is_refused() -> None:
+def test_admit_of_the_first_eight_fields_uses_no_optional_feature() -> None:
     raw = msgpack.unpackb(encode(Command(step=0, admits=[_admit()])))
     raw[4][0] = raw[4][0][:8]
-    with pytest.raises(ProtocolError, match="admit must be"):
-        decode(msgpack.packb(raw), LIMITS)
+    short = decode(msgpack.packb(raw), LIMITS).admits[0]
+    assert (short.row, short.seed, short.min_p, short.presence_penalty, short.frequency_penalty,
+            short.repetition_penalty, short.min_tokens, short.stop_ids.tolist(), short.logprobs,
+            short.prompt_logprobs) == (1, 2**40, 0.0, 0.0, 0.0, 1.0, 0, [], -1, -1)
+    for length in (7, 9, 15, 17):
+        raw[4][0] = (msgpack.unpackb(encode(Command(step=0, admits=[_admit()])))[4][0] + [0])[:length]
+        with pytest.raises(ProtocolError, match="admit must be"):
+            decode(msgpack.packb(raw), LIMITS)
 
 
 def _full_state(**changes) -> FullState:
