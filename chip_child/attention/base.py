@@ -44,9 +44,10 @@ new tokens' keys are written by this step's `write_kv`, which runs before attent
 - scores are ``scale * q.k`` (``spec.scale``, default ``head_dim ** -0.5``); softmax in fp32;
   the output is [T, num_heads, head_dim] in q's dtype.
 
-The contract the cache relies on: a slot written in a step belongs to the sequence of the
-token written there (or to page 0); pages shared between sequences (a cached prefix) are full
-and never written while shared.
+The contract the cache relies on: a new token's slot is the one its sequence's block table
+gives for its position. Only rows whose output nobody reads (idle or padding rows) may write
+elsewhere, and then into page 0; their output is unspecified. Pages shared between sequences
+(a cached prefix) are full and never written while shared.
 
 Using a backend
 ---------------

@@ -23,6 +23,10 @@ import torch
 from chip_child.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan, WorkspaceShapes
 
 LOG2E = 1.4426950408889634
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -51,8 +55,17 @@ class TritonAttention(AttentionBackend):
         self.split_max_query_len = split_max_query_len
         self.num_warps = num_warps
         self._block_d = max(16, triton_kernels.next_power_of_2(spec.head_dim))
-        self._block_h = triton_kernels.next_power_of_2(spec.num_kv_heads)
+        self._block_c = triton_kernels.next_power_of_2(spec.num_kv_heads * spec.head_dim)
         self._sm_count = None
+        self._interpreted = self.device.type == "cpu"  # Triton's interpreter (TRITON_INTERPRET=1)
+        # Programs of the write and merge kernels: small on a GPU; under the interpreter, whose
+        # cost is per program, as large as the work allows.
+        if self._interpreted:
+            self._write_block_t = 64
+            self._merge_block_h = triton_kernels.next_power_of_2(spec.num_heads)
+        else:
+            self._write_block_t = max(1, min(16, 4096 // self._block_c))
+            self._merge_block_h = 1
         if self.device.type == "cuda":
             self._sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
 
@@ -86,10 +99,11 @@ class TritonAttention(AttentionBackend):
             return
         k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
         s = self.spec
-        self._kernels.write_kv_kernel[(t,)](
-            k, v, self._k[layer], self._v[layer], slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            NUM_KV_HEADS=s.num_kv_heads, HEAD_DIM=s.head_dim, BLOCK_H=self._block_h, BLOCK_D=self._block_d,
-            num_warps=1)
+        block_t = min(self._write_block_t, self._kernels.next_power_of_2(t))
+        self._kernels.write_kv_kernel[(triton_cdiv(t, block_t),)](
+            k, v, self._k[layer], self._v[layer], slot_mapping, t, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            NUM_KV_HEADS=s.num_kv_heads, HEAD_DIM=s.head_dim, BLOCK_T=block_t, BLOCK_C=self._block_c,
+            num_warps=4)
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_bound()
@@ -158,12 +172,14 @@ class TritonAttention(AttentionBackend):
             NUM_KV_HEADS=s.num_kv_heads, GROUP=s.group, HEAD_DIM=s.head_dim, BLOCK_D=self._block_d,
             PAGE_SIZE=s.page_size, BLOCK_M=x["block_m"], BLOCK_Q=x["block_q"], BLOCK_N=x["block_n"],
             NUM_SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+            DOT_FP32=self._interpreted and q.dtype == torch.bfloat16,
             num_warps=self.num_warps)
         if splits > 1:
             t = step.meta.num_tokens
-            self._kernels.merge_splits_kernel[(t, s.num_heads)](
-                part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            block_h = self._merge_block_h
+            self._kernels.merge_splits_kernel[(t, triton_cdiv(s.num_heads, block_h))](
+                part_out, part_lse, out, s.num_heads, part_out.stride(0), part_out.stride(1), part_out.stride(2),
                 part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-                NUM_SPLITS=splits, BLOCK_S=self._kernels.next_power_of_2(splits), HEAD_DIM=s.head_dim,
-                BLOCK_D=self._block_d, num_warps=self.num_warps)
+                NUM_SPLITS=splits, BLOCK_S=self._kernels.next_power_of_2(splits), BLOCK_H=block_h,
+                HEAD_DIM=s.head_dim, BLOCK_D=self._block_d, num_warps=self.num_warps)
         return out

@@ -5,8 +5,8 @@ run them on cpu tensors).
 Cache of one layer, K or V: [pages, page_size, kv_heads, head_dim], contiguous, so slot s is
 the row ``s * kv_heads * head_dim`` of a [slots, kv_heads * head_dim] matrix.
 
-- `write_kv_kernel`: one program per new token copies its K and V rows (all kv heads) to the
-  token's slot.
+- `write_kv_kernel`: each program copies the K and V rows (every kv head) of BLOCK_T new
+  tokens to their slots.
 - `paged_attention_kernel`: one program per (sequence, block of that sequence's new tokens,
   kv head[, kv split]). Its rows are (token, query head of the group) pairs, so the query heads
   that share a kv head read each key tile once. It walks the sequence's keys in tiles of
@@ -15,7 +15,11 @@ the row ``s * kv_heads * head_dim`` of a [slots, kv_heads * head_dim] matrix.
   token of the block are never read; the diagonal tile is masked per row.
 - With NUM_SPLITS > 1 (flash-decoding) the keys of each sequence are cut into NUM_SPLITS
   ranges computed from its own length on the device; each program writes its normalised
-  partial output and log-sum-exp, and `merge_splits_kernel` combines them per (token, head).
+  partial output and log-sum-exp, and `merge_splits_kernel` combines them per token, for
+  BLOCK_H of its heads at a time.
+- DOT_FP32 makes the matmuls take fp32 operands. Only Triton's interpreter needs it: its dot
+  gives wrong results for bfloat16 operands (numpy has no bfloat16), so the backend sets it for
+  bfloat16 caches on the cpu; on a GPU the dots take the cache dtype with fp32 accumulation.
 """
 from __future__ import annotations
 
@@ -24,18 +28,20 @@ import triton.language as tl
 
 
 @triton.jit
-def write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
-                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+def write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens, stride_kt, stride_kh, stride_vt,
+                    stride_vh, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < num_tokens
+    slot = tl.load(slot_ptr + t, mask=t_ok, other=0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)  # (kv head, dim) flattened: one token's row of the cache
+    h = c // HEAD_DIM
+    d = c % HEAD_DIM
+    mask = t_ok[:, None] & (c < NUM_KV_HEADS * HEAD_DIM)[None, :]
+    dst = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + c[None, :]
+    k = tl.load(k_ptr + t[:, None] * stride_kt + (h * stride_kh + d)[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    v = tl.load(v_ptr + t[:, None] * stride_vt + (h * stride_vh + d)[None, :], mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
@@ -48,7 +54,7 @@ def paged_attention_kernel(
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) % NUM_KV_HEADS
@@ -72,6 +78,8 @@ def paged_attention_kernel(
     token_row = (q_start + token).to(tl.int64)
     q = tl.load(q_ptr + token_row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     # Keys up to the block's last token are all any of its rows can see.
     kv_end = context + tl.minimum(first + BLOCK_Q, q_len)
@@ -96,6 +104,8 @@ def paged_attention_kernel(
         offs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + d[None, :]
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where((key_pos[None, :] <= position[:, None]) & key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -104,6 +114,8 @@ def paged_attention_kernel(
         alpha = tl.exp2(m_i - base)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -119,24 +131,26 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-                        stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, stride_pt, stride_ph, stride_ps, stride_lt,
+                        stride_lh, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
     sp = tl.arange(0, BLOCK_S)
-    sp_ok = sp < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + t * stride_lt + h * stride_lh + sp, mask=sp_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
+    hs_ok = h_ok[:, None] & (sp < NUM_SPLITS)[None, :]
+    lse = tl.load(part_lse_ptr + t * stride_lt + h[:, None] * stride_lh + sp[None, :], mask=hs_ok,
+                  other=float("-inf"))  # [BLOCK_H, BLOCK_S]
+    m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(sp_ok & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
-    parts = tl.load(part_out_ptr + t * stride_pt + h * stride_ph + sp[:, None] * stride_ps + d[None, :],
-                    mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
-    total = tl.sum(w, 0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    w = tl.where(hs_ok & (lse > float("-inf")), tl.exp2(lse - m[:, None]), 0.0)
+    parts = tl.load(part_out_ptr + t * stride_pt + h[:, None, None] * stride_ph + sp[None, :, None] * stride_ps
+                    + d[None, None, :], mask=hs_ok[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+    total = tl.sum(w, 1)
+    o = tl.sum(parts * w[:, :, None], 1) / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
 
 
 def next_power_of_2(n: int) -> int:
