@@ -147,6 +147,9 @@ def run_step(backend, sc: Scenario, device="cpu", layer: int = 0, host: bool = T
 
 
 def torch_backend(sc: Scenario, layers: int = 1, **kw) -> TorchAttention:
+    """With `decode_mirror=True` the mirror serves every decode step, however small."""
+    if kw.get("decode_mirror"):
+        kw.setdefault("mirror_min_bytes", 0)
     return TorchAttention(sc.spec(layers), "cpu", **kw).allocate()
 
 
@@ -198,9 +201,12 @@ def test_torch_decode_mirror_follows_steps_admissions_and_idle_rows():
     rng = torch.Generator().manual_seed(7)
     spec = AttentionSpec(num_layers=layers, num_heads=heads, num_kv_heads=kvh, head_dim=hd, num_pages=40,
                          page_size=page, dtype=torch.float32, max_tokens=16, max_seqs=4, max_blocks=6)
-    mirror = TorchAttention(spec, "cpu", decode_mirror=True).allocate()
+    # The mirror takes decode steps of contexts past 10 positions (a step gathers whole pages).
+    threshold = layers * 2 * 3 * 2 * page * kvh * hd * 4
+    mirror = TorchAttention(spec, "cpu", decode_mirror=True, mirror_min_bytes=threshold).allocate()
     plain = TorchAttention(spec, "cpu", decode_mirror=False).allocate()
     assert mirror.decode_mirror and not plain.decode_mirror
+    paths = []
     free = list(range(39, 0, -1))
     random.Random(1).shuffle(free)
     table = torch.zeros(3, 6, dtype=torch.int32)
@@ -225,6 +231,8 @@ def test_torch_decode_mirror_follows_steps_admissions_and_idle_rows():
         for backend in (mirror, plain):
             plan = backend.plan(meta)
             outs.append([backend.forward(layer, q, kv[layer, 0], kv[layer, 1], plan) for layer in range(layers)])
+            if backend is mirror:
+                paths.append(next(p for p in ("mirror", "decode", "general") if p in plan.extra))
         start = 0
         for r, (ql, sl) in enumerate(zip(q_lens, s_lens)):
             ks, vs = history[r]
@@ -244,7 +252,7 @@ def test_torch_decode_mirror_follows_steps_admissions_and_idle_rows():
 
     step([5, 3, 1], [5, 3, 1])  # prefill of three rows
     lens = [5, 3, 1]
-    for _ in range(4):  # steady decode; row 0 crosses a page boundary at position 8
+    for _ in range(6):  # steady decode; row 0 crosses a page boundary at position 8
         lens = [n + 1 for n in lens]
         step([1, 1, 1], lens)
     # Row 2 is replaced by a new prompt (pages reused), row 1 goes idle and writes slot 0.
@@ -258,6 +266,8 @@ def test_torch_decode_mirror_follows_steps_admissions_and_idle_rows():
     for _ in range(3):
         lens = [lens[0] + 1, lens[1], lens[2] + 1]  # row 1 idle: its length stays
         step([1, 1, 1], lens, idle=(1,))
+    # Pages, until the step that gathers two pages per row; a prefill; the mirror catches up.
+    assert paths == ["general"] + ["decode"] * 3 + ["mirror"] * 3 + ["general"] + ["mirror"] * 3
     # A direct write after the plan makes the mirror stale: attention falls back to the pages.
     meta = AttentionMetadata.from_lengths([1, 1, 1], [n + 1 for n in lens], table, page)
     plan = mirror.plan(meta)
@@ -275,13 +285,13 @@ def test_torch_decode_mirror_reads_what_the_pages_hold_when_slots_disagree():
     then, and every row in the steps after, reads what the pages hold, as the gather path does."""
     spec = AttentionSpec(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, num_pages=8, page_size=4,
                          dtype=torch.float32, max_tokens=8, max_seqs=2, max_blocks=3)
-    mirror = TorchAttention(spec, "cpu", decode_mirror=True).allocate()
+    mirror = TorchAttention(spec, "cpu", decode_mirror=True, mirror_min_bytes=0).allocate()
     plain = TorchAttention(spec, "cpu", decode_mirror=False).allocate()
     table = torch.tensor([[3, 5, 0], [6, 2, 0]], dtype=torch.int32)
     rng = torch.Generator().manual_seed(3)
 
     def step(q_lens, s_lens, slots=None, rows=slice(None)):
-        meta = AttentionMetadata.from_lengths(q_lens, s_lens, table, 4)
+        meta = AttentionMetadata.from_lengths(q_lens, s_lens, table[:len(q_lens)], 4)
         if slots is not None:
             meta.slot_mapping = torch.tensor(slots)
         t = sum(q_lens)
@@ -291,6 +301,15 @@ def test_torch_decode_mirror_reads_what_the_pages_hold_when_slots_disagree():
         b = plain.forward(0, q, k, v, plain.plan(meta))
         torch.testing.assert_close(a[rows], b[rows])
 
+    step([3, 3], [3, 3])
+    step([1, 1], [4, 4])
+    # Row 0 finishes and the batch is compacted: row 1 moves to index 0 at the same length,
+    # so only its pages tell the mirror that index 0 now holds another sequence.
+    table = table[[1, 0]].contiguous()
+    step([1], [5])
+    step([1, 1], [6, 5])
+    table = table[[1, 0]].contiguous()
+    step([1, 1], [6, 7])
     step([3, 2], [3, 2])
     step([1, 1], [4, 3])
     step([1, 1], [5, 4], slots=[0, 27], rows=[1])  # row 0's token to the scratch page: position 4 stays unwritten

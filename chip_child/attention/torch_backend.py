@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from chip_child.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan, WorkspaceShapes
 
-MIRROR_BUDGET_BYTES = 1 << 30
+MIRROR_BUDGET_BYTES = 1 << 30  # the largest mirror turned on by default
+MIRROR_MIN_BYTES = 4 << 20  # the least a decode step must gather for the mirror to be used
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -46,13 +47,17 @@ class TorchAttention(AttentionBackend):
     cache_layout = "layer, k|v, kv_head, page, offset, head_dim"
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cpu", decode_mirror: bool | None = None,
-                 mirror_budget_bytes: int = MIRROR_BUDGET_BYTES):
+                 mirror_budget_bytes: int = MIRROR_BUDGET_BYTES, mirror_min_bytes: int = MIRROR_MIN_BYTES):
         """`decode_mirror`: None turns it on for a cpu cache whose mirror takes at most
-        `mirror_budget_bytes`; True insists (cpu only: it reads lengths on the host each step)."""
+        `mirror_budget_bytes`; True insists (cpu only: it reads lengths on the host each step).
+        With the mirror on, a decode step uses it when the gathers it replaces (all layers)
+        reach `mirror_min_bytes`; smaller steps gather, and the mirror catches up (one gather
+        of every row) at the first step that uses it."""
         super().__init__(spec, device)
         s = spec
-        self._mirror_bytes = (s.num_layers * 2 * s.max_seqs * s.num_kv_heads * s.max_context * s.head_dim
-                              * torch.empty((), dtype=s.dtype).element_size())
+        self._elem = torch.empty((), dtype=s.dtype).element_size()
+        self.mirror_min_bytes = mirror_min_bytes
+        self._mirror_bytes = s.num_layers * 2 * s.max_seqs * s.num_kv_heads * s.max_context * s.head_dim * self._elem
         if decode_mirror is None:
             decode_mirror = self.device.type == "cpu" and self._mirror_bytes <= mirror_budget_bytes
         elif decode_mirror and self.device.type != "cpu":
@@ -80,13 +85,12 @@ class TorchAttention(AttentionBackend):
         cache = self.kv_cache
         self._layers = list(cache.unbind(0))  # [2, kvh, pages, page, hd]
         self._slots = [c.flatten(2, 3) for c in self._layers]  # [2, kvh, slots, hd]
-        self._key_index = torch.arange(self.spec.max_context, device=cache.device)
+        self._key_index = torch.arange(self.spec.max_context, dtype=torch.int32, device=cache.device)
         self._zero = torch.zeros((), dtype=cache.dtype, device=cache.device)
         self._neg_inf = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
         if self.decode_mirror:
             mirror = self.workspace["mirror"]
             self._mirror_layers = list(mirror.unbind(0))  # [2, max_seqs, kvh, max_ctx, hd]
-            self._mirror_rows = [m.flatten(1, 3) for m in self._mirror_layers]  # [2, max_seqs*kvh*max_ctx, hd]
         self.invalidate()
 
     def invalidate(self) -> None:
@@ -119,7 +123,7 @@ class TorchAttention(AttentionBackend):
         blocks = max(1, math.ceil(meta.max_seq_len / page))
         step.extra["blocks"] = blocks
         if meta.max_query_len == 1 and t == n and n > 0:
-            if self.decode_mirror:
+            if self.decode_mirror and self._mirror_pays(n, blocks):
                 self._plan_mirror(step, blocks)
             else:
                 step.extra["decode"] = self._decode_view(meta.block_table, meta.seq_lens, blocks)
@@ -135,21 +139,27 @@ class TorchAttention(AttentionBackend):
         target = self.workspace["gather"].view(-1)[:2 * s.num_kv_heads * rows * ctx * s.head_dim]
         target = target.view(2, s.num_kv_heads, rows * blocks, s.page_size, s.head_dim)
         flat = target.view(2, s.num_kv_heads * rows, ctx, s.head_dim)  # row r of kv head j at j * rows + r
-        lens = seq_lens.to(torch.int64)
-        lens = lens if s.num_kv_heads == 1 else lens.repeat(s.num_kv_heads)
+        lens = seq_lens if s.num_kv_heads == 1 else seq_lens.repeat(s.num_kv_heads)
         visible = self._key_index[:ctx][None, :] < lens[:, None]
         bias = torch.where(visible, self._zero, self._neg_inf).unsqueeze(1)
-        pages = block_table[:, :blocks].reshape(-1).to(torch.int64)
+        pages = block_table[:, :blocks].reshape(-1)  # int32 or int64: index_select takes either
         return dict(pages=pages, target=target, keys_t=flat[0].transpose(1, 2), values=flat[1], bias=bias, rows=rows)
+
+    def _mirror_pays(self, rows: int, blocks: int) -> bool:
+        """Whether the gathers this decode step would make (every layer, K and V) are large
+        enough for the mirror's host bookkeeping to pay."""
+        s = self.spec
+        gathered = s.num_layers * 2 * rows * blocks * s.page_size * s.num_kv_heads * s.head_dim * self._elem
+        return gathered >= self.mirror_min_bytes
 
     def _plan_mirror(self, step: StepPlan, blocks: int) -> None:
         """Decode through the mirror: re-gather the rows it no longer holds, then say where
-        each layer appends its new token."""
+        each layer appends its new token. Host work in numpy: the mirror lives on the cpu."""
         meta, s = step.meta, self.spec
-        page, n = s.page_size, meta.num_seqs
+        page, n, kvh = s.page_size, meta.num_seqs, s.num_kv_heads
         lens = np.asarray(meta.seq_lens_host if meta.seq_lens_host is not None else meta.seq_lens.tolist(), np.int64)
-        table = meta.block_table[:, :blocks].to("cpu", torch.int64).numpy()
-        slots = meta.slot_mapping.to("cpu", torch.int64).numpy()
+        table = meta.block_table.numpy()[:, :blocks].astype(np.int64)
+        slots = meta.slot_mapping.numpy()
         prev = lens - 1  # positions already in the cache before this step
         prev_blocks = -(-prev // page)
         used = np.arange(blocks)[None, :] < prev_blocks[:, None]
@@ -158,13 +168,13 @@ class TorchAttention(AttentionBackend):
         for r in np.flatnonzero(~valid):
             nb = int(prev_blocks[r])
             if nb:
-                src = torch.as_tensor(table[r, :nb], device=self.device)
+                src = torch.from_numpy(table[r, :nb])
                 dst = self.workspace["mirror"][:, :, r].unflatten(3, (s.max_blocks, page))[:, :, :, :nb]
                 dst.copy_(self.kv_cache.index_select(3, src))  # every layer's pages of row r
         # After this step the row holds its new token too, if the token's slot is where the
         # block table says; a token written elsewhere in page 0 (an idle row) leaves the row's
         # older positions intact; anywhere else, no row can be trusted.
-        expected = table[np.arange(n), np.minimum(prev // page, blocks - 1)] * page + prev % page
+        expected = table[np.arange(n), prev // page] * page + prev % page
         consistent = slots[:n] == expected
         self._mirror_table[:n, :blocks] = table
         self._mirror_len[:n] = np.where(consistent, lens, prev)
@@ -172,15 +182,12 @@ class TorchAttention(AttentionBackend):
             self._mirror_len[:] = 0
         self._mirror_len[n:] = 0  # rows past this step's batch are not maintained
         ctx = blocks * page
-        kvh = s.num_kv_heads
-        lens_t = meta.seq_lens.to(torch.int64)
-        visible = self._key_index[:ctx][None, :] < lens_t[:, None]
-        bias = torch.where(visible, self._zero, self._neg_inf).unsqueeze(1)  # [n, 1, ctx]
-        bias = bias.repeat_interleave(kvh, 0) if kvh > 1 else bias  # row s * kvh + j
-        heads = torch.arange(kvh, device=self.device)
-        index = ((torch.arange(n, device=self.device)[:, None] * kvh + heads[None, :]) * s.max_context
-                 + (lens_t - 1)[:, None]).reshape(-1)
-        step.extra["mirror"] = dict(bias=bias, index=index, ctx=ctx, gen=self._mirror_gen)
+        visible = np.arange(ctx)[None, :] < np.repeat(lens, kvh)[:, None]  # row s * kvh + j
+        bias = torch.from_numpy(np.where(visible, np.float32(0), np.float32(-np.inf)))
+        bias = bias if s.dtype == torch.float32 else bias.to(s.dtype)
+        rows = torch.from_numpy(np.arange(n)[:, None])
+        index = (rows, torch.arange(kvh)[None, :], torch.from_numpy(prev[:, None]))  # broadcast to [n, kvh]
+        step.extra["mirror"] = dict(bias=bias.unsqueeze(1), index=index, ctx=ctx, gen=self._mirror_gen)
 
     # ---- attention -------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepPlan,
@@ -189,10 +196,9 @@ class TorchAttention(AttentionBackend):
         if mirror is not None and mirror["gen"] == self._mirror_gen:
             self._check_bound()
             self._write_cache(layer, k, v, step.meta.slot_mapping)
-            rows = self._mirror_rows[layer]
-            n, kvh, hd = k.shape
-            rows[0].index_copy_(0, mirror["index"], k.reshape(n * kvh, hd))
-            rows[1].index_copy_(0, mirror["index"], v.reshape(n * kvh, hd))
+            kv = self._mirror_layers[layer]  # [2, max_seqs, kvh, max_ctx, hd]
+            kv[0].index_put_(mirror["index"], k)
+            kv[1].index_put_(mirror["index"], v)
             return self._attend_mirror(layer, q, mirror, self._out(q, out))
         self.write_kv(layer, k, v, step.meta.slot_mapping)
         return self.attend(layer, q, step, out=out, k=k, v=v)

@@ -143,8 +143,10 @@ class TritonAttention(AttentionBackend):
         lens = meta.seq_lens if meta.seq_lens.dtype == torch.int32 else meta.seq_lens.int()
         table = meta.block_table if meta.block_table.dtype == torch.int32 else meta.block_table.int()
         step = StepPlan(meta)
+        # A 128 x 128 fp32 accumulator needs more than four warps' registers.
+        warps = self.num_warps if block_m * self._block_d < 128 * 128 else max(self.num_warps, 8)
         step.extra.update(grid=grid, block_m=block_m, block_q=block_q, block_n=block_n, splits=splits,
-                          query_start_loc=qsl, seq_lens=lens, block_table=table)
+                          query_start_loc=qsl, seq_lens=lens, block_table=table, num_warps=warps)
         return step
 
     def attend(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None = None,
@@ -173,7 +175,7 @@ class TritonAttention(AttentionBackend):
             PAGE_SIZE=s.page_size, BLOCK_M=x["block_m"], BLOCK_Q=x["block_q"], BLOCK_N=x["block_n"],
             NUM_SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
             DOT_FP32=self._interpreted and q.dtype == torch.bfloat16,
-            num_warps=self.num_warps)
+            num_warps=x["num_warps"])
         if splits > 1:
             t = step.meta.num_tokens
             block_h = self._merge_block_h
