@@ -10,14 +10,16 @@ Paths, chosen per step by `plan`:
 - pure decode (every sequence has one new token, T == N; no host read on this path unless the
   mirror is on): one gather of every row's pages per layer into the workspace, then
   baddbmm / softmax / bmm with a mask built once per step;
-- pure decode with the *decode mirror* (cpu only, on by default there when it fits a budget):
-  a persistent dense copy of every row's K/V, [layers, 2, max_seqs, kv_heads, max_context,
-  head_dim]. Each decode step appends the new token to it next to the cache write, so steady
-  decode reads K/V in place and copies nothing per layer. Rows are re-gathered from the cache
-  only when their block table or length no longer continues what the mirror holds (after a
-  prefill, an admission, a page change); any write that is not a mirrored decode write makes
-  every row stale. On the CPU this took the attention of a decode step from gather + math to
-  math alone (scripts/bench_attention_cpu.py);
+- pure decode with the *decode mirror* (cpu only; on by default there when the mirror takes at
+  most `mirror_budget_bytes`): a persistent dense copy of every row's K/V, [layers, 2,
+  max_seqs, kv_heads, max_context, head_dim]. Each decode step appends the new token to it next
+  to the cache write, so steady decode reads K/V in place and copies nothing per layer. Rows
+  are re-gathered from the cache only when their block table or length no longer continues
+  what the mirror holds (after a prefill, an admission, a compaction of the batch); any write
+  that is not a mirrored decode write makes every row stale. Its host bookkeeping costs about
+  as much as a few small ops, so a step takes the mirror only when the gathers it saves reach
+  `mirror_min_bytes` (4 MiB over all layers by default); scripts/bench_attention_cpu.py
+  measures both paths;
 - anything else (prefill chunks, mixed batches): decode rows together as above; a chunk with no
   cached context through SDPA's causal fast path on its own k/v; a chunk with cached context
   through SDPA over its gathered pages with a bottom-right causal mask.
@@ -258,9 +260,9 @@ class TorchAttention(AttentionBackend):
             if decode_rows:
                 rows_t = torch.tensor(decode_rows, device=self.device)
                 blocks = max(1, math.ceil(max(s_lens[i] for i in decode_rows) / s.page_size))
-                decode = (self._decode_view(meta.block_table.index_select(0, rows_t), meta.seq_lens.index_select(0, rows_t),
-                                            blocks),
-                          torch.tensor([starts[i] for i in decode_rows], device=self.device))
+                view = self._decode_view(meta.block_table.index_select(0, rows_t),
+                                         meta.seq_lens.index_select(0, rows_t), blocks)
+                decode = (view, torch.tensor([starts[i] for i in decode_rows], device=self.device))
             chunks = [(i, starts[i], q_lens[i], s_lens[i]) for i, ql in enumerate(q_lens) if ql > 1]
             step.extra["host"] = (decode, chunks)
         decode, chunks = step.extra["host"]
