@@ -68,11 +68,12 @@ Using a backend
 triton backend only does arithmetic on the host ints (grid, block sizes, split count); the torch
 backend's pure-decode path only launches device ops (its mirror and its mixed-batch path read
 lengths on the host, which is free on the cpu); the npu backend hands host length lists to the
-vendor op. A plan stays valid for replays as long as the host bounds it was made with hold: to
-capture a decode step in a CUDA graph, keep the metadata tensors at fixed addresses, plan once
-with the bucket's bounds (max_query_len=1, max_seq_len = the bucket's longest context), capture
-every layer's `forward`, and before each replay only copy the new lengths, starts, block-table
-entries and slots into those tensors. Pass int32 starts, lengths and block table: a backend
+vendor op. To capture a decode step in a CUDA graph: keep the metadata tensors at fixed
+addresses, capture `plan` (made with the bucket's bounds: max_query_len=1, max_seq_len = the
+bucket's longest context) together with every layer's `forward`, and before each replay only
+copy the new lengths, starts, block-table entries and slots into those tensors; the device ops
+of the plan (the torch backend's mask) replay with them, its host arithmetic (the triton grid)
+holds for any batch within the bounds. Pass int32 starts, lengths and block table: a backend
 converts other dtypes with a copy in `plan`.
 """
 from __future__ import annotations
