@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from chip_child.protocol import Admit, Command, FullState
+from chip_child.protocol import Admit, Command, FullState, prefill_command
 from chip_child.runtime import ChipRuntime, StepOutputs
 from chip_child.sampling import seed_key
 
@@ -76,14 +76,14 @@ class LocalDriver:
             for i, r in enumerate(requests):
                 if blk < math.ceil(len(r.prompt) / page):
                     pages[i].append(self._take_page())
-        admits = [Admit(i, len(r.prompt), int(offsets[i]), np.array(pages[i], np.int32), r.temperature, r.top_p,
-                        r.top_k, r.seed, r.min_p, r.presence_penalty, r.frequency_penalty, r.repetition_penalty,
-                        r.min_tokens, np.array(r.stop_ids, np.int32), r.logprobs, r.prompt_logprobs)
+        admits = [(Admit(i, len(r.prompt), r.temperature, r.top_p, r.top_k, r.seed, r.min_p, r.presence_penalty,
+                         r.frequency_penalty, r.repetition_penalty, r.min_tokens, np.array(r.stop_ids, np.int32),
+                         r.logprobs, r.prompt_logprobs), np.array(pages[i], np.int32), int(offsets[i]))
                   for i, r in enumerate(requests)]
         result = LocalResult(token_ids=[[] for _ in requests], logits=[[] for _ in requests],
                              logprobs=[[] if r.logprobs >= 0 else None for r in requests],
                              prompt_logprobs=[None] * len(requests))
-        step = self._execute(Command(step=self.step, admits=admits), staging, requests, result, keep_logits)
+        step = self._execute(prefill_command(self.step, admits), staging, requests, result, keep_logits)
         for i, r in enumerate(requests):
             if r.prompt_logprobs >= 0:
                 assert step.prompt_logprobs or len(r.prompt) == 1

@@ -31,9 +31,8 @@ import numpy as np
 import torch
 from bench_decode import WORKLOADS, CpuMeter, Workload, compute_cores, make_prompts, pinned, write_checkpoint
 
-from chip_child.protocol import MAX_LOGPROBS, Admit, Command
+from chip_child.protocol import MAX_LOGPROBS, Admit, Command, prefill_command
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
-from l3worker.pages import PageAllocator
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
 VARIANTS = {
@@ -59,35 +58,33 @@ class Loop:
                                                 num_threads=threads))
         self.out = torch.zeros(wl.batch, dtype=torch.int32)
         self.outputs = StepOutputs.allocate(wl.batch, self.rt.cfg.prefill_capacity)
-        self.pages = PageAllocator(self.rt.cfg.total_pages - 1)
+        self.free_pages = list(range(1, self.rt.cfg.total_pages))
         self.step = 0
         self.previous_rows: list[int] = []
 
     def _commands(self, prompts: list[np.ndarray], features: dict) -> list[Command]:
         wl, page = self.wl, self.wl.page_size
-        need = math.ceil((wl.prompt_len + wl.new_tokens - 1) / page)
         owned, admits = [], []
         for row, p in enumerate(prompts):
-            assert self.pages.reserve(need)
-            owned.append([self.pages.take() for _ in range(math.ceil(len(p) / page))])
+            owned.append([self.free_pages.pop(0) for _ in range(math.ceil(len(p) / page))])
             extra = dict(features)
             if "min_tokens" in extra:
                 extra["min_tokens"] = wl.new_tokens
                 extra["stop_ids"] = np.array(extra["stop_ids"], np.int32)
-            admits.append(Admit(row, len(p), row * wl.prompt_len, np.array(owned[row], np.int32), 0.8, 1.0, 0,
-                                row, **extra))
-        cmds = [Command(self.step, finished_rows=self.previous_rows, admits=admits)]
+            admits.append((Admit(row, len(p), 0.8, 1.0, 0, row, **extra), np.array(owned[row], np.int32),
+                           row * wl.prompt_len))
+        cmds = [prefill_command(self.step, admits, finished_rows=self.previous_rows)]
         for k in range(1, wl.new_tokens):
             pos = wl.prompt_len + k - 1
             triples = []
             if pos % page == 0:
                 for row in range(len(prompts)):
-                    owned[row].append(self.pages.take())
+                    owned[row].append(self.free_pages.pop(0))
                     triples.append((row, pos // page, owned[row][-1]))
             cmds.append(Command(self.step + k, new_pages=np.array(triples, np.int32).reshape(-1, 3)))
         self.step += len(cmds)
         for pages in owned:
-            self.pages.release(pages, need - len(pages))
+            self.free_pages += pages
         self.previous_rows = list(range(len(prompts)))
         return cmds
 
