@@ -395,16 +395,27 @@ def test_admit_round_trip_keeps_every_field() -> None:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(min_p=1.5), "admit: min_p "), (dict(min_p=-0.1), "admit: min_p "), (dict(min_p=float("nan")), "admit: min_p "),
-    (dict(min_p="0.1"), "admit: min_p "), (dict(presence_penalty=float("inf")), "admit: presence_penalty "),
-    (dict(frequency_penalty=None), "admit: frequency_penalty "), (dict(repetition_penalty=0.0), "admit: repetition_penalty "),
-    (dict(repetition_penalty=-1.0), "admit: repetition_penalty "), (dict(min_tokens=-1), "admit: min_tokens "),
-    (dict(min_tokens=33), "admit: min_tokens "), (dict(min_tokens=2.0), "admit: min_tokens "), (dict(min_tokens=True), "admit: min_tokens "),
-    (dict(stop_ids=b"\x00\x01\x02"), "admit stop_ids: expected int32"), (dict(stop_ids=[1, 2]), "admit stop_ids: expected int32"),
+    (dict(min_p=1.5), "admit: min_p "),
+    (dict(min_p=-0.1), "admit: min_p "),
+    (dict(min_p=float("nan")), "admit: min_p "),
+    (dict(min_p="0.1"), "admit: min_p "),
+    (dict(presence_penalty=float("inf")), "admit: presence_penalty "),
+    (dict(frequency_penalty=None), "admit: frequency_penalty "),
+    (dict(repetition_penalty=0.0), "admit: repetition_penalty "),
+    (dict(repetition_penalty=-1.0), "admit: repetition_penalty "),
+    (dict(min_tokens=-1), "admit: min_tokens "),
+    (dict(min_tokens=33), "admit: min_tokens "),
+    (dict(min_tokens=2.0), "admit: min_tokens "),
+    (dict(min_tokens=True), "admit: min_tokens "),
+    (dict(stop_ids=b"\x00\x01\x02"), "admit stop_ids: expected int32"),
+    (dict(stop_ids=[1, 2]), "admit stop_ids: expected int32"),
     (dict(stop_ids=np.array([300], np.int32).tobytes()), "admit stop_ids: token id outside"),
     (dict(stop_ids=np.array([-1], np.int32).tobytes()), "admit stop_ids: token id outside"),
-    (dict(logprobs=21), "admit: logprobs "), (dict(logprobs=-2), "admit: logprobs "), (dict(logprobs=1.0), "admit: logprobs "),
-    (dict(prompt_logprobs=21), "admit: prompt_logprobs "), (dict(prompt_logprobs="3"), "admit: prompt_logprobs "),
+    (dict(logprobs=21), "admit: logprobs "),
+    (dict(logprobs=-2), "admit: logprobs "),
+    (dict(logprobs=1.0), "admit: logprobs "),
+    (dict(prompt_logprobs=21), "admit: prompt_logprobs "),
+    (dict(prompt_logprobs="3"), "admit: prompt_logprobs "),
 ])
 def test_malformed_new_admit_fields_are_refused(changes: dict, message: str) -> None:
     raw = msgpack.unpackb(encode(Command(step=0, admits=[_admit()])))
