@@ -258,7 +258,6 @@ class DistributedWorker:
         finally:
             if bar is not None:
                 bar.close()
-        self._last.wall_s = time.perf_counter() - t0
         return [finals[s.request_id] for s in states]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
@@ -287,7 +286,7 @@ class DistributedWorker:
         states = [self.engine.make_request(prompt, p, None, stream, f"prompts[{i}]", arrival=t0)
                   for i, (prompt, p) in enumerate(zip(prompt_list, params_list))]
         self.prepare()
-        self._last = GenerateStats(setup_s=time.perf_counter() - t0, requests=len(states))
+        self._last = GenerateStats(started_at=t0, setup_s=time.perf_counter() - t0, requests=len(states))
         self._generate_calls += 1
         for state in states:
             self.engine.submit(state)
@@ -317,6 +316,7 @@ class DistributedWorker:
             raise
         finally:
             engine.recorder = None
+        self._last.wall_s = time.perf_counter() - self._last.started_at
         self._requests_served += len(states)
 
     # -- figures -------------------------------------------------------------------------------
