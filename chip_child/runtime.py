@@ -453,7 +453,7 @@ class ChipRuntime:
     def _plan_chunks(self, chunks: list[Chunk], staging: np.ndarray, want_logprobs: bool) -> ChunkPlan:
         """Copies the chunks' ids, positions and metadata to the device in one transfer, and
         marks the rows whose prompt ends here as decoding from this step's sample on."""
-        b, p = self.cfg.max_batch_size, self.cfg.prefill_capacity
+        b = self.cfg.max_batch_size
         lens = [c.length for c in chunks]
         total = sum(lens)
         for c in chunks:

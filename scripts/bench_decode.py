@@ -24,7 +24,6 @@ import argparse
 import gc
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -40,7 +39,8 @@ import torch
 from bench_submit import DEFAULT_SIZES, format_submission, measure_submission  # scripts/, next to this file
 
 from chip_child.device import plan_cores
-from chip_child.protocol import Admit, Command, prefill_command
+from chip_child.local import batch_commands
+from chip_child.protocol import Admit, Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig
 from l3worker import DistributedWorker, SamplingParams
 
@@ -149,21 +149,9 @@ class Floor:
         self.previous_rows: list[int] = []
 
     def _commands(self, prompts: list[np.ndarray], new_tokens: int) -> tuple[list[Command], np.ndarray]:
-        page, wl = self.wl.page_size, self.wl
-        owned: list[list[int]] = []
-        admits = []
-        for row, p in enumerate(prompts):
-            owned.append([self.free_pages.pop(0) for _ in range(math.ceil(len(p) / page))])
-            admits.append((Admit(row, len(p), 0.0, 1.0, 0, 0), np.array(owned[row], np.int32), row * wl.prompt_len))
-        cmds = [prefill_command(self.step, admits, finished_rows=self.previous_rows)]
-        for k in range(1, new_tokens):
-            pos = wl.prompt_len + k - 1  # this step's input position, as Scheduler._decode computes it
-            triples = []
-            for row in range(len(prompts)):
-                if pos % page == 0:
-                    owned[row].append(self.free_pages.pop(0))
-                    triples.append((row, pos // page, owned[row][-1]))
-            cmds.append(Command(self.step + k, new_pages=np.array(triples, np.int32).reshape(-1, 3)))
+        admits = [Admit(row, len(p), 0.0, 1.0, 0, 0) for row, p in enumerate(prompts)]
+        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], new_tokens, self.wl.page_size,
+                                     self.free_pages, self.previous_rows)
         self.step += len(cmds)
         for pages in owned:
             self.free_pages += pages
