@@ -46,6 +46,14 @@ class Admit:
     top_p: float
     top_k: int
     seed: int
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    logprobs: int = -1
+    prompt_logprobs: int = -1
 
 
 @dataclass

@@ -1,47 +1,40 @@
 """DistributedWorker: the L3 parent. Holds the prepared runtime and never opens a device.
 
-prepare() makes the shared step buffers and starts one chip-child per device; generate() admits
-requests into batch rows, keeps up to `pipeline_depth` diff-only step commands in flight, and
-reads sampled ids from the shared ring; close() stops the children and removes the socket files.
+prepare() makes the shared step buffers and starts one chip-child per device; generate() and
+stream() put requests on the engine's step loop (l3worker/engine.py), which keeps up to
+`pipeline_depth` diff-only step commands in flight; close() stops the children and removes the
+socket files.
 """
 from __future__ import annotations
 
 import atexit
 import os
-import secrets
 import shutil
+import sys
 import tempfile
 import time
 import weakref
-from collections import deque
-from dataclasses import dataclass, replace
-from typing import Sequence
+from dataclasses import replace
+from typing import Iterator, Sequence
 
-import numpy as np
 import zmq
+from tqdm import tqdm
 
-from chip_child import protocol
 from chip_child.device import DEVICE_TYPES, CorePlan, available_cores, device_type, pin_socket_threads, plan_cores
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
 from chip_child.tiny_model import ensure_tiny_model
 from l3worker.child import ChildProcess
-from l3worker.doorbell import ORDERED_STORES, Doorbell
-from l3worker.errors import WorkerError
-from l3worker.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
-from l3worker.scheduler import Request, Scheduled, Scheduler
 from l3worker.shared import StepBuffers
-from l3worker.stats import GenerateStats, StepRecord
+from l3worker.doorbell import ORDERED_STORES, Doorbell
+from l3worker.engine import Engine, RequestState
+from l3worker.errors import WorkerError
+from l3worker.inputs import Prompt, as_prompt_list
+from l3worker.params import RequestOutput, SamplingParams
+from l3worker.stats import GenerateStats
 
-Prompt = str | Sequence[int] | np.ndarray
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
-
-
-@dataclass
-class _InFlight:
-    scheduled: Scheduled
-    command_bytes: int
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -127,10 +120,10 @@ class DistributedWorker:
         self._ctx: zmq.Context | None = None
         self._socket_dir: str | None = None
         self._buffers: StepBuffers | None = None
-        self._scheduler: Scheduler | None = None
         self._state = "new"  # new -> ready -> closed
         self._prepare_s = 0.0
-        self._next_request_id = 0
+        self.engine = Engine(self.model_config, self.runtime_config, self.tokenizer, self.model_dir,
+                             pipeline_depth, step_timeout_s)
         self._requests_served = 0
         self._generate_calls = 0
         self._last = GenerateStats()
@@ -172,11 +165,7 @@ class DistributedWorker:
         except BaseException:
             self.close()
             raise
-        self._scheduler = Scheduler(
-            max_batch_size=cfg.max_batch_size, page_size=cfg.page_size, max_blocks_per_row=cfg.max_blocks_per_row,
-            num_pages=cfg.total_pages - 1, prefill_capacity=cfg.prefill_capacity,
-            full_state=cfg.copy_policy == "always",
-        )
+        self.engine.bind(self._children, self._buffers, self._doorbell)
         self._prepare_s = time.perf_counter() - t0
         return self
 
@@ -213,6 +202,8 @@ class DistributedWorker:
         self._buffers = None
         self._doorbell = None
         self._core_plan = None  # its cores are free for another worker
+        if self._state != "closed" and self.engine.error is None:
+            self.engine.fail(WorkerError("the worker was closed"))
         self._state = "closed"
 
     def __enter__(self) -> "DistributedWorker":
@@ -235,163 +226,87 @@ class DistributedWorker:
 
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generates for every prompt; more prompts than rows queue and enter as rows free up.
-        Bad input raises before anything reaches a child and leaves the worker usable."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generates for every prompt and returns one final output per prompt, in order; more
+        prompts than rows queue and enter as rows free up. Bad input raises before anything
+        reaches a child and leaves the worker usable. `use_tqdm`: a progress bar (default: only
+        when stderr is a terminal)."""
         t0 = time.perf_counter()
+        states = self._start(prompts, params, stream=False, t0=t0)
+        bar = None
+        if use_tqdm if use_tqdm is not None else sys.stderr.isatty():
+            bar = tqdm(total=len(states), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        finals: dict[str, RequestOutput] = {}
+        try:
+            for out in self._drive(states):
+                if out.finished:
+                    finals[out.request_id] = out
+                    if bar is not None:
+                        _advance_bar(bar, finals.values(), time.perf_counter() - t0)
+        finally:
+            if bar is not None:
+                bar.close()
+        self._last.wall_s = time.perf_counter() - t0
+        return [finals[s.request_id] for s in states]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yields outputs as tokens arrive: deltas (new tokens and text) while a request runs, then
+        its final output (`finished`). Leaving the loop early aborts the requests still running."""
+        states = self._start(prompts, params, stream=True, t0=time.perf_counter())
+        yield from self._drive(states)
+
+    def _start(self, prompts, params, stream: bool, t0: float) -> list[RequestState]:
         if self._state == "closed":
             raise WorkerError("this worker was closed; make a new DistributedWorker")
-        requests = self._make_requests(prompts, params, t0)
-        self.prepare()
-        stats = GenerateStats(setup_s=time.perf_counter() - t0, requests=len(requests))
-        self._last = stats
-        self._generate_calls += 1
-        try:
-            self._run(requests, stats)
-        except BaseException:
-            # Children may hold commands the parent no longer tracks (Ctrl-C, a child error or
-            # death): the only safe state is none at all.
-            self.close()
-            raise
-        stats.wall_s = time.perf_counter() - t0
-        self._requests_served += len(requests)
-        return [self._output(r) for r in requests]
-
-    def _run(self, requests: list[Request], stats: GenerateStats) -> None:
-        sched = self._scheduler
-        sched.add(requests)
-        inflight: deque[_InFlight] = deque()
-        last_done = time.perf_counter()
-        while True:
-            while len(inflight) < self.pipeline_depth and (s := sched.next_command()) is not None:
-                inflight.append(self._send(s))
-            if not inflight:
-                break
-            entry = inflight.popleft()
-            step = entry.scheduled.command.step
-            t_wait = time.perf_counter()
-            self._doorbell.wait(step, self.step_timeout_s, queued_behind=bool(inflight))
-            now = time.perf_counter()
-            slot = step % self._buffers.slots
-            ids = self._buffers.sampled[slot].numpy()
-            apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs = self._buffers.step_stats[slot].tolist()
-            for req in sched.on_tokens(entry.scheduled.producers, ids, now):
-                stats.generated_tokens += len(req.tokens)
-            stats.steps.append(StepRecord(
-                step=step, prefill=entry.scheduled.command.is_prefill, parent_wall_s=now - last_done,
-                wait_s=now - t_wait, apply_s=apply_us / 1e6, device_s=device_us / 1e6,
-                command_bytes=entry.command_bytes, h2d_copies=h2d_copies, h2d_bytes=h2d_bytes,
-                pool_allocs=pool_allocs,
-            ))
-            last_done = now
-        for req in requests:
-            stats.ttft_s.append(req.first_token_at - req.arrival)
-            if len(req.tokens) > 1:
-                stats.tpot_s.append((req.last_token_at - req.first_token_at) / (len(req.tokens) - 1))
-
-    def _send(self, s: Scheduled) -> _InFlight:
-        staging = self._buffers.staging[s.command.step % self._buffers.slots].numpy()
-        for offset, ids in s.staging_tokens:
-            staging[offset:offset + len(ids)] = ids
-        payload = protocol.encode(s.command)
-        for child in self._children:
-            child.send(payload)
-        return _InFlight(s, len(payload))
-
-    # -- input ---------------------------------------------------------------------------------
-    def _make_requests(self, prompts, params, now: float) -> list[Request]:
-        prompt_list = self._as_prompt_list(prompts)
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
+        if self.engine.driven_by_loop_thread:
+            raise WorkerError("an AsyncEngine drives this worker: submit requests through it")
+        prompt_list = as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
             params_list = [params] * len(prompt_list)
         else:
             params_list = list(params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"params: {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
-        vocab = self.model_config.vocab_size
-        cfg = self.runtime_config
-        requests = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
-            if not isinstance(p, SamplingParams):
+        for i, p in enumerate(params_list):
+            if p is not None and not isinstance(p, SamplingParams):
                 raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
-            p.validate(vocab)
-            ids = self._token_ids(prompt, i)
-            if len(ids) + p.max_new_tokens > cfg.max_seq_len:
-                raise ValueError(f"prompts[{i}]: prompt length {len(ids)} + max_new_tokens {p.max_new_tokens} "
-                                 f"exceeds max_seq_len={cfg.max_seq_len}")
-            req = Request(
-                request_id=self._next_request_id + i, prompt=prompt if isinstance(prompt, str) else None,
-                prompt_ids=ids, params=p, seed=p.seed if p.seed is not None else secrets.randbits(63),
-                stop_ids=frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else
-                                                        frozenset(self.model_config.eos_token_ids)),
-                arrival=now,
-            )
-            if req.pages_needed(cfg.page_size) > cfg.total_pages - 1:
-                raise ValueError(f"prompts[{i}] needs {req.pages_needed(cfg.page_size)} KV pages, more than "
-                                 f"num_pages={cfg.total_pages - 1}")
-            requests.append(req)
-        self._next_request_id += len(requests)
-        return requests
+        # Every prompt is checked before any is queued: bad input leaves nothing behind.
+        states = [self.engine.make_request(prompt, p, None, stream, f"prompts[{i}]", arrival=t0)
+                  for i, (prompt, p) in enumerate(zip(prompt_list, params_list))]
+        self.prepare()
+        self._last = GenerateStats(setup_s=time.perf_counter() - t0, requests=len(states))
+        self._generate_calls += 1
+        for state in states:
+            self.engine.submit(state)
+        return states
 
-    @staticmethod
-    def _as_prompt_list(prompts) -> list:
-        if isinstance(prompts, (str, np.ndarray)) or _is_tensor(prompts):
-            return [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a list of ints, an int array or a list of those, "
-                            f"got {type(prompts).__name__}")
-        if not prompts:
-            raise ValueError("prompts: empty list")
-        if all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in prompts):
-            return [prompts]  # one prompt given as token ids
-        return list(prompts)
-
-    def _token_ids(self, prompt, i: int) -> np.ndarray:
-        vocab = self.model_config.vocab_size
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompts[{i}] is text but {self.model_dir} has no tokenizer.json; pass token ids")
-            ids = np.asarray(self.tokenizer.encode(prompt, add_special_tokens=False).ids, dtype=np.int64)
-        else:
-            if _is_tensor(prompt):
-                prompt = prompt.detach().cpu().numpy()
-            if isinstance(prompt, np.ndarray):
-                if not np.issubdtype(prompt.dtype, np.integer):
-                    raise TypeError(f"prompts[{i}]: token array must have an integer dtype, got {prompt.dtype}")
-                if prompt.ndim != 1:
-                    raise ValueError(f"prompts[{i}]: token array must be 1-D, got shape {prompt.shape}")
-                ids = prompt
-            elif isinstance(prompt, (list, tuple)):
-                if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-                    raise TypeError(f"prompts[{i}]: token ids must be ints")
-                try:
-                    ids = np.asarray(prompt, dtype=np.int64)
-                except OverflowError:
-                    raise ValueError(f"prompts[{i}]: token id outside [0, {vocab}) (vocab_size)") from None
-            else:
-                raise TypeError(f"prompts[{i}]: unsupported prompt type {type(prompt).__name__}")
-        if ids.size == 0:
-            raise ValueError(f"prompts[{i}]: empty prompt")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"prompts[{i}]: token id {bad} outside [0, {vocab}) (vocab_size)")
-        return ids.astype(np.int32)
-
-    def _output(self, req: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.tokens, skip_special_tokens=True)
-        n = len(req.tokens)
-        decode_s = req.last_token_at - req.first_token_at
-        metrics = RequestMetrics(
-            ttft_s=req.first_token_at - req.arrival, decode_s=decode_s,
-            tpot_s=decode_s / (n - 1) if n > 1 else 0.0, queued_s=req.admitted_at - req.arrival,
-        )
-        sample = CompletionOutput(0, list(req.tokens), text, finish_reason=req.finish_reason)
-        return RequestOutput(str(req.request_id), req.prompt, req.prompt_ids.tolist(), [sample], finished=True,
-                             metrics=metrics)
+    def _drive(self, states: list[RequestState]) -> Iterator[RequestOutput]:
+        """Steps the engine until every one of `states` finished, yielding their outputs."""
+        engine = self.engine
+        mine = {s.request_id for s in states}
+        left = set(mine)
+        engine.recorder = self._last
+        try:
+            while left:
+                for out in engine.step():
+                    if out.request_id in mine:
+                        if out.finished:
+                            left.discard(out.request_id)
+                        yield out
+        except GeneratorExit:
+            for request_id in left:  # the caller stopped listening
+                engine.abort(request_id)
+            raise
+        except BaseException:
+            # Children may hold commands the parent no longer tracks (Ctrl-C, a child error or
+            # death): the only safe state is none at all.
+            self.close()
+            raise
+        finally:
+            engine.recorder = None
+        self._requests_served += len(states)
 
     # -- figures -------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -408,7 +323,7 @@ class DistributedWorker:
             "pipeline_depth": self.pipeline_depth,
             "copy_policy": self.runtime_config.copy_policy,
             "kv_pages_total": self.runtime_config.total_pages - 1,
-            "kv_pages_free": self._scheduler.pages.num_free if self._scheduler else None,
+            "kv_pages_free": self.engine.scheduler.pages.num_free if self.engine.scheduler else None,
             "generate_calls": self._generate_calls,
             "requests_served": self._requests_served,
             "last_generate": self._last.summary(),
@@ -419,8 +334,12 @@ class DistributedWorker:
         return self._last.step_table()
 
 
-def _is_tensor(x: object) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+def _advance_bar(bar: tqdm, finals, elapsed_s: float) -> None:
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
+    output_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    bar.set_postfix_str(f"input {prompt_tokens / elapsed_s:.1f} tok/s, output {output_tokens / elapsed_s:.1f} tok/s",
+                        refresh=False)
+    bar.update(1)
 
 
 _live_workers: "weakref.WeakSet[DistributedWorker]" = weakref.WeakSet()

@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "overhead" and args.submission_sizes:
                 sizes = tuple(int(s) for s in args.submission_sizes.split(","))
                 result["prompt_submission"] = measure_submission(model_dir, sizes)
-                print("\nprompt submission (DistributedWorker._make_requests, nothing sent):")
+                print("\nprompt submission (Engine.make_request, nothing sent):")
                 print(format_submission(result["prompt_submission"]), flush=True)
     result["targets"] = targets(result)
     print("\n| target | value | met |\n| --- | ---: | --- |")

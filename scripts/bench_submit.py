@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Prompt submission cost: handing a prompt to DistributedWorker as a Python list vs an int32 array.
 
-Times the worker's input path, `w._make_requests([prompt], SamplingParams(max_new_tokens=1), 0.0)`:
+Times the worker's input path, `w.engine.make_request(prompt, SamplingParams(max_new_tokens=1), ...)`:
 validation and conversion to the int32 ids the staging buffer takes, with nothing sent (the worker
 is never prepared, so no child starts). Used by bench_decode.py; runs alone too:
 
@@ -42,19 +42,19 @@ def measure_submission(model_dir: str, sizes: tuple[int, ...] = DEFAULT_SIZES, r
             array = rng.integers(0, vocab, n).astype(np.int32)
             as_list = array.tolist()
             for prompt in (array, as_list):  # both paths must accept the prompt and agree
-                (req,) = w._make_requests([prompt], params, 0.0)
-                assert np.array_equal(req.prompt_ids, array)
+                state = w.engine.make_request(prompt, params, None, False, "prompt")
+                assert np.array_equal(state.prompt_ids, array)
             calls = max(5, 200_000 // n)
             list_s, array_s = [], []
             for _ in range(rounds):
-                list_s.append(_per_call_s(lambda p=as_list: w._make_requests([p], params, 0.0), calls))
-                array_s.append(_per_call_s(lambda p=array: w._make_requests([p], params, 0.0), calls))
+                list_s.append(_per_call_s(lambda p=as_list: w.engine.make_request(p, params, None, False, "prompt"), calls))
+                array_s.append(_per_call_s(lambda p=array: w.engine.make_request(p, params, None, False, "prompt"), calls))
             lst, arr = statistics.median(list_s), statistics.median(array_s)
             rows.append({"tokens": n, "list_s": lst, "array_s": arr, "ratio": lst / arr, "calls_per_round": calls,
                          "rounds": rounds})
     finally:
         w.close()
-    return {"method": "DistributedWorker._make_requests([prompt], SamplingParams(max_new_tokens=1), 0.0): "
+    return {"method": "Engine.make_request(prompt, SamplingParams(max_new_tokens=1), ...): "
                       "median over rounds of the mean per-call time", "sizes": rows}
 
 

@@ -1,0 +1,116 @@
+"""The asyncio front of the engine, for servers: the step loop runs in a thread of its own.
+
+Coroutines add requests at any moment and read their outputs from an asyncio queue; the loop
+thread hands each step's outputs to the event loop in one call. Closing or cancelling a request's
+iterator (a client gone) aborts it. With nothing to do the loop thread sleeps on an event.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import AsyncIterator
+
+from l3worker.engine import EngineDeadError
+from l3worker.params import RequestOutput, SamplingParams
+from l3worker.worker import DistributedWorker
+
+__all__ = ["AsyncEngine", "EngineDeadError"]
+
+
+class AsyncEngine:
+    def __init__(self, worker: DistributedWorker):
+        self.worker = worker
+        self.engine = worker.engine
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+
+    @property
+    def registry(self):
+        return self.engine.metrics.registry
+
+    @property
+    def dead(self) -> bool:
+        return self.engine.error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.engine.error
+
+    async def start(self) -> None:
+        """Prepares the worker (starts the chip-children) and starts the loop thread."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        await self._loop.run_in_executor(None, self.worker.prepare)
+        self.engine.driven_by_loop_thread = True
+        self._thread = threading.Thread(target=self._run, name="l3worker-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they arrive: deltas, then the final one. Bad input raises
+        ValueError/TypeError before anything is yielded; a dead engine raises EngineDeadError."""
+        if self._thread is None or self._stopping:
+            raise EngineDeadError("the engine is not running")
+        state = self.engine.make_request(prompt, params, request_id, True, "prompt")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[state.request_id] = queue
+        finished = False
+        try:
+            self.engine.submit(state)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(state.request_id, None)
+            if not finished:
+                self.engine.abort(state.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def shutdown(self) -> None:
+        """Aborts what is in flight, stops the loop thread and closes the worker. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping = True
+        self.engine.wake()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._fail_waiters(EngineDeadError("the server is shutting down"))
+        await asyncio.get_running_loop().run_in_executor(None, self.worker.close)
+
+    # -- the loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                if not engine.has_unfinished():
+                    engine.wait_for_work()
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as exc:  # a child died, raised or hung: every open stream ends with it
+            engine.fail(exc)
+            self.worker.close()
+            self._loop.call_soon_threadsafe(self._fail_waiters, EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail_waiters(self, exc: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(exc)

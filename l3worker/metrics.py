@@ -1,0 +1,47 @@
+"""The engine's serving figures, kept in a prometheus_client registry of its own.
+
+Each engine has its own registry, so several engines in one process (tests, a benchmark) never
+share a series; the server exports it as is. Gauges are read from the scheduler when scraped, so
+the step loop pays nothing for them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Bucket edges in seconds, from sub-millisecond steps of a tiny model to minutes-long requests.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+            10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+        0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class EngineMetrics:
+    def __init__(self, running: Callable[[], int], waiting: Callable[[], int], kv_usage: Callable[[], float]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Gauge("l3worker:num_requests_running", "Requests with a sample in a batch row", registry=r).set_function(running)
+        Gauge("l3worker:num_requests_waiting", "Requests waiting for a row or KV pages",
+              registry=r).set_function(waiting)
+        Gauge("l3worker:kv_cache_usage_perc", "Fraction of KV pages in use (0 to 1)", registry=r).set_function(kv_usage)
+        self.prompt_tokens = Counter("l3worker:prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("l3worker:generation_tokens", "Tokens generated", registry=r)
+        self.request_success = Counter("l3worker:request_success", "Finished requests by reason",
+                                       ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(reason)  # every series exists from the start, at 0
+        self.ttft = Histogram("l3worker:time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("l3worker:inter_token_latency_seconds", "Between two tokens of a sample",
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram("l3worker:e2e_request_latency_seconds", "Arrival to the request's end",
+                             buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("l3worker:request_queue_time_seconds", "Arrival to admission into a row",
+                                    buckets=_LATENCY, registry=r)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample's current value, e.g. value("l3worker:generation_tokens_total")."""
+        got = self.registry.get_sample_value(name, labels)
+        return 0.0 if got is None else got
