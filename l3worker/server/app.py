@@ -41,7 +41,7 @@ def create_app(engine, model: ServedModel, *, api_key: str | None = None,
         for err in e.errors():
             loc = [str(p) for p in err.get("loc", ()) if p != "body"]
             params.append(_dotted(loc))
-            problems.append(f"{_dotted(loc) or 'body'}: {err.get('msg')}")
+            problems.append(f"{_dotted(loc) or 'body'}: {str(err.get('msg')).removeprefix('Value error, ')}")
         return bad_request("; ".join(problems), params[0] if params else None).response()
 
     @app.exception_handler(HTTPException)

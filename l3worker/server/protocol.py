@@ -4,9 +4,9 @@ Unknown fields are ignored, as vLLM does; fields this server cannot honour are d
 request using them gets a 400 naming the field instead of a silently different answer."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_TOP_LOGPROBS = 20
 
@@ -45,8 +45,20 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
 
 
+def _check_prompt(value: Any) -> Any:
+    """One message for every wrong shape, instead of one per member of the union."""
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str) or ids(value):
+        return value
+    if isinstance(value, list) and all(isinstance(p, str) or (ids(p) and p) for p in value):
+        return value
+    raise ValueError("must be a string, a list of token ids, or a list of those (strings or lists of token ids)")
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str | list[int]], BeforeValidator(_check_prompt)]
     max_tokens: int | None = 16  # null: up to --max-model-len
     echo: bool = False
     logprobs: int | None = None

@@ -88,7 +88,7 @@ async def serve(worker, model: ServedModel, options: ServeOptions, sock: socket.
                 on_ready: Callable[[Running], None] | None = None,
                 on_server: Callable[[_Uvicorn], None] | None = None) -> None:
     """Starts the engine over `worker`, serves on `sock` until told to stop, then shuts all down."""
-    from l3worker.engine import AsyncEngine
+    from l3worker.async_engine import AsyncEngine
 
     engine = AsyncEngine(worker)
     try:

@@ -86,7 +86,7 @@ class ServedModel:
             return [self.check_ids(self.encode(p, "prompt"), "prompt")]
         if not p:
             raise bad_request("prompt: empty list", "prompt")
-        if isinstance(p[0], int):
+        if all(isinstance(t, int) for t in p):
             return [self.check_ids(list(p), "prompt")]
         prompts = []
         for i, item in enumerate(p):
@@ -120,7 +120,7 @@ class ServedModel:
     def check_length(self, prompt_len: int, max_new_tokens: int, prompt_param: str, max_param: str) -> None:
         """vLLM's wording: the prompt plus the completion must fit in --max-model-len."""
         total = prompt_len + max_new_tokens
-        if total > self.max_model_len or (max_new_tokens > 0 and prompt_len >= self.max_model_len):
+        if prompt_len + max(max_new_tokens, 1) > self.max_model_len:  # scoring still runs one step
             param = prompt_param if prompt_len >= self.max_model_len else max_param
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens (--max-model-len). However, "
