@@ -183,13 +183,23 @@ def offline_tpot(args, requests) -> dict:
     with DistributedWorker(args.model_dir, max_batch_size=args.max_num_seqs, max_seq_len=args.max_model_len,
                            page_size=args.block_size) as w:
         w.generate(requests[0][0][:8], SamplingParams(max_new_tokens=4))  # warm-up, as the served run has
+        cpu0 = _own_cpu_s()
         t0 = time.perf_counter()
         outs = w.generate([p for p, _ in requests],
                           [SamplingParams(max_new_tokens=m, ignore_eos=True) for _, m in requests])
         wall = time.perf_counter() - t0
+        cpu = _own_cpu_s() - cpu0
     tpot = [o.metrics.tpot_s for o in outs if len(o.token_ids) > 1]
+    tokens = sum(len(o.token_ids) for o in outs)
     return {"tpot_p50_ms": float(np.median(tpot)) * 1e3, "tpot_mean_ms": float(np.mean(tpot)) * 1e3,
-            "wall_s": wall, "output_throughput_tok_per_s": sum(len(o.token_ids) for o in outs) / wall}
+            "wall_s": wall, "output_throughput_tok_per_s": tokens / wall,
+            "parent_cpu_us_per_token": cpu / tokens * 1e6}
+
+
+def _own_cpu_s() -> float:
+    """This process's CPU time (all its threads, not its children)."""
+    t = os.times()
+    return t.user + t.system
 
 
 # -- launching a server -------------------------------------------------------------------------------
@@ -217,6 +227,29 @@ class Launched:
         if not found.wait(600) or self.url is None:
             self.stop()
             raise SystemExit("l3worker serve did not become ready")
+
+    def idle_cpu(self, seconds: float) -> dict:
+        import psutil
+
+        procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+
+        def used() -> list[float]:
+            return [sum(p.cpu_times()[:2]) for p in procs]
+
+        time.sleep(1.0)  # past the start-up
+        before = used()
+        time.sleep(seconds)
+        spent = [b - a for a, b in zip(before, used())]
+        return {"seconds": seconds, "server_cpu_s": spent[0], "children_cpu_s": sum(spent[1:]),
+                "cpu_percent": 100 * sum(spent) / seconds}
+
+    def cpu_s(self) -> float | None:
+        """The server process's CPU time (not its chip-children's), where psutil is installed."""
+        try:
+            import psutil
+        except ImportError:
+            return None
+        return sum(psutil.Process(self.proc.pid).cpu_times()[:2])
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -250,11 +283,17 @@ def parse_args(argv=None):
     g.add_argument("--offline", action="store_true",
                    help="first run the same prompts through DistributedWorker.generate (TPOT p50)")
     g.add_argument("--model-dir", default=None, help="checkpoint (default: the built-in tiny model)")
+    g.add_argument("--bench-decode-model", choices=("overhead", "compute"), default=None,
+                   help="serve scripts/bench_decode.py's random checkpoint of that workload (written once to "
+                        "$L3WORKER_CACHE or ~/.cache/l3worker; needs transformers; no tokenizer: id prompts only)")
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--serve-args", default="", help="more `l3worker serve` flags, one string")
     g.add_argument("--repeats", type=int, default=1, help="runs of the load (each after its offline run)")
+    g.add_argument("--idle-cpu-s", type=float, default=0.0,
+                   help="with --launch: first measure the idle server's CPU time (parent and children) over "
+                        "this many seconds (needs psutil)")
     return p.parse_args(argv)
 
 
@@ -267,16 +306,23 @@ def print_report(result: dict) -> None:
     print(f"{'request throughput (req/s)':<36}{s['request_throughput_per_s']:.2f}")
     print(f"{'output token throughput (tok/s)':<36}{s['output_throughput_tok_per_s']:.1f}")
     print(f"{'total token throughput (tok/s)':<36}{s['total_token_throughput_tok_per_s']:.1f}")
+    if s.get("server_cpu_us_per_token"):
+        print(f"{'server CPU per output token (us)':<36}{s['server_cpu_us_per_token']:.1f}")
     for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency")):
         v = s[key]
         if v["mean_ms"] is not None:
             print(f"{label + ' (ms) mean / p50 / p99':<36}{v['mean_ms']:.2f} / {v['p50_ms']:.2f} / {v['p99_ms']:.2f}")
+    if result.get("idle"):
+        i = result["idle"]
+        print(f"{'idle server CPU':<36}{i['server_cpu_s']:.3f} s server + {i['children_cpu_s']:.3f} s children "
+              f"over {i['seconds']:g} s ({i['cpu_percent']:.2f}%)")
     if result.get("server_after"):
         print(f"{'server gauges after the run':<36}{result['server_after']}")
     if result.get("offline"):
         o = result["offline"]
         print(f"{'offline TPOT (ms) mean / p50':<36}{o['tpot_mean_ms']:.2f} / {o['tpot_p50_ms']:.2f}")
         print(f"{'offline output throughput (tok/s)':<36}{o['output_throughput_tok_per_s']:.1f}")
+        print(f"{'offline parent CPU per token (us)':<36}{o['parent_cpu_us_per_token']:.1f}")
     if "ratios" in result:
         r = result["ratios"]
         each = lambda k: " ".join(f"{x:.3f}" for x in r[k])  # noqa: E731
@@ -286,8 +332,21 @@ def print_report(result: dict) -> None:
               f"  (repeats: {each('tpot_p50_over_offline_tpot_p50')})")
 
 
+def bench_decode_checkpoint(workload: str) -> str:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_decode import WORKLOADS, write_checkpoint
+
+    cache = Path(os.environ.get("L3WORKER_CACHE") or Path.home() / ".cache" / "l3worker")
+    path = cache / f"bench-decode-{workload}"
+    if not (path / "model.safetensors").is_file():
+        write_checkpoint(path, WORKLOADS[workload])
+    return str(path)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.bench_decode_model:
+        args.model_dir = bench_decode_checkpoint(args.bench_decode_model)
     requests = make_requests(args)
     result: dict = {"config": {k: (v if v != math.inf else "inf") for k, v in vars(args).items()
                                if k != "api_key"}, "repeats": []}
@@ -298,10 +357,16 @@ def main(argv=None) -> int:
         if model is None:
             headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+        if server is not None and args.idle_cpu_s > 0:
+            result["idle"] = server.idle_cpu(args.idle_cpu_s)
         for _ in range(args.repeats):  # offline and served alternate, so drifting machine load hits both
             run = {"offline": offline_tpot(args, requests)} if args.offline else {}
+            cpu0 = server.cpu_s() if server else None
             results, duration = asyncio.run(run_load(args, base_url, model, requests))
             run["served"] = summarize(results, duration)
+            if cpu0 is not None:  # includes the warm-up request's few tokens
+                run["served"]["server_cpu_us_per_token"] = \
+                    (server.cpu_s() - cpu0) / max(run["served"]["total_output_tokens"], 1) * 1e6
             result["repeats"].append(run)
         result["server_after"] = scrape(base_url, args.api_key)
         result["per_request"] = [asdict(r) | {"tpot_s": r.tpot_s} for r in results]  # the last repeat's

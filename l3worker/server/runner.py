@@ -95,7 +95,7 @@ async def serve(worker, model: ServedModel, options: ServeOptions, sock: socket.
         await engine.start()
         app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
         config = uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level, access_log=False,
-                                lifespan="off", http="h11", ws="none", loop="asyncio",
+                                lifespan="off", http="auto", ws="none",
                                 timeout_graceful_shutdown=options.graceful_timeout_s)
         server = _Uvicorn(config, app.state.client.abort_all)
         if on_server is not None:
