@@ -273,7 +273,8 @@ def test_completion_logprobs_shape(oai) -> None:
     lp = got.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert all(v <= 0 for v in lp.token_logprobs)
-    assert all(3 <= len(top) <= 4 and top[tok] == v for top, tok, v in zip(lp.top_logprobs, lp.tokens,
+    # up to 3 entries and the chosen token; fewer where tokens read the same (lone bytes read as U+FFFD)
+    assert all(1 <= len(top) <= 4 and top[tok] == v for top, tok, v in zip(lp.top_logprobs, lp.tokens,
                                                                              lp.token_logprobs))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     # greedy: the chosen token is the most likely one

@@ -109,12 +109,14 @@ def test_token_bytes_and_text(tokens) -> None:
 def test_completion_logprobs_format(tokens) -> None:
     fmt = TokenFormatter(tokens)
     entries = [(72, None), (105, TokenLogprob(105, -0.5, ((105, -0.5), (33, -1.5)))),
-               (33, TokenLogprob(33, -math.inf, ((105, -0.1),)))]
+               (33, TokenLogprob(33, -math.inf, ((105, -0.1),))),
+               (0xC3, TokenLogprob(0xC3, -2.0, ((0xE4, -1.0), (0xC3, -2.0), (97, -3.0))))]
     lp, offset = fmt.completion_logprobs(entries, 0)
-    assert lp == {"tokens": ["H", "i", "!"], "token_logprobs": [None, -0.5, LOGPROB_FLOOR],
-                  "top_logprobs": [None, {"i": -0.5, "!": -1.5}, {"i": -0.1, "!": LOGPROB_FLOOR}],
-                  "text_offset": [0, 1, 2]}
-    assert offset == 3
+    assert lp == {"tokens": ["H", "i", "!", "\ufffd"], "token_logprobs": [None, -0.5, LOGPROB_FLOOR, -2.0],
+                  "top_logprobs": [None, {"i": -0.5, "!": -1.5}, {"i": -0.1, "!": LOGPROB_FLOOR},
+                                   {"\ufffd": -2.0, "a": -3.0}],
+                  "text_offset": [0, 1, 2, 3]}
+    assert offset == 4
     json.loads(sse(lp)[len("data: "):])  # no -Infinity in the JSON
 
 

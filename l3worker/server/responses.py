@@ -72,8 +72,11 @@ class TokenFormatter:
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(_lp(lp.logprob))
-            top = {self.text(t): _lp(v) for t, v in lp.top}
-            top.setdefault(text, _lp(lp.logprob))
+            # Keyed by text, as OpenAI's: the chosen token's own value wins, then the likelier of
+            # two tokens that read the same (partial UTF-8 bytes all read as U+FFFD).
+            top = {text: _lp(lp.logprob)}
+            for t, v in lp.top:
+                top.setdefault(self.text(t), _lp(v))
             top_logprobs.append(top)
         return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                  "text_offset": text_offset}, offset)
