@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from chip_child.protocol import Admit, Command, FullState
-from chip_child.runtime import ChipRuntime
+from chip_child.runtime import ChipRuntime, StepOutputs
 from chip_child.sampling import seed_key
 
 
@@ -20,12 +20,33 @@ class LocalRequest:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens tokens were generated
+    logprobs: int = -1  # -1: none; N: the sampled token's log-probability and the top N
+    prompt_logprobs: int = -1
+
+
+@dataclass
+class Logprobs:
+    """One position's log-probabilities: the chosen (sampled or prompt) token's, and the top N."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass
 class LocalResult:
     token_ids: list[list[int]]
     logits: list[list[torch.Tensor]] = field(default_factory=list)  # per request, one [V] per token
+    # Per request that asked (else None): one entry per generated token ...
+    logprobs: list[list[Logprobs] | None] = field(default_factory=list)
+    # ... and one per prompt token after the first.
+    prompt_logprobs: list[list[Logprobs] | None] = field(default_factory=list)
 
 
 class LocalDriver:
@@ -38,6 +59,7 @@ class LocalDriver:
         self.page = rt.cfg.page_size
         self.step = 0
         self.out = torch.zeros(rt.cfg.max_batch_size, dtype=torch.int32)
+        self.outputs = StepOutputs.allocate(rt.cfg.max_batch_size, rt.cfg.prefill_capacity)
         self._free_pages = list(range(1, rt.cfg.total_pages))
 
     def _take_page(self) -> int:
@@ -55,9 +77,19 @@ class LocalDriver:
                 if blk < math.ceil(len(r.prompt) / page):
                     pages[i].append(self._take_page())
         admits = [Admit(i, len(r.prompt), int(offsets[i]), np.array(pages[i], np.int32), r.temperature, r.top_p,
-                        r.top_k, r.seed) for i, r in enumerate(requests)]
-        result = LocalResult(token_ids=[[] for _ in requests], logits=[[] for _ in requests])
-        self._execute(Command(step=self.step, admits=admits), staging, requests, result, keep_logits)
+                        r.top_k, r.seed, r.min_p, r.presence_penalty, r.frequency_penalty, r.repetition_penalty,
+                        r.min_tokens, np.array(r.stop_ids, np.int32), r.logprobs, r.prompt_logprobs)
+                  for i, r in enumerate(requests)]
+        result = LocalResult(token_ids=[[] for _ in requests], logits=[[] for _ in requests],
+                             logprobs=[[] if r.logprobs >= 0 else None for r in requests],
+                             prompt_logprobs=[None] * len(requests))
+        step = self._execute(Command(step=self.step, admits=admits), staging, requests, result, keep_logits)
+        for i, r in enumerate(requests):
+            if r.prompt_logprobs >= 0:
+                assert step.prompt_logprobs or len(r.prompt) == 1
+                rows = range(int(offsets[i]), int(offsets[i]) + len(r.prompt) - 1)
+                result.prompt_logprobs[i] = [self._read(self.outputs.prompt_logprobs, self.outputs.prompt_logprob_ids,
+                                                        j, r.prompt_logprobs) for j in rows]
         positions = [len(r.prompt) for r in requests]
         finished: list[int] = []
         while any(len(t) < r.max_new_tokens for t, r in zip(result.token_ids, requests)):
@@ -82,13 +114,22 @@ class LocalDriver:
         return result
 
     def _execute(self, cmd, staging, requests, result, keep_logits, skip=()):
-        self.rt.execute(cmd, staging, self.out)
+        step = self.rt.execute(cmd, staging, self.out, self.outputs)
         self.step += 1
-        for i in range(len(requests)):
+        for i, r in enumerate(requests):
             if i not in skip:
                 result.token_ids[i].append(int(self.out[i]))
                 if keep_logits:
                     result.logits[i].append(self.rt.logits[i].clone())
+                if r.logprobs >= 0:
+                    assert step.logprobs >= r.logprobs, "a row asked for log-probabilities the step did not write"
+                    result.logprobs[i].append(self._read(self.outputs.logprobs, self.outputs.logprob_ids, i,
+                                                         r.logprobs))
+        return step
+
+    @staticmethod
+    def _read(values: torch.Tensor, ids: torch.Tensor, row: int, n: int) -> Logprobs:
+        return Logprobs(float(values[row, 0]), ids[row, :n].tolist(), values[row, 1:1 + n].tolist())
 
     def _execute_finish(self, rows: list[int], already: list[int]) -> None:
         """Frees the rows and pages so the driver can run another batch."""
@@ -105,11 +146,20 @@ class LocalDriver:
         active = np.zeros(b, bool)
         temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
         top_k, keys = np.zeros(b, np.int64), np.zeros(b, np.int64)
+        fs = FullState(pos, active, table, np.zeros(b, np.int64), temp, top_p, top_k, keys,
+                       stop_ids=np.full((b, max([len(r.stop_ids) for r in requests] + [0])), -1, np.int32))
         for i, r in enumerate(requests):
             table[i, :len(pages[i])] = pages[i]
             if i not in finished:
                 active[i] = True
                 pos[i] = positions[i]
             temp[i], top_p[i], top_k[i], keys[i] = r.temperature, r.top_p, r.top_k, seed_key(r.seed)
-        slots = np.where(active, table[np.arange(b), pos // self.page].astype(np.int64) * self.page + pos % self.page, 0)
-        return FullState(pos, active, table, slots, temp, top_p, top_k, keys)
+            fs.min_p[i], fs.presence_penalty[i], fs.frequency_penalty[i] = r.min_p, r.presence_penalty, \
+                r.frequency_penalty
+            fs.repetition_penalty[i], fs.min_tokens[i], fs.prompt_lens[i] = r.repetition_penalty, r.min_tokens, \
+                len(r.prompt)
+            fs.logprobs[i] = r.logprobs
+            fs.stop_ids[i, :len(r.stop_ids)] = r.stop_ids
+        fs.slot_mapping[:] = np.where(active, table[np.arange(b), pos // self.page].astype(np.int64) * self.page
+                                      + pos % self.page, 0)
+        return fs

@@ -235,8 +235,8 @@ def _mlp_residual(w: Qwen3Weights, lw: LayerWeights, h: torch.Tensor, all_reduce
     return h + all_reduce(linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down))
 
 
-def _logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 logits [T, vocab], written into `out` when given."""
+def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits [T, vocab] of the last layer's hidden states `h`, written into `out` when given."""
     x = rms_norm(h, w.norm, w.eps, w.inv_hidden)
     if out is not None and x.dtype == out.dtype:
         return torch.mm(x, w.lm_head, out=out)
@@ -255,9 +255,12 @@ def prefill_forward(
     prompt_lens: list[int],
     last_index: torch.Tensor,
     all_reduce: AllReduce = _no_reduce,
-) -> torch.Tensor:
+    return_hidden: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Several prompts packed into one token axis; causal within each prompt. Returns the last
-    token's logits of each prompt [N, vocab] in fp32 and leaves every prompt's K/V in its pages."""
+    token's logits of each prompt [N, vocab] in fp32 and leaves every prompt's K/V in its pages.
+    With `return_hidden`, also every token's last hidden state [T, hidden], from which
+    `final_logits` gives any token's logits (prompt log-probabilities, a chunk at a time)."""
     cos_sin = rope.index_select(0, positions)
     cos, sin = cos_sin[:, :1], cos_sin[:, 1:]
     h = F.embedding(tokens, w.embed)
@@ -276,7 +279,8 @@ def prefill_forward(
         attn = torch.cat(outs).flatten(1)
         h = h + all_reduce(linear(attn, lw.o_proj, lw.o_bias))
         h = _mlp_residual(w, lw, h, all_reduce)
-    return _logits(w, h[last_index])
+    logits = final_logits(w, h[last_index])
+    return (logits, h) if return_hidden else logits
 
 
 def decode_forward(
@@ -306,4 +310,4 @@ def decode_forward(
         o = decode_attention(q, view, scale)
         h = h + all_reduce(linear(o, lw.o_proj, lw.o_bias))
         h = _mlp_residual(w, lw, h, all_reduce)
-    return _logits(w, h, out=logits)
+    return final_logits(w, h, out=logits)

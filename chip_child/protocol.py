@@ -3,21 +3,29 @@
 A steady decode command is `[0, step, [], b""]` (6 to 10 bytes as the step grows): the finished rows and new
 (row, block index, page id) triples are the only things that ever change. Token ids and page
 lists travel as raw int32 bytes, never as per-element lists.
+
+An admit is `[row, prompt_len, staging_offset, pages, temperature, top_p, top_k, seed, min_p,
+presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop_ids, logprobs,
+prompt_logprobs]`, with pages and stop_ids as int32 bytes. Its first eight fields alone are an
+admit that uses none of the optional sampling features (the form older senders write).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import msgpack
 import numpy as np
 
 OP_DECODE, OP_PREFILL, OP_SHUTDOWN = 0, 1, 2
 MAX_STEP = 2**62  # step numbers stay well inside int64 wherever they are stored
+MAX_LOGPROBS = 20  # top-N log-probabilities per token; l3worker.params.MAX_LOGPROBS (a test keeps them equal)
 
 
 _NO_PAGES = np.zeros((0, 3), np.int32)
 _NO_PAGES.flags.writeable = False
+_NO_IDS = np.zeros(0, np.int32)
+_NO_IDS.flags.writeable = False
 
 
 class ProtocolError(ValueError):
@@ -32,11 +40,18 @@ class Limits:
     max_seq_len: int
     max_prefill_tokens: int
     page_size: int
+    vocab_size: int = 0  # 0: unknown, token ids are only checked to be non-negative
 
 
 @dataclass
 class Admit:
-    """A request entering `row`: its prompt sits at `staging_offset` in the step's staging slot."""
+    """A request entering `row`: its prompt sits at `staging_offset` in the step's staging slot.
+
+    The prefill's sampled token is generated token 0; a decode step whose input sits at position
+    p samples generated token p - prompt_len + 1. While that index is below `min_tokens` the
+    `stop_ids` (eos and stop token ids, as the parent decides) cannot be sampled. Penalties,
+    min_p and log-probabilities follow l3worker.params.SamplingParams; `logprobs` and
+    `prompt_logprobs` are -1 for none, else the number of top entries (0..MAX_LOGPROBS)."""
 
     row: int
     prompt_len: int
@@ -51,14 +66,22 @@ class Admit:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
-    stop_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    stop_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # int32
     logprobs: int = -1
     prompt_logprobs: int = -1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
 class FullState:
-    """copy_policy="always": every decode input the parent owns, rebuilt and sent each step."""
+    """copy_policy="always": every decode input the parent owns, rebuilt and sent each step.
+
+    The sampling parameters of Admit are re-sent too (the output token counts are not: like the
+    KV cache they are state the device builds). Fields left None get the values of a row that
+    uses none of those features, so a sender that knows only the first eight fields still works."""
 
     positions: np.ndarray  # int64 [B]
     active: np.ndarray  # bool [B]
@@ -68,10 +91,32 @@ class FullState:
     top_p: np.ndarray  # float32 [B]
     top_k: np.ndarray  # int64 [B]
     seed_keys: np.ndarray  # int64 [B]
+    min_p: np.ndarray | None = None  # float32 [B]
+    presence_penalty: np.ndarray | None = None  # float32 [B]
+    frequency_penalty: np.ndarray | None = None  # float32 [B]
+    repetition_penalty: np.ndarray | None = None  # float32 [B]
+    min_tokens: np.ndarray | None = None  # int64 [B]
+    prompt_lens: np.ndarray | None = None  # int64 [B] (min_tokens counts from the prompt's end)
+    logprobs: np.ndarray | None = None  # int64 [B], -1: none
+    stop_ids: np.ndarray | None = None  # int32 [B, S], each row's stop ids padded with -1
 
     _FIELDS = (("positions", np.int64), ("active", np.bool_), ("block_table", np.int32),
                ("slot_mapping", np.int64), ("temperature", np.float32), ("top_p", np.float32),
-               ("top_k", np.int64), ("seed_keys", np.int64))
+               ("top_k", np.int64), ("seed_keys", np.int64), ("min_p", np.float32),
+               ("presence_penalty", np.float32), ("frequency_penalty", np.float32),
+               ("repetition_penalty", np.float32), ("min_tokens", np.int64), ("prompt_lens", np.int64),
+               ("logprobs", np.int64), ("stop_ids", np.int32))
+    _NEUTRAL = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "min_tokens": 0, "prompt_lens": 0, "logprobs": -1}
+
+    def __post_init__(self) -> None:
+        b = len(self.positions)
+        dtypes = dict(self._FIELDS)
+        for name, value in self._NEUTRAL.items():
+            if getattr(self, name) is None:
+                setattr(self, name, np.full(b, value, dtypes[name]))
+        if self.stop_ids is None:
+            self.stop_ids = np.zeros((b, 0), np.int32)
 
 
 @dataclass
@@ -100,7 +145,10 @@ def encode(cmd: Command | Shutdown) -> bytes:
     pages = cmd.new_pages.astype(np.int32, copy=False).tobytes()
     if cmd.admits:
         admits = [[a.row, a.prompt_len, a.staging_offset, a.pages.astype(np.int32, copy=False).tobytes(),
-                   a.temperature, a.top_p, a.top_k, a.seed] for a in cmd.admits]
+                   a.temperature, a.top_p, a.top_k, a.seed, float(a.min_p), float(a.presence_penalty),
+                   float(a.frequency_penalty), float(a.repetition_penalty), int(a.min_tokens),
+                   np.asarray(a.stop_ids, np.int32).tobytes(), int(a.logprobs), int(a.prompt_logprobs)]
+                  for a in cmd.admits]
         return msgpack.packb([OP_PREFILL, cmd.step, cmd.finished_rows, pages, admits])
     body = [OP_DECODE, cmd.step, cmd.finished_rows, pages]
     if cmd.full_state is not None:
@@ -187,10 +235,18 @@ def _decode_triples(raw: object, limits: Limits) -> np.ndarray:
     return triples
 
 
+_ADMIT_FIELDS = tuple(f.name for f in fields(Admit))
+_ADMIT_BASIC = 8  # row .. seed
+_ADMIT_NEUTRAL = [0.0, 0.0, 0.0, 1.0, 0, b"", -1, -1]  # min_p .. prompt_logprobs of an admit without them
+
+
 def _decode_admit(raw: object, limits: Limits) -> Admit:
-    if not isinstance(raw, list) or len(raw) != 8:
-        raise ProtocolError("admit must be [row, prompt_len, staging_offset, pages, temperature, top_p, top_k, seed]")
-    row, plen, offset, pages, temperature, top_p, top_k, seed = raw
+    if not isinstance(raw, list) or len(raw) not in (_ADMIT_BASIC, len(_ADMIT_FIELDS)):
+        raise ProtocolError(f"admit must be [{', '.join(_ADMIT_FIELDS)}] or its first {_ADMIT_BASIC} fields")
+    if len(raw) == _ADMIT_BASIC:
+        raw = raw + _ADMIT_NEUTRAL
+    (row, plen, offset, pages, temperature, top_p, top_k, seed, min_p, presence, frequency, repetition,
+     min_tokens, stop_ids, logprobs, prompt_logprobs) = raw
     _check_row(row, limits, "admit")
     if not isinstance(plen, int) or not 1 <= plen < limits.max_seq_len:
         raise ProtocolError(f"admit: prompt_len {plen!r} outside [1, {limits.max_seq_len})")
@@ -209,7 +265,39 @@ def _decode_admit(raw: object, limits: Limits) -> Admit:
         raise ProtocolError(f"admit: top_k {top_k!r} outside [0, 2**31)")
     if not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ProtocolError(f"admit: seed {seed!r} outside [0, 2**64)")
-    return Admit(row, plen, offset, pages, float(temperature), float(top_p), top_k, seed)
+    for name, value in (("min_p", min_p), ("presence_penalty", presence), ("frequency_penalty", frequency),
+                        ("repetition_penalty", repetition)):
+        if not _is_number(value) or not math.isfinite(value):
+            raise ProtocolError(f"admit: {name} {value!r} is not a finite number")
+    if not 0 <= min_p <= 1:
+        raise ProtocolError(f"admit: min_p {min_p!r} outside [0, 1]")
+    if not repetition > 0:
+        raise ProtocolError(f"admit: repetition_penalty {repetition!r} must be > 0")
+    if not _is_int(min_tokens) or not 0 <= min_tokens <= limits.max_seq_len:
+        raise ProtocolError(f"admit: min_tokens {min_tokens!r} outside [0, {limits.max_seq_len}]")
+    stop_ids = _int_array(stop_ids, "admit stop_ids")
+    _check_token_ids(stop_ids, limits, "admit stop_ids")
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if not _is_int(value) or not -1 <= value <= MAX_LOGPROBS:
+            raise ProtocolError(f"admit: {name} {value!r} outside [-1, {MAX_LOGPROBS}]")
+    return Admit(row, plen, offset, pages, float(temperature), float(top_p), top_k, seed, float(min_p),
+                 float(presence), float(frequency), float(repetition), min_tokens, stop_ids, logprobs,
+                 prompt_logprobs)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_ids(ids: np.ndarray, limits: Limits, what: str, allow_pad: bool = False) -> None:
+    low = -1 if allow_pad else 0
+    high = limits.vocab_size or 2**31
+    if ids.size and (ids.min() < low or ids.max() >= high):
+        raise ProtocolError(f"{what}: token id outside [{low}, {limits.vocab_size or '2**31'})")
 
 
 def _decode_full_state(raw: object, limits: Limits) -> FullState:
@@ -220,11 +308,16 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
     for blob, (name, dtype) in zip(raw, FullState._FIELDS):
         want = b * limits.max_blocks_per_row if name == "block_table" else b
         # A writable copy: torch refuses to wrap read-only memory without a warning.
-        arr = np.frombuffer(blob, dtype=dtype).copy() if isinstance(blob, bytes) else None
-        if arr is None or arr.size != want:
+        ok = isinstance(blob, bytes) and len(blob) % np.dtype(dtype).itemsize == 0
+        arr = np.frombuffer(blob, dtype=dtype).copy() if ok else None
+        if name == "stop_ids":  # [B, S] for any S
+            if arr is None or arr.size % b:
+                raise ProtocolError(f"full_state.stop_ids: expected a multiple of {b} values of int32")
+        elif arr is None or arr.size != want:
             raise ProtocolError(f"full_state.{name}: expected {want} values of {np.dtype(dtype).name}")
         arrays[name] = arr
     arrays["block_table"] = arrays["block_table"].reshape(b, limits.max_blocks_per_row)
+    arrays["stop_ids"] = arrays["stop_ids"].reshape(b, -1)
     if arrays["active"].view(np.uint8).max() > 1:
         raise ProtocolError("full_state.active: values must be 0 or 1")
     positions = arrays["positions"]
@@ -236,6 +329,18 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
     slots = arrays["slot_mapping"]
     if slots.min() < 0 or slots.max() >= limits.num_pages * limits.page_size:
         raise ProtocolError("full_state.slot_mapping: slot outside the KV cache")
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not np.isfinite(arrays[name]).all():
+            raise ProtocolError(f"full_state.{name}: values must be finite")
+    if arrays["min_p"].min() < 0 or arrays["min_p"].max() > 1:
+        raise ProtocolError("full_state.min_p: values outside [0, 1]")
+    if arrays["repetition_penalty"].min() <= 0:
+        raise ProtocolError("full_state.repetition_penalty: values must be > 0")
+    for name, low, high in (("min_tokens", 0, limits.max_seq_len), ("prompt_lens", 0, limits.max_seq_len - 1),
+                            ("logprobs", -1, MAX_LOGPROBS)):
+        if arrays[name].min() < low or arrays[name].max() > high:
+            raise ProtocolError(f"full_state.{name}: values outside [{low}, {high}]")
+    _check_token_ids(arrays["stop_ids"], limits, "full_state.stop_ids", allow_pad=True)
     return FullState(**arrays)
 
 

@@ -1,4 +1,5 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, with per-row seeds.
+"""On-device sampling: greedy, temperature, min-p, top-k, top-p, with per-row seeds; the stop-id
+mask of min_tokens, the repetition/frequency/presence penalties, and log-probabilities.
 
 Random rows use the Gumbel-max trick with noise from a counter-based hash of
 (row seed, position, token id). The noise a request sees depends on nothing but its own seed and
@@ -6,6 +7,8 @@ position, so a seeded request gives the same tokens whatever else shares the bat
 generator state has to live anywhere.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -65,15 +68,116 @@ def sample(
     vocab_keys: torch.Tensor,
     any_random: bool,
     any_filter: bool,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next token ids [N] (int64). `any_random`/`any_filter` are host-side facts about the rows,
-    kept by the runtime, so an all-greedy batch costs one argmax."""
+    kept by the runtime, so an all-greedy batch costs one argmax; `min_p` [N] (None: no row uses
+    it) filters the tempered distribution before top-k and top-p. Greedy rows take the argmax."""
     greedy = logits.argmax(dim=-1)
     if not any_random:
         return greedy
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
+    if min_p is not None:
+        scaled = filter_min_p(scaled, min_p)
     if any_filter:
         scaled = filter_top_k_top_p(scaled, top_k, top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(keys, counters, vocab_keys)))
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
+
+
+def filter_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Masks with -inf every token whose probability (softmax of the tempered logits `scaled`) is
+    below min_p times the row's largest. A row with min_p 0 keeps everything; the most likely
+    token always stays."""
+    probs = scaled.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return scaled.masked_fill(probs < floor, float("-inf"))
+
+
+def mask_stop_tokens(logits: torch.Tensor, stop_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """-inf at the stop ids (`stop_mask` [N, V]) of the rows still short of their min_tokens
+    (`rows` [N] bool)."""
+    return logits.masked_fill(stop_mask & rows[:, None], float("-inf"))
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_seen: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """The repetition, frequency and presence penalties, per row, on fp32 logits [N, V].
+
+    A token seen in the prompt (`prompt_seen`) or the output (`output_counts` > 0) has its logit
+    divided by the repetition penalty when positive, multiplied by it otherwise; then each output
+    occurrence subtracts `frequency` and any output occurrence `presence`. Neutral values (1, 0, 0)
+    leave a row's logits bit for bit as they were."""
+    in_output = output_counts > 0
+    rep = repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(prompt_seen | in_output, penalised, logits)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
+
+
+def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor, num: int,
+                   values: torch.Tensor, top_ids: torch.Tensor) -> None:
+    """Log-probabilities of the distribution a row samples from: log_softmax of `logits` (after
+    masks and penalties) over the row's temperature, 1 for greedy rows. Writes the chosen `ids`'
+    values into values[:, 0] and the `num` most likely tokens' values and ids, most likely first,
+    into values[:, 1:1 + num] and top_ids[:, :num]."""
+    tempered = torch.where(temperature > 0, temperature.clamp_min(1e-6), 1.0)
+    logprobs = (logits / tempered[:, None]).log_softmax(dim=-1)
+    values[:, 0] = logprobs.gather(1, ids[:, None]).squeeze(1)
+    if num > 0:
+        top = logprobs.topk(num, dim=-1)
+        values[:, 1:1 + num] = top.values
+        top_ids[:, :num] = top.indices
+
+
+@dataclass(frozen=True)
+class Features:
+    """Which optional stages a batch of rows runs: host facts, so a batch that uses none of them
+    runs `sample` alone. `logprobs` is the largest N any row asked for (-1: none)."""
+
+    penalties: bool = False
+    min_p: bool = False
+    stop_mask: bool = False
+    logprobs: int = -1
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling state on the device, [N] or [N, V], row i of every tensor being one row."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    keys: torch.Tensor
+    min_p: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    min_pos: torch.Tensor  # stop ids are masked while the input position is below this
+    output_counts: torch.Tensor  # float32 [N, V]: occurrences of each token in the row's output so far
+    prompt_seen: torch.Tensor  # bool [N, V]: the token occurs in the row's prompt
+    stop_mask: torch.Tensor  # bool [N, V]: the row's stop ids
+
+    def select(self, rows: torch.Tensor) -> "RowParams":
+        return RowParams(**{name: value[rows] for name, value in vars(self).items()})
+
+
+def sample_with_features(logits: torch.Tensor, p: RowParams, counters: torch.Tensor, vocab_keys: torch.Tensor,
+                         any_random: bool, any_filter: bool, features: Features,
+                         lp_values: torch.Tensor | None = None, lp_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`sample` with the optional stages in their order: stop ids masked for rows short of
+    min_tokens, then penalties, then (inside `sample`) temperature, min_p, top-k, top-p and the
+    seeded draw. With features.logprobs >= 0 the log-probabilities of the sampled distribution
+    (before min_p, top-k and top-p) go to `lp_values` [N, 1 + K] and `lp_ids` [N, K]. A row that
+    uses none of the stages gets exactly the id `sample` would give it."""
+    x = logits
+    if features.stop_mask:
+        x = mask_stop_tokens(x, p.stop_mask, counters < p.min_pos)
+    if features.penalties:
+        x = apply_penalties(x, p.output_counts, p.prompt_seen, p.presence, p.frequency, p.repetition)
+    ids = sample(x, p.temperature, p.top_k, p.top_p, p.keys, counters, vocab_keys, any_random, any_filter,
+                 min_p=p.min_p if features.min_p else None)
+    if features.logprobs >= 0:
+        token_logprobs(x, p.temperature, ids, features.logprobs, lp_values, lp_ids)
+    return ids

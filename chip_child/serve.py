@@ -2,8 +2,8 @@
 message until told to stop or its parent disappears.
 
 Started by the parent as `python -m chip_child SPEC_JSON` with the shared buffers' descriptors
-inherited. After each step rank 0 writes the sampled ids and the step's figures into the step's
-ring slot and rings the shared doorbell; a failed or refused command gets an error reply naming
+inherited. After each step rank 0 writes the sampled ids, any log-probabilities asked for and
+the step's figures into the step's ring slot and rings the shared doorbell; a failed or refused command gets an error reply naming
 the problem, and a bad command is refused before anything is applied.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import zmq
 
 from chip_child import protocol
 from chip_child.device import pin_socket_threads
-from chip_child.runtime import ChipRuntime, RuntimeConfig
+from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
@@ -125,6 +125,12 @@ def serve(spec: ChildSpec) -> None:
             sampled = torch.zeros_like(sampled)
         slots = sampled.shape[0]
         out_rows, staging_rows = list(sampled.unbind(0)), list(staging)  # per-slot views, made once
+        # Log-probabilities are computed and written by rank 0 alone: the other ranks pass None.
+        outputs: list[StepOutputs | None] = [None] * slots
+        names = ("logprobs", "logprob_ids", "prompt_logprobs", "prompt_logprob_ids")
+        if leader and all(n in spec.buffers for n in names):
+            views = [open_shared(spec.buffers[n]).unbind(0) for n in names]
+            outputs = [StepOutputs(*per_slot) for per_slot in zip(*views)]
         sock.send(msgpack.packb({
             "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
             "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
@@ -156,7 +162,7 @@ def serve(spec: ChildSpec) -> None:
                 continue
             slot = cmd.step % slots
             try:
-                r = rt.execute(cmd, staging_rows[slot], out_rows[slot])
+                r = rt.execute(cmd, staging_rows[slot], out_rows[slot], outputs[slot])
             except Exception as exc:
                 failed = f"step {cmd.step} failed earlier ({type(exc).__name__}: {exc})"
                 report(cmd.step, f"{type(exc).__name__}: {exc}", traceback.format_exc())

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from l3worker.params import MAX_LOGPROBS
+
 
 @dataclass(frozen=True)
 class BufferSpec:
@@ -36,19 +38,36 @@ def make_shared(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tenso
 class StepBuffers:
     """Ring slot s serves step s % slots: sampled ids and the step's figures out, prompt ids in.
     A slot is reused only after its step completed, since at most `pipeline_depth` < `slots`
-    steps are in flight. The doorbell says which steps completed (see l3worker.doorbell)."""
+    steps are in flight. The doorbell says which steps completed (see l3worker.doorbell).
+
+    Log-probabilities (K = MAX_LOGPROBS) are written only on steps that asked for them: the
+    per-row ones when an active row has logprobs >= 0 (a prefill step writes its admitted rows),
+    the prompt ones when an admit has prompt_logprobs >= 0. Entries beyond a row's N are
+    unspecified, as is everything a step did not write."""
 
     sampled: torch.Tensor  # int32 [slots, max_batch_size]
     staging: torch.Tensor  # int32 [slots, prefill_capacity]
     step_stats: torch.Tensor  # int64 [slots, 5]: apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs
     doorbell: torch.Tensor  # int64 [3]: steps completed, step the parent sleeps on (-1: none), error sent
+    # float32 [slots, max_batch_size, 1 + K]: [..., 0] the sampled token's logprob, [..., 1:1+N] the top N
+    logprobs: torch.Tensor
+    logprob_ids: torch.Tensor  # int32 [slots, max_batch_size, K]: the top N ids, most likely first
+    # float32 [slots, prefill_capacity, 1 + K]: entry staging_offset + j - 1 holds prompt token j's
+    # logprob given tokens 0..j-1 and the top N at that position (j = 1..prompt_len-1)
+    prompt_logprobs: torch.Tensor
+    prompt_logprob_ids: torch.Tensor  # int32 [slots, prefill_capacity, K]
     specs: dict[str, BufferSpec]
 
     @classmethod
     def create(cls, slots: int, max_batch_size: int, prefill_capacity: int) -> "StepBuffers":
+        k = MAX_LOGPROBS
         shapes = {"sampled": ((slots, max_batch_size), torch.int32),
                   "staging": ((slots, prefill_capacity), torch.int32),
-                  "step_stats": ((slots, 5), torch.int64), "doorbell": ((3,), torch.int64)}
+                  "step_stats": ((slots, 5), torch.int64), "doorbell": ((3,), torch.int64),
+                  "logprobs": ((slots, max_batch_size, 1 + k), torch.float32),
+                  "logprob_ids": ((slots, max_batch_size, k), torch.int32),
+                  "prompt_logprobs": ((slots, prefill_capacity, 1 + k), torch.float32),
+                  "prompt_logprob_ids": ((slots, prefill_capacity, k), torch.int32)}
         made = {name: make_shared(shape, dtype) for name, (shape, dtype) in shapes.items()}
         made["doorbell"][0][1] = -1
         return cls(**{name: tensor for name, (tensor, _) in made.items()},

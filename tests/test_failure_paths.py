@@ -77,7 +77,8 @@ LIMITS = Limits(max_batch_size=4, max_blocks_per_row=4, num_pages=9, max_seq_len
 
 def _admit(**overrides) -> list:
     fields = dict(row=0, prompt_len=10, offset=0, pages=np.array([1, 2], np.int32).tobytes(), temperature=0.0,
-                  top_p=1.0, top_k=0, seed=0)
+                  top_p=1.0, top_k=0, seed=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+                  repetition_penalty=1.0, min_tokens=0, stop_ids=b"", logprobs=-1, prompt_logprobs=-1)
     fields.update(overrides)
     return list(fields.values())
 
@@ -89,11 +90,18 @@ def _admit(**overrides) -> list:
     (_admit(top_k=2**40), "top_k"),
     (_admit(seed=None), "seed"),
     (_admit(seed=-1), "seed"),
+    (_admit(min_p=2.0), "min_p"),
+    (_admit(repetition_penalty=0), "repetition_penalty"),
+    (_admit(stop_ids=b"\x01"), "stop_ids"),
+    (_admit(logprobs=50), "logprobs"),
+    (_admit()[:9], "admit must be"),
 ])
 def test_malformed_admits_are_refused(admit, message) -> None:
     raw = msgpack.packb([protocol.OP_PREFILL, 0, [], b"", [admit]])
-    with pytest.raises(protocol.ProtocolError, match=message):
+    with pytest.raises(protocol.ProtocolError, match=message) as refused:
         protocol.decode(raw, LIMITS)
+    if message != "admit must be":  # refused for the field itself, not for the admit's length
+        assert "admit must be" not in str(refused.value)
 
 
 @pytest.mark.parametrize("raw, message", [

@@ -410,6 +410,6 @@ def test_protocol_rejects_bad_full_state() -> None:
 
 def test_runtime_limits_match_its_config(default_ckpt: Path) -> None:
     rt = make_runtime(default_ckpt, batch=3, max_seq_len=40, page_size=16)
-    assert rt.limits == Limits(3, 3, 3 * 3 + 1, 40, 2048, 16)
+    assert rt.limits == Limits(3, 3, 3 * 3 + 1, 40, 2048, 16, vocab_size=300)
     with pytest.raises(ProtocolError, match="page id outside"):
         decode(encode(Command(step=0, new_pages=np.array([[0, 0, 10]], np.int32))), rt.limits)

@@ -1,5 +1,5 @@
-"""Unit tests of chip_child.sampling: the top-k/top-p filter, the counter-based noise and the
-distribution temperature sampling draws from."""
+"""Unit tests of chip_child.sampling: the top-k/top-p and min-p filters, the counter-based noise,
+the distribution temperature sampling draws from, penalties, the stop-id mask and log-probabilities."""
 from __future__ import annotations
 
 import pytest
@@ -7,9 +7,16 @@ import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from chip_child.sampling import (
+    Features,
+    RowParams,
+    apply_penalties,
+    filter_min_p,
     filter_top_k_top_p,
+    mask_stop_tokens,
     sample,
+    sample_with_features,
     seed_key,
+    token_logprobs,
     uniform_noise,
     vocab_hash,
 )
@@ -128,3 +135,66 @@ def test_greedy_rows_and_top_k_one_take_the_argmax() -> None:
     argmax = logits.argmax(-1)
     assert ids[:3].tolist() == argmax[:3].tolist()
     assert sample(logits, *args, any_random=False, any_filter=False).tolist() == argmax.tolist()
+
+
+@pytest.mark.parametrize("min_p,expected", [
+    (0.0, {0, 1, 2, 3, 4}),
+    (0.01, {0, 1, 2, 3, 4}),  # 0.0064: every token is above it
+    (0.1, {1, 4, 3}),  # 0.0636: token 0 (0.032) goes
+    (0.3, {1, 4}),
+    (0.5, {1}),
+    (1.0, {1}),  # the most likely token always stays
+])
+def test_min_p_keeps_tokens_above_its_share_of_the_top_probability(min_p: float, expected: set[int]) -> None:
+    out = filter_min_p(LOGITS[None, :], torch.tensor([min_p]))[0]
+    assert set(torch.nonzero(out.isfinite()).flatten().tolist()) == expected
+    assert torch.equal(out[out.isfinite()], LOGITS[out.isfinite()])
+
+
+def test_penalties_follow_their_formulas_and_neutral_rows_keep_their_bits() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.25, 1.0]] * 2)
+    counts = torch.tensor([[2.0, 1.0, 0.0, 0.0, 0.0]] * 2)
+    prompt = torch.tensor([[False, False, False, True, False]] * 2)
+    out = apply_penalties(logits, counts, prompt, presence=torch.tensor([0.5, 0.0]),
+                          frequency=torch.tensor([0.25, 0.0]), repetition=torch.tensor([2.0, 1.0]))
+    # Token 0: output, positive: 2 / 2 - 0.25 * 2 - 0.5; token 1: output, negative: -1 * 2 - 0.25 - 0.5;
+    # token 3: prompt only: -0.25 * 2; tokens 2 and 4: unseen.
+    assert out[0].tolist() == [0.0, -2.75, 0.5, -0.5, 1.0]
+    assert torch.equal(out[1], logits[1])
+
+
+def test_stop_tokens_masked_only_for_rows_short_of_min_tokens() -> None:
+    stop = torch.tensor([[False, True, False, True, False]] * 2)
+    out = mask_stop_tokens(LOGITS.expand(2, -1), stop, torch.tensor([True, False]))
+    assert out[0].isinf().tolist() == [False, True, False, True, False]
+    assert torch.equal(out[1], LOGITS)
+
+
+def test_token_logprobs_are_of_the_tempered_distribution_greedy_rows_at_temperature_one() -> None:
+    logits = torch.stack([LOGITS, LOGITS])
+    values, ids = torch.zeros(2, 1 + 3), torch.zeros(2, 3, dtype=torch.int64)
+    token_logprobs(logits, torch.tensor([0.0, 0.5]), torch.tensor([4, 2]), 3, values, ids)
+    for row, temperature, chosen in ((0, 1.0, 4), (1, 0.5, 2)):
+        want = (LOGITS / temperature).log_softmax(-1)
+        assert values[row, 0].item() == pytest.approx(want[chosen].item())
+        assert ids[row].tolist() == [1, 4, 3]
+        assert values[row, 1:].tolist() == pytest.approx(want[[1, 4, 3]].tolist())
+
+
+def test_unused_stages_leave_seeded_draws_unchanged() -> None:
+    g = torch.Generator().manual_seed(2)
+    n, v = 6, 40
+    logits = torch.randn(n, v, generator=g)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9, 2.0])
+    top_k, top_p = torch.tensor([0, 0, 5, 0, 0, 3]), torch.tensor([1.0, 0.9, 1.0, 1.0, 0.8, 1.0])
+    keys, counters = torch.tensor([seed_key(s) for s in range(n)]), torch.arange(n) + 11
+    vocab = vocab_hash(v, torch.device("cpu"))
+    params = RowParams(temperature, top_k, top_p, keys, min_p=torch.zeros(n), presence=torch.zeros(n),
+                       frequency=torch.zeros(n), repetition=torch.ones(n), min_pos=torch.zeros(n, dtype=torch.int64),
+                       output_counts=torch.randint(0, 3, (n, v), generator=g).float(),
+                       prompt_seen=torch.rand(n, v, generator=g) < 0.3, stop_mask=torch.rand(n, v, generator=g) < 0.3)
+    plain = sample(logits, temperature, top_k, top_p, keys, counters, vocab, any_random=True, any_filter=True)
+    values, ids = torch.zeros(n, 21), torch.zeros(n, 20, dtype=torch.int64)
+    every = sample_with_features(logits, params, counters, vocab, True, True,
+                                 Features(penalties=True, min_p=True, stop_mask=True, logprobs=20), values, ids)
+    assert torch.equal(plain, every)

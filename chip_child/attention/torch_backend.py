@@ -1,0 +1,288 @@
+"""The portable attention backend: plain torch ops, any device. The reference every other
+backend is tested against.
+
+Cache layout: [layers, 2 (k, v), kv_heads, pages, page_size, head_dim]. Heads are outermost so
+that gathering a sequence's pages gives each kv head its keys contiguous, ready for one batched
+matmul without repeating keys for grouped-query attention.
+
+Paths, chosen per step by `plan`:
+
+- pure decode (every sequence has one new token, T == N; no host read on this path unless the
+  mirror is on): one gather of every row's pages per layer into the workspace, then
+  baddbmm / softmax / bmm with a mask built once per step;
+- pure decode with the *decode mirror* (cpu only; on by default there when the mirror takes at
+  most `mirror_budget_bytes`): a persistent dense copy of every row's K/V, [layers, 2,
+  max_seqs, kv_heads, max_context, head_dim]. Each decode step appends the new token to it next
+  to the cache write, so steady decode reads K/V in place and copies nothing per layer. Rows
+  are re-gathered from the cache only when their block table or length no longer continues
+  what the mirror holds (after a prefill, an admission, a compaction of the batch); any write
+  that is not a mirrored decode write makes every row stale. Its host bookkeeping costs about
+  as much as a few small ops, so a step takes the mirror only when the gathers it saves reach
+  `mirror_min_bytes` (4 MiB over all layers by default); scripts/bench_attention_cpu.py
+  measures both paths;
+- anything else (prefill chunks, mixed batches): decode rows together as above; a chunk with no
+  cached context through SDPA's causal fast path on its own k/v; a chunk with cached context
+  through SDPA over its gathered pages with a bottom-right causal mask.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from chip_child.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan, WorkspaceShapes
+
+MIRROR_BUDGET_BYTES = 1 << 30  # the largest mirror turned on by default
+MIRROR_MIN_BYTES = 4 << 20  # the least a decode step must gather for the mirror to be used
+
+
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    if scores.dtype == torch.float32:
+        return scores.softmax(-1)
+    return scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+    cache_layout = "layer, k|v, kv_head, page, offset, head_dim"
+
+    def __init__(self, spec: AttentionSpec, device: torch.device | str = "cpu", decode_mirror: bool | None = None,
+                 mirror_budget_bytes: int = MIRROR_BUDGET_BYTES, mirror_min_bytes: int = MIRROR_MIN_BYTES):
+        """`decode_mirror`: None turns it on for a cpu cache whose mirror takes at most
+        `mirror_budget_bytes`; True insists (cpu only: it reads lengths on the host each step).
+        With the mirror on, a decode step uses it when the gathers it replaces (all layers)
+        reach `mirror_min_bytes`; smaller steps gather, and the mirror catches up (one gather
+        of every row) at the first step that uses it."""
+        super().__init__(spec, device)
+        s = spec
+        self._elem = torch.empty((), dtype=s.dtype).element_size()
+        self.mirror_min_bytes = mirror_min_bytes
+        self._mirror_bytes = s.num_layers * 2 * s.max_seqs * s.num_kv_heads * s.max_context * s.head_dim * self._elem
+        if decode_mirror is None:
+            decode_mirror = self.device.type == "cpu" and self._mirror_bytes <= mirror_budget_bytes
+        elif decode_mirror and self.device.type != "cpu":
+            raise ValueError(f"decode_mirror needs a cpu cache (it reads lengths on the host), got {self.device}")
+        self.decode_mirror = bool(decode_mirror)
+        self._mirror_len = np.zeros(s.max_seqs, np.int64)  # leading positions of each row equal to the cache
+        self._mirror_table = np.zeros((s.max_seqs, s.max_blocks), np.int64)  # the pages those positions came from
+        self._mirror_gen = 0  # bumped by every write that bypasses the mirror
+
+    # ---- layout --------------------------------------------------------------------------
+    @property
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (s.num_layers, 2, s.num_kv_heads, s.num_pages, s.page_size, s.head_dim)
+
+    @property
+    def workspace_shapes(self) -> WorkspaceShapes:
+        s = self.spec
+        shapes = {"gather": ((2, s.num_kv_heads, s.max_seqs * s.max_blocks, s.page_size, s.head_dim), s.dtype)}
+        if self.decode_mirror:
+            shapes["mirror"] = ((s.num_layers, 2, s.max_seqs, s.num_kv_heads, s.max_context, s.head_dim), s.dtype)
+        return shapes
+
+    def _bind_views(self) -> None:
+        cache = self.kv_cache
+        self._layers = list(cache.unbind(0))  # [2, kvh, pages, page, hd]
+        self._slots = [c.flatten(2, 3) for c in self._layers]  # [2, kvh, slots, hd]
+        self._key_index = torch.arange(self.spec.max_context, dtype=torch.int32, device=cache.device)
+        self._zero = torch.zeros((), dtype=cache.dtype, device=cache.device)
+        self._neg_inf = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
+        if self.decode_mirror:
+            mirror = self.workspace["mirror"]
+            self._mirror_layers = list(mirror.unbind(0))  # [2, max_seqs, kvh, max_ctx, hd]
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        self._mirror_len[:] = 0
+        self._mirror_gen += 1
+
+    # ---- writes --------------------------------------------------------------------------
+    def _write_cache(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        slots = self._slots[layer]
+        slots[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
+        slots[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._check_bound()
+        self._write_cache(layer, k, v, slot_mapping)
+        if self.decode_mirror:
+            self.invalidate()
+
+    def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_bound()
+        kv = self._slots[layer].index_select(2, slots.to(self.device, torch.int64))  # [2, kvh, n, hd]
+        return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
+
+    # ---- per step --------------------------------------------------------------------------
+    def plan(self, meta: AttentionMetadata) -> StepPlan:
+        self._check_bound()
+        self._check_capacity(meta)
+        step = StepPlan(meta)
+        n, t, page = meta.num_seqs, meta.num_tokens, self.spec.page_size
+        blocks = max(1, math.ceil(meta.max_seq_len / page))
+        step.extra["blocks"] = blocks
+        if meta.max_query_len == 1 and t == n and n > 0:
+            if self.decode_mirror and self._mirror_pays(n, blocks):
+                self._plan_mirror(step, blocks)
+            else:
+                step.extra["decode"] = self._decode_view(meta.block_table, meta.seq_lens, blocks)
+            return step
+        step.extra["general"] = True
+        return step
+
+    def _decode_view(self, block_table: torch.Tensor, seq_lens: torch.Tensor, blocks: int) -> dict:
+        """Gather index and mask for decode rows (one new token each) read through the cache."""
+        s = self.spec
+        rows = block_table.shape[0]
+        ctx = blocks * s.page_size
+        target = self.workspace["gather"].view(-1)[:2 * s.num_kv_heads * rows * ctx * s.head_dim]
+        target = target.view(2, s.num_kv_heads, rows * blocks, s.page_size, s.head_dim)
+        flat = target.view(2, s.num_kv_heads * rows, ctx, s.head_dim)  # row r of kv head j at j * rows + r
+        lens = seq_lens if s.num_kv_heads == 1 else seq_lens.repeat(s.num_kv_heads)
+        visible = self._key_index[:ctx][None, :] < lens[:, None]
+        bias = torch.where(visible, self._zero, self._neg_inf).unsqueeze(1)
+        pages = block_table[:, :blocks].reshape(-1)  # int32 or int64: index_select takes either
+        return dict(pages=pages, target=target, keys_t=flat[0].transpose(1, 2), values=flat[1], bias=bias, rows=rows)
+
+    def _mirror_pays(self, rows: int, blocks: int) -> bool:
+        """Whether the gathers this decode step would make (every layer, K and V) are large
+        enough for the mirror's host bookkeeping to pay."""
+        s = self.spec
+        gathered = s.num_layers * 2 * rows * blocks * s.page_size * s.num_kv_heads * s.head_dim * self._elem
+        return gathered >= self.mirror_min_bytes
+
+    def _plan_mirror(self, step: StepPlan, blocks: int) -> None:
+        """Decode through the mirror: re-gather the rows it no longer holds, then say where
+        each layer appends its new token. Host work in numpy: the mirror lives on the cpu."""
+        meta, s = step.meta, self.spec
+        page, n, kvh = s.page_size, meta.num_seqs, s.num_kv_heads
+        lens = np.asarray(meta.seq_lens_host if meta.seq_lens_host is not None else meta.seq_lens.tolist(), np.int64)
+        table = meta.block_table.numpy()[:, :blocks].astype(np.int64)
+        slots = meta.slot_mapping.numpy()
+        prev = lens - 1  # positions already in the cache before this step
+        prev_blocks = -(-prev // page)
+        used = np.arange(blocks)[None, :] < prev_blocks[:, None]
+        same = ((self._mirror_table[:n, :blocks] == table) | ~used).all(1)
+        valid = (self._mirror_len[:n] >= prev) & same
+        for r in np.flatnonzero(~valid):
+            nb = int(prev_blocks[r])
+            if nb:
+                src = torch.from_numpy(table[r, :nb])
+                dst = self.workspace["mirror"][:, :, r].unflatten(3, (s.max_blocks, page))[:, :, :, :nb]
+                dst.copy_(self.kv_cache.index_select(3, src))  # every layer's pages of row r
+        # After this step the row holds its new token too, if the token's slot is where the
+        # block table says; a token written elsewhere in page 0 (an idle row) leaves the row's
+        # older positions intact; anywhere else, no row can be trusted.
+        expected = table[np.arange(n), prev // page] * page + prev % page
+        consistent = slots[:n] == expected
+        self._mirror_table[:n, :blocks] = table
+        self._mirror_len[:n] = np.where(consistent, lens, prev)
+        if not np.all(consistent | (slots[:n] < page)):
+            self._mirror_len[:] = 0
+        self._mirror_len[n:] = 0  # rows past this step's batch are not maintained
+        ctx = blocks * page
+        visible = np.arange(ctx)[None, :] < np.repeat(lens, kvh)[:, None]  # row s * kvh + j
+        bias = torch.from_numpy(np.where(visible, np.float32(0), np.float32(-np.inf)))
+        bias = bias if s.dtype == torch.float32 else bias.to(s.dtype)
+        rows = torch.from_numpy(np.arange(n)[:, None])
+        index = (rows, torch.arange(kvh)[None, :], torch.from_numpy(prev[:, None]))  # broadcast to [n, kvh]
+        step.extra["mirror"] = dict(bias=bias.unsqueeze(1), index=index, ctx=ctx, gen=self._mirror_gen)
+
+    # ---- attention -------------------------------------------------------------------------
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepPlan,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        mirror = step.extra.get("mirror")
+        if mirror is not None and mirror["gen"] == self._mirror_gen:
+            self._check_bound()
+            self._write_cache(layer, k, v, step.meta.slot_mapping)
+            kv = self._mirror_layers[layer]  # [2, max_seqs, kvh, max_ctx, hd]
+            kv[0].index_put_(mirror["index"], k)
+            kv[1].index_put_(mirror["index"], v)
+            return self._attend_mirror(layer, q, mirror, self._out(q, out))
+        self.write_kv(layer, k, v, step.meta.slot_mapping)
+        return self.attend(layer, q, step, out=out, k=k, v=v)
+
+    def attend(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None = None,
+               k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_bound()
+        out = self._out(q, out)
+        mirror = step.extra.get("mirror")
+        if mirror is not None:
+            if mirror["gen"] == self._mirror_gen:
+                return self._attend_mirror(layer, q, mirror, out)
+            # Something wrote the cache after the plan: read it as the gather path does.
+            step.extra["decode"] = self._decode_view(step.meta.block_table, step.meta.seq_lens, step.extra["blocks"])
+            del step.extra["mirror"]
+        view = step.extra.get("decode")
+        if view is not None:
+            self._attend_decode(layer, q, view, out)
+            return out
+        return self._attend_general(layer, q, step, out, k, v)
+
+    def _attend_mirror(self, layer: int, q: torch.Tensor, mirror: dict, out: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        n, kvh, g, hd = q.shape[0], s.num_kv_heads, s.group, s.head_dim
+        kv = self._mirror_layers[layer][:, :n, :, :mirror["ctx"]]  # [2, n, kvh, ctx, hd], in place
+        keys, values = kv[0].flatten(0, 1), kv[1].flatten(0, 1)  # [n * kvh, ctx, hd]
+        qg = q.reshape(n * kvh, g, hd)
+        scores = torch.baddbmm(mirror["bias"], qg, keys.transpose(1, 2), alpha=s.softmax_scale)
+        torch.bmm(_softmax(scores), values, out=out.view(n * kvh, g, hd))
+        return out
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, view: dict, out: torch.Tensor,
+                       tokens: torch.Tensor | None = None) -> None:
+        """One new token per row; `tokens` says which rows of q/out (all, in order, when None)."""
+        s = self.spec
+        torch.index_select(self._layers[layer], 2, view["pages"], out=view["target"])
+        rows, kvh, g, hd = view["rows"], s.num_kv_heads, s.group, s.head_dim
+        qr = q if tokens is None else q.index_select(0, tokens)
+        qg = qr.reshape(rows, kvh, g, hd).transpose(0, 1).reshape(kvh * rows, g, hd)
+        scores = torch.baddbmm(view["bias"], qg, view["keys_t"], alpha=s.softmax_scale)
+        o = torch.bmm(_softmax(scores), view["values"]).view(kvh, rows, g, hd).transpose(0, 1)
+        if tokens is None:
+            out.view(rows, kvh, g, hd).copy_(o)
+        else:
+            out.index_copy_(0, tokens, o.reshape(rows, s.num_heads, hd))
+
+    def _attend_general(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor,
+                        k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        meta, s = step.meta, self.spec
+        if "host" not in step.extra:
+            q_lens, s_lens = meta.host_lengths()
+            starts = [0]
+            for ql in q_lens:
+                starts.append(starts[-1] + ql)
+            decode_rows = [i for i, ql in enumerate(q_lens) if ql == 1]
+            decode = None
+            if decode_rows:
+                rows_t = torch.tensor(decode_rows, device=self.device)
+                blocks = max(1, math.ceil(max(s_lens[i] for i in decode_rows) / s.page_size))
+                view = self._decode_view(meta.block_table.index_select(0, rows_t),
+                                         meta.seq_lens.index_select(0, rows_t), blocks)
+                decode = (view, torch.tensor([starts[i] for i in decode_rows], device=self.device))
+            chunks = [(i, starts[i], q_lens[i], s_lens[i]) for i, ql in enumerate(q_lens) if ql > 1]
+            step.extra["host"] = (decode, chunks)
+        decode, chunks = step.extra["host"]
+        if decode is not None:
+            self._attend_decode(layer, q, decode[0], out, tokens=decode[1])
+        scale = s.softmax_scale
+        for seq, start, ql, sl in chunks:
+            qs = q[start:start + ql].transpose(0, 1).unsqueeze(0)  # [1, heads, ql, hd]
+            if sl == ql and k is not None and v is not None:
+                ks = k[start:start + ql].transpose(0, 1).unsqueeze(0)
+                vs = v[start:start + ql].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                nb = math.ceil(sl / s.page_size)
+                pages = meta.block_table[seq, :nb].to(torch.int64)
+                kv = self._layers[layer].index_select(2, pages).flatten(2, 3)[:, :, :sl]  # [2, kvh, sl, hd]
+                # Token i of the chunk sits at position sl - ql + i and sees keys 0..that position.
+                mask = (torch.arange(sl, device=self.device)[None, :]
+                        <= torch.arange(sl - ql, sl, device=self.device)[:, None])
+                o = F.scaled_dot_product_attention(qs, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask,
+                                                   scale=scale, enable_gqa=True)
+            out[start:start + ql].copy_(o[0].transpose(0, 1))
+        return out

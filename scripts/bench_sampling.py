@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""What the optional sampling stages cost per decode step, in-process (ChipRuntime.execute in a
+loop, as bench_decode.py's floor: no parent, no IPC), on bench_decode's two models.
+
+Variants, run alternately within each repeat, every row seeded with temperature 0.8 so that
+min_p has something to filter:
+
+  off        none of the stages: the plain sampler
+  penalties  presence 0.5, frequency 0.5, repetition 1.2
+  logprobs   logprobs=20 for every row (written into host outputs each step, as rank 0 does)
+  min_p      min_p 0.05
+  all        all of the above, plus min_tokens over the whole run with two stop ids and
+             prompt_logprobs=20 (the prompt's cost is in the prefill column, not the step)
+
+Each reports the decode step's p50 (median over repeats of each repeat's p50), its ratio to
+`off`, and the prefill's time. Timings are not checked: compare ratios from one run.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from bench_decode import WORKLOADS, CpuMeter, Workload, compute_cores, make_prompts, pinned, write_checkpoint
+
+from chip_child.protocol import MAX_LOGPROBS, Admit, Command
+from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
+from l3worker.pages import PageAllocator
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
+VARIANTS = {
+    "off": {},
+    "penalties": PENALTIES,
+    "logprobs": dict(logprobs=MAX_LOGPROBS),
+    "min_p": dict(min_p=0.05),
+    "all": dict(**PENALTIES, logprobs=MAX_LOGPROBS, min_p=0.05, min_tokens=None, stop_ids=(1, 2),
+                prompt_logprobs=MAX_LOGPROBS),
+}
+LARGER = "compute"  # bench_decode's compute-dominated model
+
+
+class Loop:
+    """One runtime; each run admits the batch in one prefill, then decodes it to new_tokens."""
+
+    def __init__(self, model_dir: str, wl: Workload, threads: int):
+        self.wl = wl
+        self.threads = threads
+        with pinned(compute_cores(threads)):
+            self.rt = ChipRuntime(RuntimeConfig(model_dir, device="cpu", max_batch_size=wl.batch,
+                                                max_seq_len=wl.max_seq_len, page_size=wl.page_size,
+                                                num_threads=threads))
+        self.out = torch.zeros(wl.batch, dtype=torch.int32)
+        self.outputs = StepOutputs.allocate(wl.batch, self.rt.cfg.prefill_capacity)
+        self.pages = PageAllocator(self.rt.cfg.total_pages - 1)
+        self.step = 0
+        self.previous_rows: list[int] = []
+
+    def _commands(self, prompts: list[np.ndarray], features: dict) -> list[Command]:
+        wl, page = self.wl, self.wl.page_size
+        need = math.ceil((wl.prompt_len + wl.new_tokens - 1) / page)
+        owned, admits = [], []
+        for row, p in enumerate(prompts):
+            assert self.pages.reserve(need)
+            owned.append([self.pages.take() for _ in range(math.ceil(len(p) / page))])
+            extra = dict(features)
+            if "min_tokens" in extra:
+                extra["min_tokens"] = wl.new_tokens
+                extra["stop_ids"] = np.array(extra["stop_ids"], np.int32)
+            admits.append(Admit(row, len(p), row * wl.prompt_len, np.array(owned[row], np.int32), 0.8, 1.0, 0,
+                                row, **extra))
+        cmds = [Command(self.step, finished_rows=self.previous_rows, admits=admits)]
+        for k in range(1, wl.new_tokens):
+            pos = wl.prompt_len + k - 1
+            triples = []
+            if pos % page == 0:
+                for row in range(len(prompts)):
+                    owned[row].append(self.pages.take())
+                    triples.append((row, pos // page, owned[row][-1]))
+            cmds.append(Command(self.step + k, new_pages=np.array(triples, np.int32).reshape(-1, 3)))
+        self.step += len(cmds)
+        for pages in owned:
+            self.pages.release(pages, need - len(pages))
+        self.previous_rows = list(range(len(prompts)))
+        return cmds
+
+    def run(self, prompts: list[np.ndarray], features: dict) -> tuple[list[float], float, np.ndarray]:
+        cmds = self._commands(prompts, features)
+        staging = np.concatenate(prompts).astype(np.int32)
+        steps, tokens = [], np.zeros((len(prompts), len(cmds)), np.int32)
+        with pinned(compute_cores(self.threads)):
+            for j, cmd in enumerate(cmds):
+                t0 = time.perf_counter()
+                self.rt.execute(cmd, staging, self.out, self.outputs)
+                dt = time.perf_counter() - t0
+                tokens[:, j] = self.out.numpy()
+                if cmd.is_prefill:
+                    prefill = dt
+                else:
+                    steps.append(dt)
+        return steps, prefill, tokens
+
+
+def bench(name: str, wl: Workload, model_dir: str, threads: int) -> dict:
+    print(f"\n== {name}: {wl.description}; batch {wl.batch}, prompt {wl.prompt_len}, {wl.new_tokens} new tokens, "
+          f"{wl.repeats} repeats", flush=True)
+    loop = Loop(model_dir, wl, threads)
+    prompts = make_prompts(wl)
+    for features in VARIANTS.values():  # warm every path once, untimed
+        loop.run(prompts, features)
+    step_p50s = {v: [] for v in VARIANTS}
+    prefill = {v: [] for v in VARIANTS}
+    first_tokens: dict[str, np.ndarray] = {}
+    meter = CpuMeter([])
+    for rep in range(wl.repeats):
+        for variant, features in VARIANTS.items():
+            gc.collect()
+            steps, pre, tokens = loop.run(prompts, features)
+            step_p50s[variant].append(float(np.percentile(steps, 50)))
+            prefill[variant].append(pre)
+            if variant in first_tokens and not np.array_equal(first_tokens[variant], tokens):
+                raise SystemExit(f"{variant}: tokens differ between repeats")
+            first_tokens.setdefault(variant, tokens)
+        print(f"   repeat {rep + 1}/{wl.repeats}: " + ", ".join(f"{v} {step_p50s[v][-1] * 1e3:.3f} ms"
+                                                              for v in VARIANTS), flush=True)
+    load = meter.cores()
+    off = statistics.median(step_p50s["off"])
+    rows = {v: {"step_p50_s": statistics.median(step_p50s[v]), "prefill_s": statistics.median(prefill[v])}
+            for v in VARIANTS}
+    print("| variant | decode step p50 (ms) | ratio to off | prefill p50 (ms) |\n| --- | ---: | ---: | ---: |")
+    for v, r in rows.items():
+        r["ratio"] = r["step_p50_s"] / off
+        print(f"| {v} | {r['step_p50_s'] * 1e3:.3f} | {r['ratio']:.3f} | {r['prefill_s'] * 1e3:.2f} |")
+    if load:
+        print(f"cpu use while timing: this benchmark {load['this_benchmark_cores']:.2f} cores, other processes "
+              f"{load['other_processes_cores']:.2f} cores")
+    loop.rt.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("overhead", LARGER, "all"), default="all")
+    ap.add_argument("--repeats", type=int, help="default: 8 overhead, 3 compute")
+    ap.add_argument("--steps", type=int, help="new tokens per request (default: 128 overhead, 32 compute)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as bench_decode)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = ["overhead", LARGER] if args.workload == "all" else [args.workload]
+    defaults = {"overhead": dict(repeats=8, new_tokens=128), LARGER: dict(repeats=3, new_tokens=32)}
+    with tempfile.TemporaryDirectory(prefix="bench-sampling-") as tmp:
+        for name in names:
+            overrides = dict(defaults[name])
+            if args.repeats:
+                overrides["repeats"] = args.repeats
+            if args.steps:
+                overrides["new_tokens"] = args.steps
+            wl = dataclasses.replace(WORKLOADS[name], **overrides)
+            model_dir = str(Path(tmp) / name)
+            params = write_checkpoint(Path(model_dir), wl)
+            print(f"model {name}: {params / 1e6:.2f}M parameters, vocab {wl.model['vocab_size']}", flush=True)
+            bench(name, wl, model_dir, args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
