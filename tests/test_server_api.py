@@ -22,15 +22,6 @@ METRICS = ("l3worker:num_requests_running", "l3worker:num_requests_waiting", "l3
            "l3worker:e2e_request_latency_seconds", "l3worker:request_queue_time_seconds")
 
 
-def _engine_has_logprobs() -> bool:
-    """Logprobs need the chip-child to write them to shared buffers; skip until it does."""
-    from l3worker.shared import StepBuffers
-    return "logprobs" in getattr(StepBuffers, "__dataclass_fields__", {})
-
-
-needs_logprobs = pytest.mark.skipif(not _engine_has_logprobs(), reason="the chip-child does not report logprobs yet")
-
-
 @pytest.fixture(scope="module")
 def server():
     srv = ServerThread(DistributedWorker(None, **WORKER), options=ServeOptions(port=0, api_key=KEY), builtin=True)
@@ -266,7 +257,6 @@ def test_chat_with_openai_stream_n(oai) -> None:
 
 
 # -- logprobs ------------------------------------------------------------------------------------------
-@needs_logprobs
 def test_completion_logprobs_shape(oai) -> None:
     got = oai.completions.create(model="l3worker-tiny", prompt="Hello world", max_tokens=6, temperature=0,
                                  logprobs=3, extra_body={"ignore_eos": True})
@@ -281,7 +271,6 @@ def test_completion_logprobs_shape(oai) -> None:
     assert all(v == max(top.values()) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
-@needs_logprobs
 def test_echo_logprobs_with_zero_max_tokens_scores_the_prompt(oai) -> None:
     got = oai.completions.create(model="l3worker-tiny", prompt="Hello world", max_tokens=0, echo=True, logprobs=1)
     c = got.choices[0]
@@ -292,7 +281,6 @@ def test_echo_logprobs_with_zero_max_tokens_scores_the_prompt(oai) -> None:
     assert c.logprobs.text_offset == list(range(11))
 
 
-@needs_logprobs
 def test_chat_logprobs_shape(oai) -> None:
     got = oai.chat.completions.create(model="l3worker-tiny", messages=[{"role": "user", "content": "Hi"}],
                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
