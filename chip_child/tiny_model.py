@@ -22,13 +22,105 @@ from tokenizers.models import BPE
 
 from chip_child.loader import ModelConfig, expected_tensor_shapes, load_config
 
-TINY_MODEL_NAME = "tiny-qwen3-v1"
+TINY_MODEL_NAME = "tiny-qwen3-v2"  # v2: ChatML special tokens and a chat template
 _SEED = 20240601
 _NUM_BYTES = 256
 _EOS_ID = 256  # <|endoftext|>, also bos
 _EOS_TOKEN = "<|endoftext|>"
-_VOCAB_SIZE = 320  # 256 bytes + <|endoftext|> + padding ids
-_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
+_VOCAB_SIZE = 320  # 256 bytes + <|endoftext|> + chat tokens + padding ids
+# Chat tokens take unused ids after <|endoftext|>, as Qwen3's do after its vocabulary. Their embedding
+# rows stay zero (like every padding row), so the weights are unchanged and the model never samples them.
+_CHAT_TOKENS = (("<|im_start|>", True), ("<|im_end|>", True), ("<think>", False), ("</think>", False))
+_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+# A ChatML template of Qwen3's shape: system/user/assistant/tool turns framed by <|im_start|> and <|im_end|>,
+# tools listed in the system turn, reasoning kept only for the turns after the last user query, and
+# `enable_thinking=False` opening the assistant turn with an empty think block.
+CHAT_TEMPLATE = """\
+{%- if tools %}
+<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages and messages[0].role == 'system' %}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- set ns = namespace(last_query=-1) %}
+{%- for message in messages %}
+{%- if message.role == 'user' and message.content is string and not message.content.startswith('<tool_response>') %}
+{%- set ns.last_query = loop.index0 %}
+{%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+{%- set content = message.content if message.content is string else '' %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+<|im_start|>{{ message.role }}
+{{ content }}<|im_end|>
+{% elif message.role == 'assistant' %}
+{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+{%- if '</think>' in content %}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+{%- endif %}
+<|im_start|>assistant
+{% if loop.index0 > ns.last_query and reasoning %}
+<think>
+{{ reasoning }}
+</think>
+
+{% endif %}
+{{ content }}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{% if loop.first and content %}
+
+{% elif not loop.first %}
+
+{% endif %}
+<tool_call>
+{"name": "{{ fn.name }}", "arguments": {{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}}
+</tool_call>
+{%- endfor %}
+<|im_end|>
+{% elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+<|im_start|>user
+{%- endif %}
+
+<tool_response>
+{{ content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+<|im_end|>
+{% endif %}
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}
+<think>
+
+</think>
+
+{% endif %}
+{%- endif %}
+"""
 
 
 def tiny_model_config() -> dict[str, Any]:
@@ -78,7 +170,24 @@ def _build_tokenizer() -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(_EOS_TOKEN, special=True, normalized=False)])
     assert tok.token_to_id(_EOS_TOKEN) == _EOS_ID
+    for i, (content, special) in enumerate(_CHAT_TOKENS):
+        tok.add_tokens([AddedToken(content, special=special, normalized=False)])
+        assert tok.token_to_id(content) == _EOS_ID + 1 + i
     return tok
+
+
+def tiny_tokenizer_config() -> dict[str, Any]:
+    """What transformers and the server read next to tokenizer.json: special tokens and the chat template."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": _EOS_TOKEN,
+        "pad_token": _EOS_TOKEN,
+        "unk_token": None,
+        "model_max_length": tiny_model_config()["max_position_embeddings"],
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 # Embedding scale sets the logit scale (std ~ 0.25 * sqrt(64) = 2: peaked enough for
@@ -120,6 +229,7 @@ def write_tiny_model(out_dir: str | Path) -> Path:
     cfg = load_config(out)  # also proves the config parses
     save_file(_init_weights(cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
     _build_tokenizer().save(str(out / "tokenizer.json"), pretty=True)
+    _write_json(out / "tokenizer_config.json", tiny_tokenizer_config())
     return out
 
 

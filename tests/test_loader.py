@@ -273,7 +273,8 @@ def test_load_tokenizer_absent(tmp_path: Path) -> None:
 def test_tiny_model_byte_identical(tmp_path: Path) -> None:
     a, b = write_tiny_model(tmp_path / "a"), write_tiny_model(tmp_path / "b")
     hashes = sha256_files(a)
-    assert set(hashes) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"}
+    assert set(hashes) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                           "tokenizer_config.json"}
     assert hashes == sha256_files(b)
 
 
@@ -304,12 +305,14 @@ def test_tiny_tokenizer_round_trip(tmp_path: Path) -> None:
     tok = load_tokenizer(write_tiny_model(tmp_path))
     assert tok is not None
     assert tok.encode("hello").ids == list(b"hello")
-    assert tok.get_vocab_size() == 257
+    assert tok.get_vocab_size() == 261  # bytes, <|endoftext|>, <|im_start|>, <|im_end|>, <think>, </think>
     text = "Grüße, 世界! 🙂\n\ttabs  and\x00bytes"
     ids = tok.encode(text).ids
     assert ids == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
     assert tok.encode("a<|endoftext|>").ids == [97, 256]
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>").ids == [257, *b"user\nhi", 258]
+    assert tok.decode([257, 104, 258, 259]) == "h<think>"  # chat framing tokens are special, <think> is not
 
 
 def test_tiny_config_dict() -> None:

@@ -1,0 +1,139 @@
+"""`l3worker serve [MODEL_DIR]`: the command line, with vLLM's flag names where one exists."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
+from l3worker.server.runner import ServeOptions, bind, serve, served_model
+
+log = logging.getLogger("l3worker.server")
+
+
+def _device_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--device-ids takes comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="l3worker", description="l3worker: an LLM decode runtime")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                            description="Serve a Qwen3 checkpoint (or, without MODEL_DIR, the built-in tiny model) "
+                                        "over an OpenAI-compatible HTTP API.")
+    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+                        "omitted: the built-in tiny model")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients use (default: the directory's name; l3worker-tiny for the "
+                        "built-in model)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="batch rows: requests decoded at once (default: 16)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens per request (default: 4096, or less if the model's "
+                        "max_position_embeddings is less)")
+    p.add_argument("--block-size", type=int, default=128, help="tokens per KV-cache page (default: 128)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="KV-cache pages in all (default: room for --max-model-len in every row)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | npu (default: auto)")
+    p.add_argument("--device-ids", type=_device_ids, default=(0,), metavar="IDS",
+                   help="comma-separated device ids; several: tensor parallel (default: 0)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
+    p.add_argument("--pipeline-depth", type=int, default=2, help="step commands in flight (default: 2)")
+    p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $L3WORKER_API_KEY; none: no key)")
+    p.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file (default: the checkpoint's)")
+    p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: OpenAI's")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve_command(args)
+    return 2
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if args.disable_log_requests:
+        logging.getLogger("l3worker.server.requests").setLevel(logging.WARNING)
+
+    # Until uvicorn takes over the signals (and after it hands them back), a signal asks the same
+    # orderly stop; nothing raises KeyboardInterrupt through the engine's shutdown.
+    stop = {"requested": False, "server": None}
+
+    def on_signal(signum, frame) -> None:
+        stop["requested"] = True
+        if stop["server"] is not None:
+            stop["server"].should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+    from l3worker import DistributedWorker  # heavy imports after the arguments are known good
+    from chip_child.loader import load_config
+    from chip_child.tiny_model import ensure_tiny_model
+
+    builtin = args.model_dir is None
+    try:
+        model_dir = str(ensure_tiny_model()) if builtin else args.model_dir
+        max_model_len = args.max_model_len
+        if max_model_len is None:
+            max_model_len = min(4096, load_config(model_dir).max_position_embeddings)
+        worker = DistributedWorker(model_dir, device=args.device, device_ids=args.device_ids,
+                                   max_batch_size=args.max_num_seqs, max_seq_len=max_model_len,
+                                   page_size=args.block_size, num_pages=args.num_gpu_blocks_override,
+                                   dtype=args.dtype, pipeline_depth=args.pipeline_depth)
+        options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
+                               api_key=args.api_key or None, chat_template=args.chat_template,
+                               generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
+                               uvicorn_log_level=args.uvicorn_log_level)
+        model = served_model(worker, options, builtin)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"l3worker serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"l3worker serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        worker.close()
+        return 1
+    if model.defaults.overrides():
+        log.info("sampling defaults from generation_config.json: %s", model.defaults.overrides())
+
+    def on_server(server) -> None:
+        stop["server"] = server
+        if stop["requested"]:
+            server.should_exit = True
+
+    def on_ready(running) -> None:
+        if stop["requested"]:
+            return
+        print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
+              f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}"
+              f"{', chat template' if model.chat_template else ', no chat template'}"
+              f"{', API key required' if options.api_key else ''})", flush=True)
+
+    try:
+        asyncio.run(serve(worker, model, options, sock, on_ready=on_ready, on_server=on_server))
+    except Exception:
+        log.exception("l3worker serve failed")
+        return 1
+    finally:
+        worker.close()
+    print("l3worker serve: stopped", flush=True)
+    return 0

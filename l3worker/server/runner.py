@@ -1,0 +1,165 @@
+"""Runs the API: the engine's lifetime around uvicorn's, on a socket bound before the model loads.
+
+Stopping (SIGINT/SIGTERM in `l3worker serve`, or ServerThread.stop) first refuses new requests and
+aborts those in flight, then lets uvicorn close its connections, then shuts the engine down, which
+stops the chip-children and removes their socket directory."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import uvicorn
+
+from l3worker.server.app import create_app
+from l3worker.server.chat import ChatTemplate
+from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
+from l3worker.server.tokens import Tokens
+from l3worker.server.translate import GenerationDefaults, ServedModel
+
+log = logging.getLogger("l3worker.server")
+TINY_MODEL_SERVED_NAME = "l3worker-tiny"
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()  # empty: the model directory's name
+    api_key: str | None = None
+    chat_template: str | None = None  # a file; None: the checkpoint's
+    generation_config: str = "auto"  # auto: sampling defaults from generation_config.json; vllm: OpenAI's
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    uvicorn_log_level: str = "warning"
+    graceful_timeout_s: float = 10.0  # after aborting, how long connections may take to close
+
+
+def served_model(worker, options: ServeOptions, builtin: bool) -> ServedModel:
+    """What the API serves, from the worker's model; raises ValueError for a bad chat template."""
+    model_dir = worker.model_dir
+    names = tuple(options.served_model_names) or (TINY_MODEL_SERVED_NAME if builtin else Path(model_dir).name,)
+    defaults = GenerationDefaults.from_model_dir(model_dir) if options.generation_config == "auto" \
+        else GenerationDefaults()
+    return ServedModel(
+        names=names, model_dir=str(model_dir), max_model_len=worker.runtime_config.max_seq_len,
+        vocab_size=worker.model_config.vocab_size,
+        tokens=Tokens(worker.tokenizer) if worker.tokenizer is not None else None,
+        chat_template=ChatTemplate.load(model_dir, options.chat_template), defaults=defaults)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with a hook that runs once when it is told to stop, before it waits on connections."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable):
+        super().__init__(config)
+        self._on_stop = on_stop
+        self._stop_ran = False
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.should_exit and not self._stop_ran:
+            self._stop_ran = True
+            await self._on_stop()
+        return await super().on_tick(counter)
+
+
+@dataclass
+class Running:
+    url: str
+    engine: object
+    model: ServedModel
+    server: _Uvicorn
+
+
+async def serve(worker, model: ServedModel, options: ServeOptions, sock: socket.socket, *,
+                on_ready: Callable[[Running], None] | None = None,
+                on_server: Callable[[_Uvicorn], None] | None = None) -> None:
+    """Starts the engine over `worker`, serves on `sock` until told to stop, then shuts all down."""
+    from l3worker.async_engine import AsyncEngine
+
+    engine = AsyncEngine(worker)
+    try:
+        await engine.start()
+        app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+        config = uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level, access_log=False,
+                                lifespan="off", http="auto", ws="none",
+                                timeout_graceful_shutdown=options.graceful_timeout_s)
+        server = _Uvicorn(config, app.state.client.abort_all)
+        if on_server is not None:
+            on_server(server)  # from here on a stop request reaches the server
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started and on_ready is not None:
+            on_ready(Running(url_of(sock), engine, model, server))
+        await task
+    finally:
+        await engine.shutdown()
+        sock.close()
+
+
+class ServerThread:
+    """The server on a loopback port in a background thread of this process (tests, notebooks)."""
+
+    def __init__(self, worker, model: ServedModel | None = None, options: ServeOptions | None = None,
+                 builtin: bool = False):
+        self.options = options or ServeOptions(host="127.0.0.1", port=0)
+        self.model = model or served_model(worker, self.options, builtin)
+        self.worker = worker
+        self.running: Running | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="l3worker-server", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            sock = bind(self.options.host, self.options.port)
+            asyncio.run(serve(self.worker, self.model, self.options, sock, on_ready=self._on_ready))
+        except BaseException as e:  # reported to start()/stop()
+            self.error = e
+        finally:
+            self._ready.set()
+
+    def _on_ready(self, running: Running) -> None:
+        self.running = running
+        self._ready.set()
+
+    def start(self, timeout_s: float = 300.0) -> "ServerThread":
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self.running is None:
+            raise RuntimeError(f"server did not start: {self.error!r}")
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.running.url
+
+    @property
+    def engine(self):
+        return self.running.engine
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.running is not None:
+            self.running.server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError("server thread did not stop")
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

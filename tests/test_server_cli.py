@@ -1,0 +1,130 @@
+"""`python -m l3worker serve` as a user runs it: flags, the ready line, a --chat-template file, and a
+signal while a request streams: exit 0, the request aborted, no child process or socket dir left."""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from server_helpers import sse_events
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = re.compile(r"^l3worker serve: ready at (http://127\.0\.0\.1:\d+) serving (\S+) ")
+TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+
+
+class Served:
+    """A `l3worker serve` subprocess with a private TMPDIR; its stdout lines go to a queue."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.tmpdir = tmp_path / "tmp"
+        self.tmpdir.mkdir(parents=True)
+        env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([sys.executable, "-m", "l3worker", "serve", "--port", "0", *args], cwd=ROOT,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append), daemon=True).start()
+
+    @staticmethod
+    def _pump(stream, sink) -> None:
+        for line in stream:
+            sink(line.rstrip("\n"))
+
+    def ready(self, timeout_s: float = 120.0) -> re.Match:
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"no ready line; stderr: {self.stderr[-20:]}") from None
+            if m := READY.match(line):
+                return m
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def served(tmp_path):
+    started: list[Served] = []
+
+    def start(*args: str) -> Served:
+        s = Served(tmp_path / str(len(started)), *args)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def test_sigterm_mid_stream_exits_0_and_leaves_nothing(served, tmp_path) -> None:
+    template = tmp_path / "mine.jinja"
+    template.write_text(TEMPLATE)
+    s = served("--max-num-seqs", "2", "--max-model-len", "2048", "--block-size", "16", "--served-model-name",
+               "my-model", "--chat-template", str(template), "--api-key", "k")
+    url, name = s.ready().groups()
+    assert name == "my-model"
+    children = psutil.Process(s.proc.pid).children(recursive=True)
+    assert children and os.listdir(s.tmpdir)  # the chip-child and the worker's socket dir
+    client = httpx.Client(base_url=url, headers={"authorization": "Bearer k"}, timeout=60)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["my-model"]
+
+    # The --chat-template file renders the prompt.
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3}).json()
+    assert chat["usage"]["prompt_tokens"] == len("[system]S\n[user]hi\n>")
+
+    raw: list[bytes] = []
+    first = threading.Event()
+
+    def read_stream() -> None:
+        body = {"prompt": "Hello", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            for chunk in r.iter_raw():
+                raw.append(chunk)
+                first.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert first.wait(60)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, s.stderr[-20:]
+    reader.join(30)
+    events = sse_events(b"".join(raw))
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert os.listdir(s.tmpdir) == []
+    assert "l3worker serve: stopped" in [s.lines.get(timeout=5) for _ in range(s.lines.qsize())]
+    request_lines = [line for line in s.stderr if "l3worker.server.requests" in line]
+    assert any('"POST /v1/chat/completions" 200' in line and "prompt_tokens=" in line for line in request_lines)
+
+
+def test_sigint_exits_0(served) -> None:
+    s = served("--max-num-seqs", "1", "--max-model-len", "64", "--block-size", "16")
+    url, name = s.ready().groups()
+    assert name == "l3worker-tiny" and httpx.get(url + "/health").status_code == 200
+    s.proc.send_signal(signal.SIGINT)
+    assert s.proc.wait(60) == 0, s.stderr[-20:]
+    assert os.listdir(s.tmpdir) == []
+
+
+def test_bad_arguments_exit_2(served, tmp_path) -> None:
+    s = served(str(tmp_path / "no-such-model"))
+    assert s.proc.wait(60) == 2
+    s = served("--max-num-seqs", "0")
+    assert s.proc.wait(60) == 2
+    assert any("max_batch_size must be >= 1" in line for line in s.stderr)
