@@ -6,6 +6,9 @@ import numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-N log-probabilities a request may ask for, per token (OpenAI's limit)
+# Tokens per step: decode rows plus prefill chunks. Small enough that a long prompt arriving
+# delays the running rows' next token by one short chunk, not by its whole prefill.
+DEFAULT_BATCHED_TOKENS = 512
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,11 @@ from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine, RequestState
 from l3worker.errors import WorkerError
 from l3worker.inputs import Prompt, as_prompt_list
-from l3worker.params import RequestOutput, SamplingParams
+from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParams
 from l3worker.stats import GenerateStats
 
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
-# Tokens per step: decode rows plus prefill chunks. Small enough that a long prompt arriving
-# delays the running rows' next token by one short chunk, not by its whole prefill.
-DEFAULT_BATCHED_TOKENS = 512
+
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:

@@ -142,7 +142,7 @@ def test_streamed_deltas_concatenate_to_the_whole_text(http) -> None:
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
     assert chunks[-1]["choices"][0]["stop_reason"] == "V"
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    assert usage_chunk["choices"] == [] and _counts(usage_chunk["usage"]) == _counts(whole["usage"])
 
 
 def test_stream_without_usage_has_no_usage_field(oai) -> None:
@@ -227,6 +227,10 @@ def test_chat_content_parts_are_joined(oai) -> None:
     assert parts.choices[0].message.content == joined.choices[0].message.content
 
 
+def _counts(usage: dict) -> tuple[int, int, int]:
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+
 def test_chat_stream_shape(http) -> None:
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 10, "temperature": 0,
             "extra": "ignored"}
@@ -242,7 +246,10 @@ def test_chat_stream_shape(http) -> None:
     assert reasons == [None] * (len(chunks) - 1) + [whole["choices"][0]["finish_reason"]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == whole["choices"][0]["message"]["content"]
-    assert last["choices"] == [] and last["usage"] == whole["usage"]
+    assert last["choices"] == [] and _counts(last["usage"]) == _counts(whole["usage"])
+    # The same prompt a second time: its full pages came from the prefix cache.
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] >= whole["usage"]["prompt_tokens_details"][
+        "cached_tokens"]
 
 
 def test_chat_with_openai_stream_n(oai) -> None:

@@ -128,3 +128,20 @@ def test_bad_arguments_exit_2(served, tmp_path) -> None:
     s = served("--max-num-seqs", "0")
     assert s.proc.wait(60) == 2
     assert any("max_batch_size must be >= 1" in line for line in s.stderr)
+    s = served("--max-num-seqs", "8", "--max-num-batched-tokens", "4")
+    assert s.proc.wait(60) == 2
+    assert any("max_num_batched_tokens=4 must be >= max_batch_size=8" in line for line in s.stderr)
+
+
+def test_scheduling_flags_chunk_long_prompts_and_turn_the_prefix_cache_off(served) -> None:
+    s = served("--max-num-batched-tokens", "8", "--no-enable-prefix-caching", "--max-num-seqs", "4")
+    base = s.ready()[1]
+    body = {"prompt": "a prompt of many more than eight tokens", "max_tokens": 5, "temperature": 0}
+    with httpx.Client(base_url=base, timeout=60) as client:
+        first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
+        metrics = client.get("/metrics").text
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert re.search(r"^l3worker:prefix_cache_queries_total 0\.0$", metrics, re.M)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0

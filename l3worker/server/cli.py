@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from l3worker.params import DEFAULT_BATCHED_TOKENS
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.server.runner import ServeOptions, bind, serve, served_model
 
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated device ids; several: tensor parallel (default: 0)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
     p.add_argument("--pipeline-depth", type=int, default=2, help="step commands in flight (default: 2)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_BATCHED_TOKENS, metavar="N",
+                   help="tokens per step: decoding rows plus prefill chunks (default: %(default)s)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of prompt prefixes seen before (default: on)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $L3WORKER_API_KEY; none: no key)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
@@ -97,7 +102,9 @@ def serve_command(args: argparse.Namespace) -> int:
         worker = DistributedWorker(model_dir, device=args.device, device_ids=args.device_ids,
                                    max_batch_size=args.max_num_seqs, max_seq_len=max_model_len,
                                    page_size=args.block_size, num_pages=args.num_gpu_blocks_override,
-                                   dtype=args.dtype, pipeline_depth=args.pipeline_depth)
+                                   dtype=args.dtype, pipeline_depth=args.pipeline_depth,
+                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                   enable_prefix_caching=args.enable_prefix_caching)
         options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
                                api_key=args.api_key or None, chat_template=args.chat_template,
                                generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
