@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from chip_child.protocol import Admit, Command, FullState
+from chip_child.protocol import Admit, Command, FullState, prefill_command
 from chip_child.runtime import ChipRuntime, StepOutputs
 from chip_child.sampling import seed_key
 
@@ -76,14 +76,14 @@ class LocalDriver:
             for i, r in enumerate(requests):
                 if blk < math.ceil(len(r.prompt) / page):
                     pages[i].append(self._take_page())
-        admits = [Admit(i, len(r.prompt), int(offsets[i]), np.array(pages[i], np.int32), r.temperature, r.top_p,
-                        r.top_k, r.seed, r.min_p, r.presence_penalty, r.frequency_penalty, r.repetition_penalty,
-                        r.min_tokens, np.array(r.stop_ids, np.int32), r.logprobs, r.prompt_logprobs)
+        admits = [(Admit(i, len(r.prompt), r.temperature, r.top_p, r.top_k, r.seed, r.min_p, r.presence_penalty,
+                         r.frequency_penalty, r.repetition_penalty, r.min_tokens, np.array(r.stop_ids, np.int32),
+                         r.logprobs, r.prompt_logprobs), np.array(pages[i], np.int32), int(offsets[i]))
                   for i, r in enumerate(requests)]
         result = LocalResult(token_ids=[[] for _ in requests], logits=[[] for _ in requests],
                              logprobs=[[] if r.logprobs >= 0 else None for r in requests],
                              prompt_logprobs=[None] * len(requests))
-        step = self._execute(Command(step=self.step, admits=admits), staging, requests, result, keep_logits)
+        step = self._execute(prefill_command(self.step, admits), staging, requests, result, keep_logits)
         for i, r in enumerate(requests):
             if r.prompt_logprobs >= 0:
                 assert step.prompt_logprobs or len(r.prompt) == 1
@@ -163,3 +163,25 @@ class LocalDriver:
         fs.slot_mapping[:] = np.where(active, table[np.arange(b), pos // self.page].astype(np.int64) * self.page
                                       + pos % self.page, 0)
         return fs
+
+
+def batch_commands(step: int, admits: list[Admit], prompt_lens: list[int], new_tokens: int, page_size: int,
+                   free_pages: list[int], finished_rows: list[int]) -> tuple[list[Command], list[list[int]]]:
+    """What the scheduler sends for one batch admitted at once (row i is admits[i], its prompt at
+    staging offset sum(prompt_lens[:i])): a prefill of every prompt, then new_tokens - 1 decode
+    steps, pages taken from `free_pages` in the scheduler's order (prompt pages at admission, a
+    triple at each page boundary). Returns the commands and each row's pages, for the caller
+    to give back."""
+    offsets = np.cumsum([0] + prompt_lens[:-1]).tolist()
+    owned = [[free_pages.pop(0) for _ in range(math.ceil(n / page_size))] for n in prompt_lens]
+    prompts = [(a, np.array(pages, np.int32), off) for a, pages, off in zip(admits, owned, offsets)]
+    cmds = [prefill_command(step, prompts, finished_rows=finished_rows)]
+    for k in range(1, new_tokens):
+        triples = []
+        for row, n in enumerate(prompt_lens):
+            pos = n + k - 1  # this step's input position
+            if pos % page_size == 0:
+                owned[row].append(free_pages.pop(0))
+                triples.append((row, pos // page_size, owned[row][-1]))
+        cmds.append(Command(step + k, new_pages=np.array(triples, np.int32).reshape(-1, 3)))
+    return cmds, owned

@@ -1,8 +1,10 @@
-"""Qwen3 as transformers defines it, as plain functions over a paged KV cache.
+"""Qwen3 as transformers defines it, as plain functions over a packed token axis.
 
 Weights are fused once at load (q/k/v into one matrix, gate/up into another) so a layer is four
-matmuls. Attention never builds a dense mask on the host: decode reads K/V through the block table
-and masks by each row's position on the device.
+matmuls. One forward serves every step: decode rows (one token each) and prefill chunks sit side
+by side on the token axis, and attention over the paged KV cache is the attention backend's
+(chip_child.attention): K/V written by slot mapping, read through the block table, no dense
+mask built on the host.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from chip_child.attention import AttentionBackend, StepPlan
 from chip_child.loader import ModelConfig
 
 
@@ -151,73 +154,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + rotated * signed_sin
 
 
-class PagedKV:
-    """The KV cache, [layers, 2, kv_heads, num_pages, page_size, head_dim], and decode attention
-    over it. Heads are outermost so a gather of pages gives each (kv head, row) its keys
-    contiguous, ready for one batched matmul. Page 0 is scratch: inactive rows write there so a
-    step never needs a host-side branch. `workspace` (at least [2, kv_heads, rows * blocks,
-    page_size, head_dim] elements) receives every decode gather, so a step allocates no K/V copy."""
-
-    def __init__(self, cache: torch.Tensor, workspace: torch.Tensor):
-        self.cache = cache
-        self.workspace = workspace.view(-1)
-        # Per-layer views made once: a step should not pay for re-slicing the cache.
-        self._layers = list(cache.unbind(0))  # [2, kvh, pages, page, hd]
-        self._k_slots = [c[0].flatten(1, 2) for c in self._layers]  # [kvh, slots, hd]
-        self._v_slots = [c[1].flatten(1, 2) for c in self._layers]
-        self._key_index = torch.arange(cache.shape[3] * cache.shape[4], device=cache.device)
-        self._visible_bias = torch.zeros((), dtype=cache.dtype, device=cache.device)
-        self._hidden_bias = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """k, v: [T, kv_heads, hd] into the slots `slot_mapping` [T] names."""
-        self._k_slots[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
-        self._v_slots[layer].index_copy_(1, slot_mapping, v.transpose(0, 1))
-
-    def decode_step(self, block_table: torch.Tensor, positions: torch.Tensor) -> "DecodeView":
-        """What every layer of one decode step shares: the gather's index and target, and the mask."""
-        b, blocks = block_table.shape
-        _, _, kvh, _, page, hd = self.cache.shape
-        ctx = blocks * page
-        target = self.workspace[:2 * kvh * b * ctx * hd].view(2, kvh, b * blocks, page, hd)
-        rows = target.view(2, kvh * b, ctx, hd)  # row b's keys for kv head j at j * B + b
-        # Key j of a row is visible when j <= the row's position: 0 there, -inf elsewhere.
-        row_positions = positions if kvh == 1 else positions.repeat(kvh)
-        visible = self._key_index[:ctx][None, :] <= row_positions[:, None]
-        bias = torch.where(visible, self._visible_bias, self._hidden_bias).unsqueeze(1)
-        return DecodeView(block_table.flatten(), target, rows[0].transpose(1, 2), rows[1], bias)
-
-    def gather(self, layer: int, view: "DecodeView") -> None:
-        """Copies the pages of every row of `layer` into the view's keys and values."""
-        torch.index_select(self._layers[layer], 2, view.pages, out=view.target)
-
-
-@dataclass
-class DecodeView:
-    pages: torch.Tensor  # [B * blocks] page ids, row by row
-    target: torch.Tensor  # the gather's output
-    keys_t: torch.Tensor  # [kv_heads * B, hd, ctx], a view of target
-    values: torch.Tensor  # [kv_heads * B, ctx, hd], a view of target
-    bias: torch.Tensor  # [kv_heads * B, 1, ctx]
-
-
-def decode_attention(q: torch.Tensor, view: DecodeView, scale: float) -> torch.Tensor:
-    """One query token per row against its gathered keys. q: [B, heads, hd]. The query heads that
-    share a kv head are the rows of one small matmul, so grouped-query attention needs no
-    repeated keys. Returns [B, heads * hd]."""
-    b, nh, hd = q.shape
-    nkv = view.values.shape[0] // b
-    group = nh // nkv
-    q = q.view(b, nkv, group, hd).transpose(0, 1).reshape(nkv * b, group, hd)
-    scores = torch.baddbmm(view.bias, q, view.keys_t, alpha=scale)
-    if scores.dtype == torch.float32:
-        probs = scores.softmax(-1)
-    else:
-        probs = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
-    out = torch.bmm(probs, view.values)  # [kvh * B, group, hd]
-    return out.view(nkv, b, group, hd).transpose(0, 1).reshape(b, nh * hd)
-
-
 def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor):
     """q [T, heads, hd], k and v [T, kv_heads, hd]. q and k are normed and rotated together:
@@ -244,70 +180,18 @@ def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = No
     return logits if out is None else out.copy_(logits)
 
 
-def prefill_forward(
-    cfg: ModelConfig,
-    w: Qwen3Weights,
-    kv: PagedKV,
-    rope: torch.Tensor,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    prompt_lens: list[int],
-    last_index: torch.Tensor,
-    all_reduce: AllReduce = _no_reduce,
-    return_hidden: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Several prompts packed into one token axis; causal within each prompt. Returns the last
-    token's logits of each prompt [N, vocab] in fp32 and leaves every prompt's K/V in its pages.
-    With `return_hidden`, also every token's last hidden state [T, hidden], from which
-    `final_logits` gives any token's logits (prompt log-probabilities, a chunk at a time)."""
+def forward(cfg: ModelConfig, w: Qwen3Weights, attn: AttentionBackend, step: StepPlan, rope: torch.Tensor,
+            tokens: torch.Tensor, positions: torch.Tensor, all_reduce: AllReduce = _no_reduce) -> torch.Tensor:
+    """Every layer over the packed tokens [T] at `positions` [T]; `step` is the attention plan of
+    this step's sequences (made once, shared by the layers). Leaves each token's K/V in the cache
+    and returns the last layer's hidden states [T, hidden] (see final_logits)."""
     cos_sin = rope.index_select(0, positions)
     cos, sin = cos_sin[:, :1], cos_sin[:, 1:]
     h = F.embedding(tokens, w.embed)
-    scale = cfg.head_dim**-0.5
     for i, lw in enumerate(w.layers):
         x = rms_norm(h, lw.input_norm, w.eps, w.inv_hidden)
         q, k, v = _qkv(cfg, w, lw, x, cos, sin)
-        kv.write(i, k, v, slot_mapping)
-        outs = []
-        for qs, ks, vs in zip(q.split(prompt_lens), k.split(prompt_lens), v.split(prompt_lens)):
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                is_causal=True, scale=scale, enable_gqa=True,
-            )
-            outs.append(o.transpose(0, 1))
-        attn = torch.cat(outs).flatten(1)
-        h = h + all_reduce(linear(attn, lw.o_proj, lw.o_bias))
+        o = attn.forward(i, q, k, v, step)
+        h = h + all_reduce(linear(o.flatten(1), lw.o_proj, lw.o_bias))
         h = _mlp_residual(w, lw, h, all_reduce)
-    logits = final_logits(w, h[last_index])
-    return (logits, h) if return_hidden else logits
-
-
-def decode_forward(
-    cfg: ModelConfig,
-    w: Qwen3Weights,
-    kv: PagedKV,
-    rope: torch.Tensor,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_table: torch.Tensor,
-    logits: torch.Tensor,
-    all_reduce: AllReduce = _no_reduce,
-) -> torch.Tensor:
-    """One token per row. `block_table` is already narrowed to the blocks the longest row uses.
-    Writes fp32 logits [B, vocab] into `logits` and returns it."""
-    cos_sin = rope.index_select(0, positions)
-    cos, sin = cos_sin[:, :1], cos_sin[:, 1:]
-    h = F.embedding(input_ids, w.embed)
-    view = kv.decode_step(block_table, positions)
-    scale = cfg.head_dim**-0.5
-    for i, lw in enumerate(w.layers):
-        x = rms_norm(h, lw.input_norm, w.eps, w.inv_hidden)
-        q, k, v = _qkv(cfg, w, lw, x, cos, sin)
-        kv.write(i, k, v, slot_mapping)
-        kv.gather(i, view)
-        o = decode_attention(q, view, scale)
-        h = h + all_reduce(linear(o, lw.o_proj, lw.o_bias))
-        h = _mlp_residual(w, lw, h, all_reduce)
-    return final_logits(w, h, out=logits)
+    return h

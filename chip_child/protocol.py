@@ -1,13 +1,16 @@
 """The wire between the L3 parent and a chip-child: msgpack arrays, validated before use.
 
 A steady decode command is `[0, step, [], b""]` (6 to 10 bytes as the step grows): the finished rows and new
-(row, block index, page id) triples are the only things that ever change. Token ids and page
-lists travel as raw int32 bytes, never as per-element lists.
+(row, block index, page id) triples are the only things that ever change. Token ids, page
+triples and chunks travel as raw int32 bytes, never as per-element lists.
 
-An admit is `[row, prompt_len, staging_offset, pages, temperature, top_p, top_k, seed, min_p,
+A step with admissions or prompt chunks is `[1, step, finished_rows, triples, admits, chunks]`.
+An admit sets a row up: `[row, prompt_len, temperature, top_p, top_k, seed, min_p,
 presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop_ids, logprobs,
-prompt_logprobs]`, with pages and stop_ids as int32 bytes. Its first eight fields alone are an
-admit that uses none of the optional sampling features (the form older senders write).
+prompt_logprobs]`, stop_ids as int32 bytes; its first six fields alone are an admit that uses
+none of the optional sampling features. Chunks are int32 bytes of (row, start, length,
+staging_offset, last) quintuples: positions [start, start + length) of the row's sequence, ids at
+staging_offset in the step's staging slot; the last chunk of a prompt samples the row's next token.
 """
 from __future__ import annotations
 
@@ -45,18 +48,19 @@ class Limits:
 
 @dataclass
 class Admit:
-    """A request entering `row`: its prompt sits at `staging_offset` in the step's staging slot.
-
-    The prefill's sampled token is generated token 0; a decode step whose input sits at position
-    p samples generated token p - prompt_len + 1. While that index is below `min_tokens` the
-    `stop_ids` (eos and stop token ids, as the parent decides) cannot be sampled. Penalties,
-    min_p and log-probabilities follow l3worker.params.SamplingParams; `logprobs` and
-    `prompt_logprobs` are -1 for none, else the number of top entries (0..MAX_LOGPROBS)."""
+    """A sequence taking `row`: its sampling parameters. Its pages arrive as triples and its
+    prompt as chunks, in this command and later ones; the row decodes once its last chunk ran.
+    Generated tokens start at `prompt_len` (a resumed sequence prefills some of them again): the
+    last chunk's sampled token is generated token (its end - prompt_len), and a decode step
+    whose input sits at position p samples generated token p - prompt_len + 1. While that index is
+    below `min_tokens` the `stop_ids` (eos and stop token ids, as the parent decides) cannot be
+    sampled. Penalties, min_p and log-probabilities follow l3worker.params.SamplingParams; the
+    penalties count the row's chunk tokens (prompt below prompt_len, output from there), so a
+    penalized sequence's chunks must cover it from position 0. `logprobs` and `prompt_logprobs`
+    are -1 for none, else the number of top entries (0..MAX_LOGPROBS)."""
 
     row: int
     prompt_len: int
-    staging_offset: int
-    pages: np.ndarray  # int32 page ids for blocks 0..len-1
     temperature: float
     top_p: float
     top_k: int
@@ -73,6 +77,18 @@ class Admit:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass
+class Chunk:
+    """Positions [start, start + length) of `row`'s sequence, whose ids sit at `staging_offset`
+    in the step's staging slot. The last chunk of a prefill samples the row's next token."""
+
+    row: int
+    start: int
+    length: int
+    staging_offset: int
+    last: bool
 
 
 @dataclass
@@ -121,17 +137,28 @@ class FullState:
 
 @dataclass
 class Command:
-    """One step. `admits` non-empty makes it a prefill step, otherwise a decode step."""
+    """One step, applied in this order: rows leave, rows are set up, pages are assigned, then one
+    forward runs over every active row's next token and every chunk."""
 
     step: int
     finished_rows: list[int] = field(default_factory=list)
     new_pages: np.ndarray = field(default_factory=lambda: _NO_PAGES)  # (row, block, page) int32
     admits: list[Admit] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
     full_state: FullState | None = None
 
     @property
     def is_prefill(self) -> bool:
-        return bool(self.admits)
+        return bool(self.chunks)
+
+
+def prefill_command(step: int, prompts: list[tuple[Admit, np.ndarray, int]],
+                    finished_rows: list[int] | None = None) -> Command:
+    """A step that admits each (admit, page ids, staging offset) and prefills its whole prompt
+    (admit.prompt_len ids at that offset) in one chunk: what in-process drivers send."""
+    triples = [(a.row, block, int(page)) for a, pages, _ in prompts for block, page in enumerate(pages)]
+    return Command(step, list(finished_rows or []), np.array(triples, np.int32).reshape(-1, 3),
+                   [a for a, _, _ in prompts], [Chunk(a.row, 0, a.prompt_len, offset, True) for a, _, offset in prompts])
 
 
 @dataclass
@@ -143,13 +170,14 @@ def encode(cmd: Command | Shutdown) -> bytes:
     if isinstance(cmd, Shutdown):
         return msgpack.packb([OP_SHUTDOWN])
     pages = cmd.new_pages.astype(np.int32, copy=False).tobytes()
-    if cmd.admits:
-        admits = [[a.row, a.prompt_len, a.staging_offset, a.pages.astype(np.int32, copy=False).tobytes(),
-                   a.temperature, a.top_p, a.top_k, a.seed, float(a.min_p), float(a.presence_penalty),
-                   float(a.frequency_penalty), float(a.repetition_penalty), int(a.min_tokens),
-                   np.asarray(a.stop_ids, np.int32).tobytes(), int(a.logprobs), int(a.prompt_logprobs)]
-                  for a in cmd.admits]
-        return msgpack.packb([OP_PREFILL, cmd.step, cmd.finished_rows, pages, admits])
+    if cmd.admits or cmd.chunks:
+        admits = [[a.row, a.prompt_len, a.temperature, a.top_p, a.top_k, a.seed, float(a.min_p),
+                   float(a.presence_penalty), float(a.frequency_penalty), float(a.repetition_penalty),
+                   int(a.min_tokens), np.asarray(a.stop_ids, np.int32).tobytes(), int(a.logprobs),
+                   int(a.prompt_logprobs)] for a in cmd.admits]
+        chunks = np.array([(c.row, c.start, c.length, c.staging_offset, int(c.last)) for c in cmd.chunks],
+                          np.int32).tobytes()
+        return msgpack.packb([OP_PREFILL, cmd.step, cmd.finished_rows, pages, admits, chunks])
     body = [OP_DECODE, cmd.step, cmd.finished_rows, pages]
     if cmd.full_state is not None:
         fs = cmd.full_state
@@ -208,15 +236,14 @@ def _decode(raw: bytes, limits: Limits) -> Command | Shutdown:
     if msg[3] != b"":  # the steady state skips numpy entirely
         cmd.new_pages = _decode_triples(msg[3], limits)
     if msg[0] == OP_PREFILL:
-        if len(msg) < 5 or not isinstance(msg[4], list):
-            raise ProtocolError("prefill command without an admits list")
+        if len(msg) != 6 or not isinstance(msg[4], list):
+            raise ProtocolError("a prefill command is [1, step, finished_rows, new_pages, admits, chunks]")
         cmd.admits = [_decode_admit(a, limits) for a in msg[4]]
-        if not cmd.admits:
-            raise ProtocolError("prefill command without admits")
         if len({a.row for a in cmd.admits}) != len(cmd.admits):
             raise ProtocolError("admits: a row appears twice")
-        if sum(a.prompt_len for a in cmd.admits) > limits.max_prefill_tokens:
-            raise ProtocolError(f"admits: more than max_prefill_tokens={limits.max_prefill_tokens} tokens")
+        cmd.chunks = _decode_chunks(msg[5], limits)
+        if not cmd.admits and not cmd.chunks:
+            raise ProtocolError("prefill command without admits or chunks")
     elif len(msg) > 4:
         cmd.full_state = _decode_full_state(msg[4], limits)
     return cmd
@@ -235,8 +262,31 @@ def _decode_triples(raw: object, limits: Limits) -> np.ndarray:
     return triples
 
 
+def _decode_chunks(raw: object, limits: Limits) -> list[Chunk]:
+    quints = _int_array(raw, "chunks")
+    if quints.size % 5:
+        raise ProtocolError("chunks: length is not a multiple of 5")
+    chunks = []
+    total = 0
+    for row, start, length, offset, last in quints.reshape(-1, 5).tolist():
+        _check_row(row, limits, "chunk")
+        if not (0 <= start and 1 <= length and start + length <= limits.max_seq_len):
+            raise ProtocolError(f"chunk: positions [{start}, {start + length}) outside [0, {limits.max_seq_len})")
+        if not 0 <= offset <= limits.max_prefill_tokens - length:
+            raise ProtocolError(f"chunk: staging range outside [0, {limits.max_prefill_tokens})")
+        if last not in (0, 1):
+            raise ProtocolError(f"chunk: last must be 0 or 1, got {last}")
+        total += length
+        chunks.append(Chunk(row, start, length, offset, bool(last)))
+    if len({c.row for c in chunks}) != len(chunks):
+        raise ProtocolError("chunks: a row appears twice")
+    if total > limits.max_prefill_tokens:
+        raise ProtocolError(f"chunks: more than max_prefill_tokens={limits.max_prefill_tokens} tokens")
+    return chunks
+
+
 _ADMIT_FIELDS = tuple(f.name for f in fields(Admit))
-_ADMIT_BASIC = 8  # row .. seed
+_ADMIT_BASIC = 6  # row .. seed
 _ADMIT_NEUTRAL = [0.0, 0.0, 0.0, 1.0, 0, b"", -1, -1]  # min_p .. prompt_logprobs of an admit without them
 
 
@@ -245,19 +295,11 @@ def _decode_admit(raw: object, limits: Limits) -> Admit:
         raise ProtocolError(f"admit must be [{', '.join(_ADMIT_FIELDS)}] or its first {_ADMIT_BASIC} fields")
     if len(raw) == _ADMIT_BASIC:
         raw = raw + _ADMIT_NEUTRAL
-    (row, plen, offset, pages, temperature, top_p, top_k, seed, min_p, presence, frequency, repetition,
+    (row, plen, temperature, top_p, top_k, seed, min_p, presence, frequency, repetition,
      min_tokens, stop_ids, logprobs, prompt_logprobs) = raw
     _check_row(row, limits, "admit")
-    if not isinstance(plen, int) or not 1 <= plen < limits.max_seq_len:
+    if not _is_int(plen) or not 1 <= plen < limits.max_seq_len:
         raise ProtocolError(f"admit: prompt_len {plen!r} outside [1, {limits.max_seq_len})")
-    if not isinstance(offset, int) or offset < 0 or offset + plen > limits.max_prefill_tokens:
-        raise ProtocolError(f"admit: staging range outside [0, {limits.max_prefill_tokens})")
-    pages = _int_array(pages, "admit pages")
-    need = -(-plen // limits.page_size)
-    if not need <= len(pages) <= limits.max_blocks_per_row:
-        raise ProtocolError(f"admit: {len(pages)} pages for {plen} prompt tokens, expected "
-                            f"{need}..{limits.max_blocks_per_row}")
-    _check_pages(pages, limits, "admit pages")
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ProtocolError(f"admit: {name} {value!r} is not a finite number")
@@ -280,9 +322,8 @@ def _decode_admit(raw: object, limits: Limits) -> Admit:
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if not _is_int(value) or not -1 <= value <= MAX_LOGPROBS:
             raise ProtocolError(f"admit: {name} {value!r} outside [-1, {MAX_LOGPROBS}]")
-    return Admit(row, plen, offset, pages, float(temperature), float(top_p), top_k, seed, float(min_p),
-                 float(presence), float(frequency), float(repetition), min_tokens, stop_ids, logprobs,
-                 prompt_logprobs)
+    return Admit(row, plen, float(temperature), float(top_p), top_k, seed, float(min_p), float(presence),
+                 float(frequency), float(repetition), min_tokens, stop_ids, logprobs, prompt_logprobs)
 
 
 def _is_number(value: object) -> bool:

@@ -1,9 +1,15 @@
 """The chip runtime: one device's model, KV cache, pooled step tensors and the step contract.
 
 It runs in-process (tests, the benchmark floor) or inside a chip-child. `execute` applies one
-command: finished rows, new page triples and admitted rows are the only inputs that cross from
-the host; positions advance, slot mappings are computed and next tokens are sampled on the device.
-The one host synchronisation of a decode step is the copy of the sampled ids into `out`.
+command: finished rows, rows set up, new page triples and prompt chunks are the only inputs that
+cross from the host; positions advance, slot mappings are computed and next tokens are sampled
+on the device. The one host synchronisation of a decode step is the copy of the sampled ids into
+`out`.
+
+Every step is one forward over a packed token axis: the B decode lanes first (a lane whose row is
+not decoding writes to the scratch page and its token is ignored), then the tokens of each prompt
+chunk. A chunk that ends its prompt hands its last hidden state to its row's lane, so one
+sampler call serves decode rows and rows that just finished their prefill alike.
 
 Optional sampling stages (penalties, min_p, the min_tokens stop-id mask, log-probabilities) run
 only in steps where some active row uses them, decided from host facts kept between admissions:
@@ -19,19 +25,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
-from chip_child.model import (
-    PagedKV,
-    Qwen3Weights,
-    decode_forward,
-    final_logits,
-    prefill_forward,
-    rope_table,
-    shard_config,
-)
+from chip_child.model import Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.pool import TaskArg, TensorPool
-from chip_child.protocol import MAX_LOGPROBS, Admit, Command, FullState, Limits
+from chip_child.protocol import MAX_LOGPROBS, Admit, Chunk, Command, FullState, Limits, prefill_command
 from chip_child.sampling import Features, RowParams, sample, sample_with_features, seed_key, vocab_hash
 
 COPY_POLICIES = ("dirty", "always")
@@ -49,8 +48,9 @@ class RuntimeConfig:
     max_seq_len: int = 4096
     page_size: int = 128
     num_pages: int | None = None  # None: every row can reach max_seq_len
-    max_prefill_tokens: int | None = None  # None: max(max_seq_len, 2048)
+    max_prefill_tokens: int | None = None  # chunk tokens per step; None: max(max_seq_len, 2048)
     copy_policy: str = "dirty"
+    attention_backend: str | None = None  # None: the device's default (see chip_child.attention)
     num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
     tp_rank: int = 0
     tp_size: int = 1
@@ -125,6 +125,21 @@ class StepResult:
     prompt_logprobs: bool = False  # prompt log-probabilities were written
 
 
+@dataclass
+class ChunkPlan:
+    """What the host knows of a step's prompt chunks: sizes for slicing the pooled buffers, the
+    metadata's host lengths, and which rows start decoding after this step."""
+
+    num_tokens: int  # chunk tokens after the B decode lanes
+    num_chunks: int
+    max_query_len: int
+    query_lens: list[int]  # per sequence: the B lanes, then the chunks
+    seq_lens: list[int]
+    last_rows: int  # chunks that end their prompt, first in last_* buffers
+    penalized: list[tuple[int, int, int, int]]  # (row, first packed index, prompt tokens, output tokens)
+    prompt_asks: list[tuple[int, int, int, int]]  # (first packed index, targets, staging offset, top N)
+
+
 class ChipRuntime:
     # Inference mode throughout: tensors without autograd bookkeeping make each small op cheaper,
     # which is most of a decode step's cost on the cpu.
@@ -149,21 +164,30 @@ class ChipRuntime:
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
         self.limits = replace(cfg.limits(), vocab_size=mc.vocab_size)
         self.pool = TensorPool(self.device)
-        self._callables = {"prefill": self._prefill, "decode": self._decode}
+        # One step function; two names, so a step's kind shows in dispatch (and fault injection).
+        self._callables = {"prefill": self._step, "decode": self._step}
         self._h2d_copies = 0
         self._h2d_bytes = 0
         self._timer = DeviceTimer(self.device)
 
-        b, mb, v = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size
-        kv_shape = (mc.num_layers, 2, mc.num_kv_heads, cfg.total_pages, cfg.page_size, mc.head_dim)
-        i64, f32 = torch.int64, torch.float32
+        b, mb, v, p = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size, cfg.prefill_capacity
+        spec = AttentionSpec(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
+                             head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size,
+                             dtype=self.dtype, max_tokens=b + p, max_seqs=2 * b, max_blocks=mb)
+        self.attn = get_backend(self.device.type, cfg.attention_backend)(spec, self.device)
+        i32, i64, f32 = torch.int32, torch.int64, torch.float32
         state = lambda slot, shape, dtype, role: TaskArg(slot, shape, dtype, role, owner=STATE)  # noqa: E731
         shared = (
-            state("kv_cache", kv_shape, self.dtype, "inout"),
+            state("kv_cache", self.attn.kv_cache_shape, self.dtype, "inout"),
+            *(state(f"attn_{name}", shape, dtype, "inout") for name, (shape, dtype) in
+              self.attn.workspace_shapes.items()),
             state("input_ids", (b,), i64, "inout"),
             state("positions", (b,), i64, "inout"),
-            state("active", (b,), torch.bool, "in"),
-            state("block_table", (b, mb), i64, "in"),
+            state("active", (b,), torch.bool, "inout"),
+            state("block_table", (b, mb), i32, "in"),
+            state("slot_mapping", (b,), i64, "inout"),
+            state("lane_seq_lens", (b,), i32, "inout"),
+            state("lane_starts", (b + 1,), i32, "in"),
             state("temperature", (b,), f32, "in"),
             state("top_p", (b,), f32, "in"),
             state("top_k", (b,), i64, "in"),
@@ -176,29 +200,26 @@ class ChipRuntime:
             state("repetition_penalty", (b,), f32, "in"),
             state("min_pos", (b,), i64, "in"),
             state("output_counts", (b, v), f32, "inout"),
-            state("prompt_seen", (b, v), torch.bool, "in"),
+            state("prompt_seen", (b, v), torch.bool, "inout"),
             state("stop_mask", (b, v), torch.bool, "in"),
             state("lp_values", (b, 1 + MAX_LOGPROBS), f32, "out"),
             state("lp_ids", (b, MAX_LOGPROBS), i64, "out"),
         )
-        # The gather target of decode attention: one layer's K and V pages of every row at full length.
-        workspace = (2, mc.num_kv_heads, b * mb, cfg.page_size, mc.head_dim)
-        self.decode_args = shared + (TaskArg("slot_mapping", (b,), i64, "inout"),
-                                     TaskArg("kv_workspace", workspace, self.dtype, "inout"))
-        p = cfg.prefill_capacity
+        self.decode_args = shared
         self.prefill_args = shared + (
-            TaskArg("tokens", (p,), i64, "in"),
-            TaskArg("prompt_positions", (p,), i64, "in"),
-            TaskArg("prompt_slots", (p,), i64, "in"),
-            TaskArg("last_index", (b,), i64, "in"),
-            TaskArg("rows", (b,), i64, "in"),
+            # [lanes | chunk tokens] on the packed axis; the host fills the chunk part in one copy.
+            TaskArg("tokens", (b + p,), i64, "in"),
+            TaskArg("token_positions", (b + p,), i64, "in"),
+            TaskArg("token_slots", (b + p,), i64, "inout"),
+            TaskArg("chunk_ints", (4 * p + 8 * b + 2,), i64, "in"),
             TaskArg("prompt_lp_values", (p, 1 + MAX_LOGPROBS), f32, "out"),
             TaskArg("prompt_lp_ids", (p, MAX_LOGPROBS), i64, "out"),
         )
-        self.state = self.pool.resolve("decode", self.decode_args)  # the decode step's tensors, by slot
+        self.state = self.pool.resolve("decode", self.decode_args)  # the step's shared tensors, by slot
         self.prefill_state = self.pool.resolve("prefill", self.prefill_args)
+        self.attn.bind(self.state["kv_cache"], {name: self.state[f"attn_{name}"] for name in self.attn.workspace_shapes})
         self.state["vocab_keys"].copy_(vocab_hash(v, self.device))
-        self.kv = PagedKV(self.state["kv_cache"], self.state["kv_workspace"])
+        self.state["lane_starts"].copy_(torch.arange(b + 1, dtype=i32))
 
         # Host mirrors of per-row facts the child needs without reading the device.
         self._positions = np.zeros(b, np.int64)
@@ -209,6 +230,8 @@ class ChipRuntime:
         self._penalized = np.zeros(b, bool)
         self._min_pos = np.zeros(b, np.int64)
         self._logprobs = np.full(b, -1, np.int64)
+        self._prompt_len = np.zeros(b, np.int64)
+        self._prompt_lp_top = np.full(b, -1, np.int64)
         self._batch_facts: BatchFacts | None = None
         self._slot_steps = 0  # decode steps whose slots are the previous step's plus one
 
@@ -263,29 +286,27 @@ class ChipRuntime:
         copies0, bytes0, allocs0 = self._h2d_copies, self._h2d_bytes, self.pool.allocations
         if cmd.finished_rows:
             self.finish_rows(cmd.finished_rows)
+        if cmd.admits:
+            self._set_up_rows(cmd.admits)
         if len(cmd.new_pages):
             rows, blocks, pages = self._h2d(cmd.new_pages.astype(np.int64)).unbind(1)
-            self.state["block_table"][rows, blocks] = pages
+            self.state["block_table"][rows, blocks] = pages.to(torch.int32)
             self._slot_steps = 0  # a row's current page may have changed: recompute its slot
         self._timer.start()
-        prompt_asks = ()
-        if cmd.is_prefill:
-            n, prompt_asks = self._run_prefill(cmd, staging, outputs is not None)
-        else:
-            if cmd.full_state is not None:
-                self._load_full_state(cmd.full_state)
-            n = self._run_decode(cmd.full_state is None, outputs is not None)
+        if cmd.full_state is not None:
+            self._load_full_state(cmd.full_state)
+        n, plan = self._run_step(cmd.chunks, staging, cmd.full_state is None, outputs is not None)
         self._timer.stop()
         out.copy_(self.state["input_ids"])  # the sampled ids: the step's only synchronisation
         if n >= 0:
             outputs.logprobs[:, :1 + n].copy_(self.state["lp_values"][:, :1 + n])
             outputs.logprob_ids[:, :n].copy_(self.state["lp_ids"][:, :n])
-        if prompt_asks:
+        asks = plan.prompt_asks if plan is not None else ()
+        if asks:
             values, ids = self.prefill_state["prompt_lp_values"], self.prefill_state["prompt_lp_ids"]
-            for start, length, offset, top in prompt_asks:
-                src, dst = slice(start, start + length - 1), slice(offset, offset + length - 1)
-                outputs.prompt_logprobs[dst, :1 + top].copy_(values[src, :1 + top])
-                outputs.prompt_logprob_ids[dst, :top].copy_(ids[src, :top])
+            for first, count, offset, top in asks:
+                outputs.prompt_logprobs[offset:offset + count, :1 + top].copy_(values[first:first + count, :1 + top])
+                outputs.prompt_logprob_ids[offset:offset + count, :top].copy_(ids[first:first + count, :top])
         return StepResult(
             apply_s=time.perf_counter() - t0,
             device_s=self._timer.elapsed_s(),
@@ -293,12 +314,12 @@ class ChipRuntime:
             h2d_bytes=self._h2d_bytes - bytes0,
             pool_allocs=self.pool.allocations - allocs0,
             logprobs=n,
-            prompt_logprobs=bool(prompt_asks),
+            prompt_logprobs=bool(asks),
         )
 
     @property
     def logits(self) -> torch.Tensor:
-        """Last step's fp32 logits per row (prefill fills the admitted rows only)."""
+        """Last step's fp32 logits per row (rows that neither decoded nor ended a prompt: garbage)."""
         return self.state["logits"]
 
     def positions_host(self) -> np.ndarray:
@@ -343,7 +364,7 @@ class ChipRuntime:
         return self._batch_facts
 
     def _step_features(self, facts: BatchFacts, want_logprobs: bool) -> Features | None:
-        """This decode step's optional stages; None when it runs the plain sampler."""
+        """This step's optional stages; None when it runs the plain sampler."""
         mask = facts.mask_steps > 0
         if mask:
             facts.mask_steps -= 1
@@ -354,8 +375,58 @@ class ChipRuntime:
             return None
         return Features(facts.any_penalty, facts.any_min_p, mask, logprobs)
 
-    def _run_decode(self, compute_slots: bool, want_logprobs: bool) -> int:
-        """Returns N of the log-probabilities the step computed (-1: none)."""
+    def _set_up_rows(self, admits: list[Admit]) -> None:
+        """Rows taken by new sequences: sampling parameters and per-row state; not active until
+        their last chunk ran, and with an empty block table until triples fill it."""
+        rows = np.array([a.row for a in admits], np.int64)
+        floats = np.array([[a.temperature, a.top_p, a.min_p, a.presence_penalty, a.frequency_penalty,
+                            a.repetition_penalty] for a in admits], np.float32)
+        # Stop ids are masked while the input position is below min_pos: never for a row without them.
+        stops = [np.asarray(a.stop_ids, np.int64) if a.min_tokens > 0 else np.zeros(0, np.int64) for a in admits]
+        min_pos = np.array([a.prompt_len - 1 + a.min_tokens if s.size else 0 for a, s in zip(admits, stops)],
+                           np.int64)
+        ints = np.stack([np.array([a.top_k for a in admits], np.int64),
+                         np.array([seed_key(a.seed) for a in admits], np.int64), min_pos], axis=1)
+        penalized = np.array([a.uses_penalties for a in admits], bool)
+        idx = self._h2d(rows)
+        st = self.state
+        st["active"][idx] = False
+        st["positions"][idx] = 0
+        st["block_table"][idx] = 0
+        dev_floats = self._h2d(floats)
+        for j, name in enumerate(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                                  "repetition_penalty")):
+            st[name][idx] = dev_floats[:, j]
+        dev_ints = self._h2d(ints)
+        for j, name in enumerate(("top_k", "seed_keys", "min_pos")):
+            st[name][idx] = dev_ints[:, j]
+        for a, uses in zip(admits, penalized):
+            if uses:  # counted from the row's chunks as they run
+                st["output_counts"][a.row].zero_()
+                st["prompt_seen"][a.row].zero_()
+        if min_pos.any():
+            vocab = self.model_cfg.vocab_size
+            for a, m in zip(admits, min_pos):
+                if m:
+                    st["stop_mask"][a.row].zero_()
+            flat = np.concatenate([a.row * vocab + s for a, s in zip(admits, stops)])
+            st["stop_mask"].view(-1)[self._h2d(flat)] = True
+        self._active[rows] = False
+        self._positions[rows] = 0
+        self._temperature[rows] = floats[:, 0]
+        self._filtered[rows] = (ints[:, 0] > 0) | (floats[:, 1] < 1)
+        self._min_p[rows] = floats[:, 2]
+        self._penalized[rows] = penalized
+        self._min_pos[rows] = min_pos
+        self._logprobs[rows] = [a.logprobs for a in admits]
+        self._prompt_len[rows] = [a.prompt_len for a in admits]
+        self._prompt_lp_top[rows] = [a.prompt_logprobs for a in admits]
+        self._rows_changed()
+
+    def _run_step(self, chunks: list[Chunk], staging: np.ndarray, compute_slots: bool,
+                  want_logprobs: bool) -> tuple[int, ChunkPlan | None]:
+        """Returns N of the per-row log-probabilities computed (-1: none) and the chunks' plan."""
+        plan = self._plan_chunks(chunks, staging, want_logprobs) if chunks else None
         facts = self._facts()
         features = None if facts.plain else self._step_features(facts, want_logprobs)
         if facts.furthest >= self.cfg.max_seq_len:
@@ -363,36 +434,100 @@ class ChipRuntime:
         page = self.cfg.page_size
         if not compute_slots:
             slots = "given"
-        elif self._slot_steps > 0:
+        elif self._slot_steps > 0 and plan is None:
             slots = "advance"
             self._slot_steps -= 1
         else:
             slots = "compute"
             # Every active row stays on its current page for this many more steps.
             live = self._positions[self._active]
-            self._slot_steps = int((page - 1 - live % page).min()) if live.size else 0
-        self.submit_next_level("decode", self.decode_args, num_blocks=facts.furthest // page + 1,
+            self._slot_steps = int((page - 1 - live % page).min()) if live.size and plan is None else 0
+        self.submit_next_level("prefill" if plan else "decode", self.prefill_args if plan else self.decode_args,
+                               plan=plan, lane_lens=self._positions + 1, max_lane_len=facts.furthest + 1,
                                any_random=facts.any_random, any_filter=facts.any_filter, slots=slots,
                                features=features)
         self._positions += self._active
         facts.furthest += facts.any_active
-        return -1 if features is None else features.logprobs
+        return (-1 if features is None else features.logprobs), plan
 
-    def _decode(self, *, kv_cache, kv_workspace, input_ids, positions, active, block_table, slot_mapping,
-                temperature, top_p, top_k, seed_keys, vocab_keys, logits, min_p, presence_penalty,
-                frequency_penalty, repetition_penalty, min_pos, output_counts, prompt_seen, stop_mask, lp_values,
-                lp_ids, num_blocks: int, any_random: bool, any_filter: bool, slots: str,
-                features: Features | None) -> None:
-        page = self.cfg.page_size
+    def _plan_chunks(self, chunks: list[Chunk], staging: np.ndarray, want_logprobs: bool) -> ChunkPlan:
+        """Copies the chunks' ids, positions and metadata to the device in one transfer, and
+        marks the rows whose prompt ends here as decoding from this step's sample on."""
+        b = self.cfg.max_batch_size
+        lens = [c.length for c in chunks]
+        total = sum(lens)
+        for c in chunks:
+            if self._active[c.row]:
+                raise ValueError(f"chunk for row {c.row}, which is decoding")
+        starts = np.cumsum([0] + lens[:-1])
+        ids = np.concatenate([staging[c.staging_offset:c.staging_offset + c.length] for c in chunks])
+        positions = np.concatenate([np.arange(c.start, c.start + c.length) for c in chunks])
+        rows = np.repeat([c.row for c in chunks], lens)
+        last = [(c, int(s)) for c, s in zip(chunks, starts) if c.last]
+        seq_lens = [c.start + c.length for c in chunks]
+        ends = b + np.cumsum(lens)
+        # chunk_ints: ids | positions | rows | query starts (B + C + 1) | chunk seq lens (C) |
+        # metadata rows (B + C) | last rows | their packed index | prompt-logprob targets
+        targets, asks, penalized = [], [], []
+        for c, s in zip(chunks, starts):
+            plen = int(self._prompt_len[c.row])
+            if self._penalized[c.row]:
+                in_prompt = max(0, min(c.start + c.length, plen) - c.start)
+                penalized.append((c.row, int(s), in_prompt, c.length - in_prompt))
+            top = int(self._prompt_lp_top[c.row])
+            if want_logprobs and top >= 0 and c.start < plen - 1:
+                count = min(c.start + c.length, plen - 1) - c.start
+                if c.staging_offset + count >= len(staging):
+                    raise ValueError(f"chunk of row {c.row}: its prompt-logprob targets run past the staging slot")
+                asks.append((int(s), count, c.staging_offset, top))
+                targets.append(staging[c.staging_offset + 1:c.staging_offset + 1 + count])
+        ints = np.concatenate([ids, positions, rows, np.arange(b + 1), ends, seq_lens,
+                               np.arange(b), [c.row for c in chunks], [c.row for c, _ in last],
+                               [b + s + c.length - 1 for c, s in last], *targets]).astype(np.int64)
+        self.prefill_state["chunk_ints"][:len(ints)].copy_(self._h2d(ints))
+        for c, _ in last:
+            self._active[c.row] = True
+            self._positions[c.row] = c.start + c.length - 1  # the input position its sample counts from
+        self._rows_changed()
+        host_lens = self._positions + 1
+        return ChunkPlan(total, len(chunks), max(lens), [1] * b + lens, host_lens.tolist() + seq_lens, len(last),
+                         penalized, asks)
+
+    def _step(self, *, input_ids, positions, active, block_table, slot_mapping, lane_seq_lens, lane_starts,
+              temperature, top_p, top_k, seed_keys, vocab_keys, logits, min_p, presence_penalty, frequency_penalty,
+              repetition_penalty, min_pos, output_counts, prompt_seen, stop_mask, lp_values, lp_ids,
+              plan: ChunkPlan | None, lane_lens: np.ndarray, max_lane_len: int, any_random: bool,
+              any_filter: bool, slots: str, features: Features | None, tokens=None, token_positions=None,
+              token_slots=None, chunk_ints=None, prompt_lp_values=None, prompt_lp_ids=None, **_cache) -> None:
+        b, page = self.cfg.max_batch_size, self.cfg.page_size
         if slots == "compute":
             blocks = block_table.gather(1, (positions // page)[:, None]).squeeze(1)
-            # Idle rows write to slot 0 of the scratch page, never into a page another row owns.
+            # Idle lanes write to slot 0 of the scratch page, never into a page another row owns.
             torch.mul(blocks * page + positions % page, active, out=slot_mapping)
         elif slots == "advance":
             slot_mapping.add_(active)  # no active row crosses a page boundary this step
-        decode_forward(self.model_cfg, self.weights, self.kv, self.rope, input_ids, positions, slot_mapping,
-                       block_table[:, :num_blocks], logits, self._all_reduce)
-        # Idle rows' ids are never read: the parent ignores them and an admission overwrites them.
+        torch.add(positions, 1, out=lane_seq_lens)
+        if plan is None:
+            meta = AttentionMetadata(lane_starts, lane_seq_lens, block_table, slot_mapping, 1, max_lane_len,
+                                     seq_lens_host=lane_lens)
+            hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, input_ids,
+                             positions, self._all_reduce)
+        else:
+            hidden = self._forward_chunks(plan, input_ids, positions, block_table, slot_mapping, lane_seq_lens,
+                                          tokens, token_positions, token_slots, chunk_ints)
+        row_hidden = hidden[:b]
+        if plan is not None:
+            t, c = plan.num_tokens, plan.num_chunks
+            ints = chunk_ints[3 * t + 2 * b + 3 * c + 1:]
+            last_rows, last_index = ints[:plan.last_rows], ints[plan.last_rows:2 * plan.last_rows]
+            if plan.last_rows:  # a row whose prompt ends here samples from its last token
+                row_hidden.index_copy_(0, last_rows, hidden.index_select(0, last_index))
+                positions[last_rows] = token_positions.index_select(0, last_index)
+                active[last_rows] = True
+            self._chunk_side_effects(plan, hidden, tokens, ints[2 * plan.last_rows:], output_counts, prompt_seen,
+                                     prompt_lp_values, prompt_lp_ids)
+        final_logits(self.weights, row_hidden, out=logits)
+        # Idle lanes' ids are never read: the parent ignores them and a chunk overwrites them.
         if features is None:
             input_ids.copy_(sample(logits, temperature, top_k, top_p, seed_keys, positions, vocab_keys, any_random,
                                    any_filter))
@@ -404,6 +539,63 @@ class ChipRuntime:
             if features.penalties:  # the sampled ids join their rows' outputs, on the device
                 output_counts.scatter_add_(1, input_ids[:, None], active[:, None].to(output_counts.dtype))
         positions.add_(active)
+
+    def _forward_chunks(self, plan: ChunkPlan, input_ids, positions, block_table, slot_mapping, lane_seq_lens,
+                        tokens, token_positions, token_slots, chunk_ints) -> torch.Tensor:
+        """The forward of a step with chunks: lanes and chunk tokens on one packed axis."""
+        b, page = self.cfg.max_batch_size, self.cfg.page_size
+        t, c = plan.num_tokens, plan.num_chunks
+        n = b + t
+        ids, pos, rows = chunk_ints[:t], chunk_ints[t:2 * t], chunk_ints[2 * t:3 * t]
+        meta_ints = chunk_ints[3 * t:]
+        tokens[:b].copy_(input_ids)
+        tokens[b:n].copy_(ids)
+        token_positions[:b].copy_(positions)
+        token_positions[b:n].copy_(pos)
+        token_slots[:b].copy_(slot_mapping)
+        torch.add(block_table[rows, pos // page].long() * page, pos % page, out=token_slots[b:n])
+        starts = meta_ints[:b + c + 1].to(torch.int32)
+        seq_lens = torch.cat([lane_seq_lens, meta_ints[b + c + 1:b + 2 * c + 1].to(torch.int32)])
+        seq_rows = meta_ints[b + 2 * c + 1:2 * b + 3 * c + 1]
+        max_len = max(plan.seq_lens)
+        width = -(-max_len // page)
+        meta = AttentionMetadata(starts, seq_lens, block_table.index_select(0, seq_rows)[:, :width],
+                                 token_slots[:n], max(plan.max_query_len, 1), max_len,
+                                 query_lens_host=plan.query_lens, seq_lens_host=plan.seq_lens)
+        return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:n],
+                       token_positions[:n], self._all_reduce)
+
+    def _chunk_side_effects(self, plan: ChunkPlan, hidden, tokens, targets, output_counts, prompt_seen,
+                            prompt_lp_values, prompt_lp_ids) -> None:
+        """Penalty state from the chunks' ids (prompt part: seen; past prompt_len: output counts),
+        and prompt log-probabilities for the chunks that asked."""
+        b = self.cfg.max_batch_size
+        for row, first, in_prompt, in_output in plan.penalized:
+            ids = tokens[b + first:b + first + in_prompt + in_output]
+            if in_prompt:
+                prompt_seen[row, ids[:in_prompt]] = True
+            if in_output:
+                output_counts[row].index_add_(0, ids[in_prompt:], torch.ones(in_output, dtype=output_counts.dtype,
+                                                                              device=ids.device))
+        taken = 0
+        for first, count, _, top in plan.prompt_asks:
+            self._prompt_logprobs(hidden[b + first:b + first + count], targets[taken:taken + count], first, top,
+                                  prompt_lp_values, prompt_lp_ids)
+            taken += count
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, first: int, top: int,
+                         values: torch.Tensor, top_ids: torch.Tensor) -> None:
+        """Log-probabilities of the raw logits at `hidden`'s positions, of each next prompt token
+        (`targets`) and the `top` most likely, into rows first.. of `values` / `top_ids`,
+        PROMPT_LOGPROB_ROWS positions at a time."""
+        for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            z = min(a + PROMPT_LOGPROB_ROWS, len(targets))
+            logprobs = final_logits(self.weights, hidden[a:z]).log_softmax(dim=-1)
+            values[first + a:first + z, 0] = logprobs.gather(1, targets[a:z, None]).squeeze(1)
+            if top:
+                best = logprobs.topk(top, dim=-1)
+                values[first + a:first + z, 1:1 + top] = best.values
+                top_ids[first + a:first + z, :top] = best.indices
 
     def _load_full_state(self, fs: FullState) -> None:
         """copy_policy="always": overwrite every decode input from the host, as older systems did,
@@ -430,158 +622,29 @@ class ChipRuntime:
         self._logprobs[:] = fs.logprobs
         self._rows_changed()
 
-    def _run_prefill(self, cmd: Command, staging: np.ndarray,
-                     want_logprobs: bool) -> tuple[int, list[tuple[int, int, int, int]]]:
-        """Returns N of the per-row log-probabilities computed (-1: none) and, for each admit whose
-        prompt log-probabilities were computed, (packed start, prompt_len, staging offset, N)."""
-        admits = cmd.admits
-        page = self.cfg.page_size
-        lens = [a.prompt_len for a in admits]
-        starts = np.cumsum([0] + lens[:-1]).tolist()
-        total = sum(lens)
-        tokens = np.concatenate([staging[a.staging_offset:a.staging_offset + a.prompt_len] for a in admits])
-        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
-        slots = np.concatenate([a.pages.astype(np.int64)[np.arange(n) // page] * page + np.arange(n) % page
-                                for a, n in zip(admits, lens)])
-        rows = np.array([a.row for a in admits], np.int64)
-        table = np.zeros((len(admits), self.cfg.max_blocks_per_row), np.int64)
-        for i, a in enumerate(admits):
-            table[i, :len(a.pages)] = a.pages
-        floats = np.array([[a.temperature, a.top_p, a.min_p, a.presence_penalty, a.frequency_penalty,
-                            a.repetition_penalty] for a in admits], np.float32)
-        # Stop ids are masked while the input position is below min_pos: never for a row without them.
-        stops = [np.asarray(a.stop_ids, np.int64) if a.min_tokens > 0 else np.zeros(0, np.int64) for a in admits]
-        min_pos = np.array([a.prompt_len - 1 + a.min_tokens if s.size else 0 for a, s in zip(admits, stops)],
-                           np.int64)
-        ints = np.stack([np.array([a.top_k for a in admits], np.int64),
-                         np.array([seed_key(a.seed) for a in admits], np.int64), min_pos], axis=1)
-        penalized = np.array([a.uses_penalties for a in admits], bool)
-
-        n = len(admits)
-        t = self.pool.resolve("prefill", self.prefill_args)
-        t["tokens"][:total].copy_(self._h2d(tokens.astype(np.int64)))
-        t["prompt_positions"][:total].copy_(self._h2d(positions))
-        t["prompt_slots"][:total].copy_(self._h2d(slots))
-        t["last_index"][:n].copy_(self._h2d(np.cumsum(lens) - 1))
-        t["rows"][:n].copy_(self._h2d(rows))
-        idx = t["rows"][:n]
-        self.state["block_table"][idx] = self._h2d(table)
-        dev_floats = self._h2d(floats)
-        for j, name in enumerate(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                                  "repetition_penalty")):
-            self.state[name][idx] = dev_floats[:, j]
-        dev_ints = self._h2d(ints)
-        for j, name in enumerate(("top_k", "seed_keys", "min_pos")):
-            self.state[name][idx] = dev_ints[:, j]
-        # Per-row state of the optional stages, only for the rows that use them.
-        vocab = self.model_cfg.vocab_size
-        for a, start, uses in zip(admits, starts, penalized):
-            if uses:
-                self.state["output_counts"][a.row].zero_()
-                seen = self.state["prompt_seen"][a.row]
-                seen.zero_()
-                seen[t["tokens"][start:start + a.prompt_len]] = True
-        if min_pos.any():
-            for a, m in zip(admits, min_pos):
-                if m:
-                    self.state["stop_mask"][a.row].zero_()
-            flat = np.concatenate([a.row * vocab + s for a, s in zip(admits, stops)])
-            self.state["stop_mask"].view(-1)[self._h2d(flat)] = True
-
-        self._active[rows] = True
-        self._positions[rows] = lens
-        self._temperature[rows] = floats[:, 0]
-        self._filtered[rows] = (ints[:, 0] > 0) | (floats[:, 1] < 1)
-        self._min_p[rows] = floats[:, 2]
-        self._penalized[rows] = penalized
-        self._min_pos[rows] = min_pos
-        self._logprobs[rows] = [a.logprobs for a in admits]
-        self._rows_changed()
-        facts = self._facts()
-
-        # The admitted rows' own stages: their first token is generated token 0.
-        logprobs = max(a.logprobs for a in admits) if want_logprobs else -1
-        features = Features(bool(penalized.any()), bool(((floats[:, 0] > 0) & (floats[:, 2] > 0)).any()),
-                            bool(min_pos.any()), logprobs)
-        if features == Features():
-            features = None
-        asks = [(start, a.prompt_len, a.staging_offset, a.prompt_logprobs) for a, start in zip(admits, starts)
-                if want_logprobs and a.prompt_logprobs >= 0 and a.prompt_len > 1]
-        self.submit_next_level("prefill", self.prefill_args, num_tokens=total, num_rows=n, prompt_lens=lens,
-                               any_random=facts.any_random, any_filter=facts.any_filter, features=features,
-                               prompt_asks=[(start, length, top) for start, length, _, top in asks])
-        return -1 if features is None else features.logprobs, asks
-
-    def _prefill(self, *, kv_cache, input_ids, positions, active, block_table, temperature, top_p, top_k,
-                 seed_keys, vocab_keys, logits, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-                 min_pos, output_counts, prompt_seen, stop_mask, lp_values, lp_ids, tokens, prompt_positions,
-                 prompt_slots, last_index, rows, prompt_lp_values, prompt_lp_ids, num_tokens: int, num_rows: int,
-                 prompt_lens: list[int], any_random: bool, any_filter: bool, features: Features | None,
-                 prompt_asks: list[tuple[int, int, int]]) -> None:
-        idx = rows[:num_rows]
-        pos = prompt_positions[:num_tokens]
-        row_logits = prefill_forward(self.model_cfg, self.weights, self.kv, self.rope, tokens[:num_tokens], pos,
-                                     prompt_slots[:num_tokens], prompt_lens, last_index[:num_rows],
-                                     self._all_reduce, return_hidden=bool(prompt_asks))
-        if prompt_asks:
-            row_logits, hidden = row_logits
-        logits[idx] = row_logits
-        counters = pos[last_index[:num_rows]]
-        if features is None:
-            ids = sample(row_logits, temperature[idx], top_k[idx], top_p[idx], seed_keys[idx], counters, vocab_keys,
-                         any_random, any_filter)
-        else:
-            params = RowParams(temperature, top_k, top_p, seed_keys, min_p, presence_penalty, frequency_penalty,
-                               repetition_penalty, min_pos, output_counts, prompt_seen, stop_mask).select(idx)
-            values = top_ids = None
-            if features.logprobs >= 0:
-                values = lp_values.new_empty((num_rows, lp_values.shape[1]))
-                top_ids = lp_ids.new_empty((num_rows, lp_ids.shape[1]))
-            ids = sample_with_features(row_logits, params, counters, vocab_keys, any_random, any_filter, features,
-                                       values, top_ids)
-            if features.logprobs >= 0:
-                lp_values[idx] = values
-                lp_ids[idx] = top_ids
-            if features.penalties:  # generated token 0 is the first of the row's output
-                output_counts.index_put_((idx, ids), torch.ones_like(ids, dtype=output_counts.dtype),
-                                         accumulate=True)
-        input_ids[idx] = ids
-        positions[idx] = counters + 1
-        active[idx] = True
-        for start, length, top in prompt_asks:
-            self._prompt_logprobs(hidden, tokens, start, length, top, prompt_lp_values, prompt_lp_ids)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, tokens: torch.Tensor, start: int, length: int, top: int,
-                         values: torch.Tensor, top_ids: torch.Tensor) -> None:
-        """Log-probabilities of the raw logits at the prompt's positions 0..length-2: row start + i
-        gets token i + 1's value and the `top` most likely, PROMPT_LOGPROB_ROWS positions at a time."""
-        end = start + length - 1
-        for a in range(start, end, PROMPT_LOGPROB_ROWS):
-            b = min(a + PROMPT_LOGPROB_ROWS, end)
-            logprobs = final_logits(self.weights, hidden[a:b]).log_softmax(dim=-1)
-            values[a:b, 0] = logprobs.gather(1, tokens[a + 1:b + 1, None]).squeeze(1)
-            if top:
-                best = logprobs.topk(top, dim=-1)
-                values[a:b, 1:1 + top] = best.values
-                top_ids[a:b, :top] = best.indices
-
     def _warm_up(self) -> None:
-        """A prefill and a decode step through every code path (every optional sampling stage,
-        then none), then back to an empty batch."""
+        """Steps through every code path (a prefill with every optional sampling stage, a mixed
+        step of a chunk beside a decoding row, then plain ones), then back to an empty batch."""
         b = self.cfg.max_batch_size
         out = torch.zeros(b, dtype=torch.int32)
-        outputs = StepOutputs.allocate(b, 1)
-        staging = np.zeros(1, np.int32)
-        # One prompt token on one page; the decode step's block, if beyond it, is the scratch page.
-        common = dict(row=0, prompt_len=1, staging_offset=0, pages=np.array([1], np.int32), temperature=1.0,
-                      top_p=0.9, top_k=5, seed=0)
-        every = Admit(**common, min_p=0.1, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
-                      min_tokens=2, stop_ids=np.array([0], np.int32), logprobs=MAX_LOGPROBS,
+        outputs = StepOutputs.allocate(b, 2)
+        staging = np.zeros(2, np.int32)
+        plen = 2 if self.cfg.max_seq_len > 2 else 1  # two tokens: one prompt log-probability to compute
+        page = np.arange(1, 1 + -(-plen // self.cfg.page_size), dtype=np.int32)
+        common = dict(prompt_len=plen, temperature=1.0, top_p=0.9, top_k=5, seed=0)
+        every = Admit(row=0, **common, min_p=0.1, presence_penalty=0.5, frequency_penalty=0.5,
+                      repetition_penalty=1.2, min_tokens=2, stop_ids=np.array([0], np.int32), logprobs=MAX_LOGPROBS,
                       prompt_logprobs=MAX_LOGPROBS)
-        for step, admit in enumerate((every, Admit(**common))):
-            self.execute(Command(step=2 * step, admits=[admit]), staging, out, outputs)
-            self.execute(Command(step=2 * step + 1), staging, out, outputs)
-            self.finish_rows([0])
+        step = 0
+        for admit in (every, Admit(row=0, **common)):
+            self.execute(prefill_command(step, [(admit, page, 0)]), staging, out, outputs)
+            if b > 1:  # a second row prefills while the first decodes
+                other = replace(admit, row=1)
+                self.execute(prefill_command(step + 1, [(other, page, 0)]), staging, out, outputs)
+            self.execute(Command(step=step + 2), staging, out, outputs)
+            self.finish_rows(list(range(min(b, 2))))
+            step += 3
         for name in ("block_table", "output_counts", "prompt_seen", "stop_mask"):
             self.state[name].zero_()
-        self.kv.cache.zero_()
+        self.state["kv_cache"].zero_()
+        self.attn.invalidate()

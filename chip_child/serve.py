@@ -3,8 +3,9 @@ message until told to stop or its parent disappears.
 
 Started by the parent as `python -m chip_child SPEC_JSON` with the shared buffers' descriptors
 inherited. After each step rank 0 writes the sampled ids, any log-probabilities asked for and
-the step's figures into the step's ring slot and rings the shared doorbell; a failed or refused command gets an error reply naming
-the problem, and a bad command is refused before anything is applied.
+the step's figures into the step's ring slot and rings the shared doorbell; a failed or refused
+command gets an error reply naming the problem, and a bad command is refused before anything is
+applied.
 """
 from __future__ import annotations
 

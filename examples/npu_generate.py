@@ -3,6 +3,7 @@
     python examples/npu_generate.py                                  # built-in tiny model
     python examples/npu_generate.py --model-dir /path/to/Qwen3-0.6B --device npu --prompt "Hello"
     python examples/npu_generate.py --requests 3 --profile           # later requests skip setup
+    python examples/npu_generate.py --stream                         # text as it is generated
 
 Exit status: 0 done, 2 bad flag or input, 1 the worker failed, 130 interrupted (Ctrl-C).
 """
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--pipeline-depth", type=int, default=2, help="step commands kept in flight")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per step: decode rows plus prefill chunks (default 512)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute shared prompt prefixes instead of reusing their KV pages")
+    p.add_argument("--stream", action="store_true", help="print each request's text as it is generated")
     p.add_argument("--copy-policy", choices=("dirty", "always"), default="dirty")
     p.add_argument("--requests", type=int, default=1, help="sequential generate() calls on one worker")
     p.add_argument("--profile", action="store_true", help="print the per-decode-step breakdown")
@@ -104,6 +110,18 @@ def print_profile(stats: dict) -> None:
         print(f"[profile] {label:<18}" + "".join(f"{d[q] * scale:>12.3f}" for q in ("mean", "p50", "p99")))
 
 
+def stream(w: DistributedWorker, prompts: list, params: SamplingParams) -> list:
+    """Prints each delta as `[request id] text` as it arrives; returns the final outputs in order."""
+    finals = {}
+    for out in w.stream(prompts, params):
+        for sample in out.outputs:
+            if sample.delta_text:
+                print(f"[{out.request_id}] {sample.delta_text!r}", flush=True)
+        if out.finished:
+            finals[out.request_id] = out
+    return sorted(finals.values(), key=lambda o: int(o.request_id))
+
+
 def rate(count: int, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
@@ -115,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         w = DistributedWorker(
             args.model_dir, device_ids=args.device_ids, device=args.device, max_batch_size=args.max_num_seqs,
             max_seq_len=args.max_seq_len, page_size=args.block_size, dtype=args.dtype,
-            pipeline_depth=args.pipeline_depth, copy_policy=args.copy_policy)
+            pipeline_depth=args.pipeline_depth, copy_policy=args.copy_policy,
+            max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching)
         if args.requests < 1:
             raise ValueError(f"--requests must be >= 1, got {args.requests}")
         prompts = make_prompts(args, w)
@@ -126,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         st = w.stats()
         print(f"[setup] prepared in {st['prepare_s']:.3f}s on {st['device']} ({st['dtype']})")
         for i in range(1, args.requests + 1):
-            outputs = w.generate(prompts, params)
+            outputs = stream(w, prompts, params) if args.stream else w.generate(prompts, params)
             st = w.stats()
             if args.requests > 1:
                 print(f"=== request {i}/{args.requests} ===")

@@ -68,13 +68,16 @@ class RequestState:
 
 class Engine:
     def __init__(self, model_config: ModelConfig, runtime_config: RuntimeConfig, tokenizer, model_dir: str,
-                 pipeline_depth: int, step_timeout_s: float | None):
+                 pipeline_depth: int, step_timeout_s: float | None, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool):
         self.model_config = model_config
         self.runtime_config = runtime_config
         self.tokenizer = tokenizer
         self.model_dir = model_dir
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
         self.scheduler: Scheduler | None = None
         self.requests: dict[str, RequestState] = {}
         self.metrics = EngineMetrics(running=self._num_running, waiting=self._num_waiting, kv_usage=self._kv_usage)
@@ -100,9 +103,10 @@ class Engine:
         self._children, self._buffers, self._doorbell = children, buffers, doorbell
         self.scheduler = Scheduler(
             max_batch_size=cfg.max_batch_size, page_size=cfg.page_size, max_blocks_per_row=cfg.max_blocks_per_row,
-            num_pages=cfg.total_pages - 1, prefill_capacity=cfg.prefill_capacity,
-            full_state=cfg.copy_policy == "always",
+            num_pages=cfg.total_pages - 1, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching, full_state=cfg.copy_policy == "always",
         )
+        self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
         self._inflight.clear()
 
     def fail(self, exc: BaseException) -> None:
@@ -209,6 +213,7 @@ class Engine:
             sched = self.scheduler
             while len(self._inflight) < self.pipeline_depth and (s := sched.next_command()) is not None:
                 self._inflight.append(self._send(s))
+            self._count_scheduling()
             if self._inflight:
                 self._complete(self._inflight.popleft(), outputs)
         except BaseException as exc:
@@ -298,18 +303,22 @@ class Engine:
         return TokenLogprob(token, float(values[0]), top)
 
     def _read_prompt_logprobs(self, scheduled: Scheduled, slot: int) -> None:
+        """A chunk's entry at staging offset + i holds the log-probability of the prompt token
+        after position start + i, and the top N there."""
         values = self._buffers.prompt_logprobs[slot].numpy()
         ids = self._buffers.prompt_logprob_ids[slot].numpy()
-        for offset, seq in scheduled.prompt_logprobs:
-            state = self.requests[seq.request_id]
+        for offset, start, length, seq in scheduled.prompt_logprobs:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] * seq.prompt_len
             top_n = seq.params.prompt_logprobs
-            out: list[TokenLogprob | None] = [None]
-            for j in range(1, seq.prompt_len):
-                row = offset + j - 1
-                out.append(TokenLogprob(int(seq.prompt_ids[j]), float(values[row, 0]),
-                                        tuple((int(i), float(v)) for i, v in zip(ids[row, :top_n],
-                                                                                 values[row, 1:1 + top_n]))))
-            state.prompt_logprobs = out
+            for q in range(start, min(start + length, seq.prompt_len - 1)):
+                row = offset + q - start
+                state.prompt_logprobs[q + 1] = TokenLogprob(
+                    int(seq.prompt_ids[q + 1]), float(values[row, 0]),
+                    tuple((int(i), float(v)) for i, v in zip(ids[row, :top_n], values[row, 1:1 + top_n])))
 
     def _report(self, state: RequestState, outputs: list[RequestOutput]) -> None:
         """Adds the request's delta (streaming) or, once every sample is done, its final output."""
@@ -347,7 +356,8 @@ class Engine:
         if samples or done:
             outputs.append(RequestOutput(
                 state.request_id, state.prompt, state.prompt_ids.tolist(), samples, finished=done,
-                prompt_logprobs=state.prompt_logprobs, metrics=_request_metrics(state) if done else None))
+                prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.seqs[0].num_cached_tokens,
+                metrics=_request_metrics(state) if done else None))
 
     def _finish_request(self, state: RequestState) -> None:
         del self.requests[state.request_id]
@@ -385,11 +395,18 @@ class Engine:
             sum(1 for kind, _ in list(self._inbox) if kind == "add")
 
     def _kv_usage(self) -> float:
-        sched = self.scheduler
-        if sched is None:
-            return 0.0
-        total = sched.pages.num_pages
-        return (total - sched.pages.num_free) / total
+        return self.scheduler.pages.usage if self.scheduler is not None else 0.0
+
+    def _count_scheduling(self) -> None:
+        """Moves the scheduler's prefix-cache and preemption counts into the metrics."""
+        pool = self.scheduler.pages
+        now = (pool.queries_tokens, pool.hits_tokens, self.scheduler.num_preemptions)
+        if now != self._counted:
+            m = self.metrics
+            for counter, new, old in zip((m.prefix_cache_queries, m.prefix_cache_hits, m.preemptions), now,
+                                         self._counted):
+                counter.inc(new - old)
+            self._counted = now
 
 
 def _request_metrics(state: RequestState) -> RequestMetrics | None:

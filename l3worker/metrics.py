@@ -32,6 +32,12 @@ class EngineMetrics:
                                        ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)  # every series exists from the start, at 0
+        self.prefix_cache_queries = Counter("l3worker:prefix_cache_queries", "Prompt tokens looked up in the "
+                                            "prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("l3worker:prefix_cache_hits", "Prompt tokens the prefix cache supplied",
+                                         registry=r)
+        self.preemptions = Counter("l3worker:num_preemptions", "Sequences preempted when KV pages ran out",
+                                   registry=r)
         self.ttft = Histogram("l3worker:time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("l3worker:inter_token_latency_seconds", "Between two tokens of a sample",

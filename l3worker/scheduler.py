@@ -1,11 +1,20 @@
-"""Which request sits in which batch row, and the diff-only command for each step.
+"""Which sequence sits in which batch row, and the diff-only command for each step.
 
-Pure bookkeeping, no IO. The scheduler knows every row's position at every future step, so with
-several commands in flight it still sends each page triple before the step that needs it.
+Pure bookkeeping, no IO. A step is a token budget (`max_num_batched_tokens`): every decoding row
+takes one token, and prefill chunks share the rest, so a long prompt is prefilled over several
+steps while the other rows keep producing tokens. Pages are taken from the pool as rows grow;
+full pages are committed to the prefix cache, so a later prompt that starts the same way
+prefills only the rest. When the pool runs dry the most recently admitted sequence is
+preempted: its pages go back, and it later resumes by prefilling its prompt plus the tokens it
+already produced (mostly prefix-cache hits), which gives the same tokens as an unpreempted run.
+
+The scheduler knows every row's position at every future step, so with several commands in
+flight it still sends each page triple before the step that needs it. A sequence finished or
+preempted while commands are in flight gets nothing from them: `epoch` tells stale tokens apart.
 """
 from __future__ import annotations
 
-import math
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,9 +22,9 @@ from functools import cached_property
 
 import numpy as np
 
-from chip_child.protocol import Admit, Command, FullState
+from chip_child.protocol import Admit, Chunk, Command, FullState
 from chip_child.sampling import seed_key
-from l3worker.pages import PageAllocator
+from l3worker.page_pool import CacheCursor, PagePool, PrefixHit
 from l3worker.params import SamplingParams
 
 
@@ -34,8 +43,14 @@ class Sequence:
     request_id: str = ""
     row: int = -1
     pages: list[int] = field(default_factory=list)
-    reserved: int = 0  # pages reserved and not yet taken
-    scheduled: int = 0  # tokens the sent commands will sample (the prefill's counts, even when dropped)
+    cursor: CacheCursor | None = None
+    fed: int = 0  # positions whose K/V the sent commands write
+    prefill_end: int = 0  # positions to prefill since admission: the prompt, plus tokens on a resume
+    scheduled: int = 0  # tokens the sent commands sample (a scoring prefill's counts, though dropped)
+    epoch: int = 0  # bumped by preemption: tokens of commands sent before it are dropped
+    admit_order: int = -1  # for choosing the preemption victim: the newest goes first
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
+    preemptions: int = 0
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -43,6 +58,11 @@ class Sequence:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     prev_token_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Prompt and generated ids in one buffer: the prefix cache reads them, a resume prefills them.
+        self.ids = np.zeros(self.prompt_len + self.steps_needed, np.int32)
+        self.ids[:self.prompt_len] = self.prompt_ids
 
     @property
     def prompt_len(self) -> int:
@@ -57,13 +77,22 @@ class Sequence:
         """Tokens to sample: a scoring request (max_new_tokens 0) still runs its prefill."""
         return max(self.params.max_new_tokens, 1)
 
+    @property
+    def known(self) -> int:
+        """Ids known so far: the prompt and the tokens received."""
+        return self.prompt_len + len(self.tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < self.prefill_end
+
     @cached_property
     def seed_key(self) -> int:
         return seed_key(self.seed)
 
     def pages_needed(self, page_size: int) -> int:
         # The last sampled token is never fed back, so the cache holds prompt + steps - 1.
-        return math.ceil((self.prompt_len + self.steps_needed - 1) / page_size)
+        return -(-(self.prompt_len + self.steps_needed - 1) // page_size)
 
 
 @dataclass
@@ -71,52 +100,88 @@ class Scheduled:
     """A command ready to send, with what the parent must do around it."""
 
     command: Command
-    producers: list[tuple[int, Sequence]]  # (row, sequence) whose token this step samples
+    producers: list[tuple[int, Sequence, int]]  # (row, sequence, epoch) whose token this step samples
     staging_tokens: list[tuple[int, np.ndarray]]  # (offset, ids) to write into the step's staging slot
-    prompt_logprobs: list[tuple[int, Sequence]] = field(default_factory=list)  # (staging offset, sequence)
+    # (staging offset, first position, length, sequence) of chunks whose prompt logprobs are wanted
+    prompt_logprobs: list[tuple[int, int, int, Sequence]] = field(default_factory=list)
 
 
 class Scheduler:
     def __init__(self, *, max_batch_size: int, page_size: int, max_blocks_per_row: int, num_pages: int,
-                 prefill_capacity: int, full_state: bool):
+                 max_num_batched_tokens: int, enable_prefix_caching: bool, full_state: bool):
         self.page_size = page_size
         self.max_blocks = max_blocks_per_row
-        self.prefill_capacity = prefill_capacity
+        self.budget = max_num_batched_tokens
         self.full_state = full_state  # copy_policy="always"
-        self.pages = PageAllocator(num_pages)
+        self.pages = PagePool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching)
         self.rows: list[Sequence | None] = [None] * max_batch_size
         self.waiting: deque[Sequence] = deque()
         self.pending_finish: list[int] = []
         self.step = 0
+        self.num_preemptions = 0
+        self._admissions = itertools.count()
 
     def add(self, seqs: list[Sequence]) -> None:
         self.waiting.extend(seqs)
 
     def next_command(self) -> Scheduled | None:
-        """A prefill when sequences wait and rows and pages allow, else a decode step, else None."""
-        sched = self._admit() or self._decode()
-        if sched is not None:
-            self.step += 1
-        return sched
+        """The next step's command, or None when no row has anything to compute."""
+        self._grow_decoding_rows()
+        triples: list[tuple[int, int, int]] = []
+        chunks, staging, scoring = [], [], []
+        used = self._decoding_tokens()
+        for seq in self._prefilling_rows():  # continue prompts already under way, oldest first
+            used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples)
+        admits = self._admit(used, chunks, staging, scoring, triples)
+        producers = []
+        decode_rows = []
+        chunk_rows = {c.row for c in chunks}
+        for row, seq in enumerate(self.rows):
+            if seq is None or seq.prefilling or row in chunk_rows:
+                continue
+            if seq.fed % self.page_size == 0:  # this step's input starts a new page
+                triples.append((row, seq.fed // self.page_size, seq.pages[seq.fed // self.page_size]))
+            decode_rows.append(row)
+        for c in chunks:
+            if c.last:
+                producers.append((c.row, self.rows[c.row], self.rows[c.row].epoch))
+        for row in decode_rows:
+            seq = self.rows[row]
+            producers.append((row, seq, seq.epoch))
+            seq.fed += 1
+            seq.scheduled += 1
+        if not chunks and not decode_rows:
+            return None  # finished rows, if any, go out with the next command
+        cmd = Command(step=self.step, finished_rows=self._take_finished(),
+                      new_pages=np.array(triples, np.int32).reshape(-1, 3), admits=admits, chunks=chunks)
+        if self.full_state and not chunks:
+            cmd.full_state = self._full_state([(r, s) for r, s, _ in producers])
+        self.step += 1
+        for _, seq, _ in producers:
+            self._commit(seq)
+            if seq.scheduled >= seq.steps_needed:
+                self._release(seq)  # nothing more to compute: row and pages free for the next command
+        return Scheduled(cmd, producers, staging, scoring)
 
-    def on_tokens(self, producers: list[tuple[int, Sequence]], ids: np.ndarray,
+    def on_tokens(self, producers: list[tuple[int, Sequence, int]], ids: np.ndarray,
                   now: float) -> list[tuple[int, Sequence]]:
         """Records a step's sampled ids; returns the (row, sequence) pairs that advanced, finished
-        ones included.
-        A sequence finished earlier (a stop, an abort) gets nothing: its run-ahead tokens are dropped."""
+        ones included. A sequence finished or preempted since the command was sent gets nothing."""
         advanced = []
-        for row, seq in producers:
-            if seq.finished:
+        for row, seq, epoch in producers:
+            if seq.finished or epoch != seq.epoch:
                 continue
             if seq.params.max_new_tokens == 0:  # scoring only: the prefill's token is not an output
                 self.finish(seq, "length")
                 advanced.append((row, seq))
                 continue
             token = int(ids[row])
+            seq.ids[seq.known] = token
             seq.tokens.append(token)
             seq.prev_token_at, seq.last_token_at = seq.last_token_at, now
             if len(seq.tokens) == 1:
                 seq.first_token_at = now
+            self._commit(seq)
             if token in seq.stop_ids and len(seq.tokens) > seq.params.min_tokens:
                 self.finish(seq, "stop", token)
             elif len(seq.tokens) == seq.params.max_new_tokens:
@@ -125,8 +190,8 @@ class Scheduler:
         return advanced
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        """Ends a sequence (stop, length or abort) and frees its row and pages; waiting ones leave
-        the queue. Finishing a finished sequence does nothing."""
+        """Ends a sequence (stop, length or abort) and frees its row and pages; a waiting one
+        leaves the queue. Finishing a finished sequence does nothing."""
         if seq.finished:
             return
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -141,84 +206,129 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and all(r is None for r in self.rows)
 
-    @property
-    def num_running(self) -> int:
-        return sum(r is not None for r in self.rows)
-
     # -- internals -------------------------------------------------------------------------------
+    def _decoding_tokens(self) -> int:
+        return sum(1 for s in self.rows if s is not None and not s.prefilling)
+
+    def _prefilling_rows(self) -> list[Sequence]:
+        return sorted((s for s in self.rows if s is not None and s.prefilling), key=lambda s: s.admit_order)
+
+    def _grow_decoding_rows(self) -> None:
+        """Gives every decoding row the page its next input needs, preempting when dry."""
+        for seq in sorted((s for s in self.rows if s is not None and not s.prefilling),
+                          key=lambda s: s.admit_order):
+            if seq.row < 0 or seq.fed // self.page_size < len(seq.pages):
+                continue
+            while seq.row >= 0 and not self._extend(seq, seq.fed + 1):
+                self._preempt_newest()
+
+    def _extend(self, seq: Sequence, end: int) -> bool:
+        """Pages so that positions [0, end) have a page; False when the pool is dry."""
+        missing = self.pages.pages_for(end) - len(seq.pages)
+        if missing <= 0:
+            return True
+        got = self.pages.allocate(missing)
+        if got is None:
+            return False
+        seq.pages += got
+        return True
+
+    def _preempt_newest(self) -> None:
+        victim = max((s for s in self.rows if s is not None), key=lambda s: s.admit_order)
+        self._release(victim)
+        victim.epoch += 1
+        victim.preemptions += 1
+        victim.fed = 0
+        victim.scheduled = len(victim.tokens)
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def _schedule_chunk(self, seq: Sequence, room: int, chunks: list, staging: list, scoring: list,
+                        triples: list, first_block: int | None = None) -> int:
+        """The next piece of `seq`'s prompt (plus its tokens, on a resume) within `room` tokens.
+        Page triples go out for blocks from `first_block` (default: the ones this chunk adds)."""
+        length = min(seq.prefill_end - seq.fed, room)
+        # Prompt log-probabilities of a chunk that stops inside the prompt need the next id too:
+        # staged after the chunk, counted in the budget.
+        wants_scores = seq.want_prompt_logprobs and seq.preemptions == 0 and seq.fed < seq.prompt_len - 1
+        lookahead = wants_scores and seq.fed + length < seq.prompt_len
+        if lookahead:
+            length = min(length, room - 1)
+        if length <= 0:
+            return 0
+        have = len(seq.pages) if first_block is None else first_block
+        while not self._extend(seq, seq.fed + length):
+            if self._newest_other(seq) is None:  # the newest waits for pages instead of preempting
+                length = len(seq.pages) * self.page_size - seq.fed
+                if length <= 0:
+                    return 0
+                break
+            self._preempt_newest()
+        triples.extend((seq.row, block, seq.pages[block]) for block in range(have, len(seq.pages)))
+        offset = sum(len(ids) for _, ids in staging)
+        start = seq.fed
+        last = start + length == seq.prefill_end
+        lookahead = lookahead and start + length < seq.prompt_len
+        chunks.append(Chunk(seq.row, start, length, offset, last))
+        staging.append((offset, seq.ids[start:start + length + lookahead]))
+        if wants_scores:
+            scoring.append((offset, start, length, seq))
+        seq.fed += length
+        if last:
+            seq.scheduled += 1
+        return length + lookahead
+
+    def _newest_other(self, seq: Sequence) -> Sequence | None:
+        others = [s for s in self.rows if s is not None and s is not seq and s.admit_order > seq.admit_order]
+        return max(others, key=lambda s: s.admit_order) if others else None
+
+    def _admit(self, used: int, chunks: list, staging: list, scoring: list, triples: list) -> list[Admit]:
+        admits = []
+        free_rows = [i for i, r in enumerate(self.rows) if r is None]
+        while self.waiting and free_rows and used < self.budget:
+            seq = self.waiting[0]
+            # No cache hit where every position must be computed: prompt log-probabilities need the
+            # logits of each, and penalties count the ids of each chunk.
+            computes_all = (seq.want_prompt_logprobs and seq.preemptions == 0) or seq.params.uses_penalties
+            hit = PrefixHit([], 0) if computes_all else self.pages.lookup(seq.ids[:seq.known])
+            first_end = min(seq.known, hit.num_tokens + self.budget - used)
+            missing = self.pages.pages_for(first_end) - len(hit.pages)
+            new = self.pages.allocate(missing) if missing > 0 else []
+            if new is None:
+                self.pages.cancel_lookup(hit)
+                break  # head-of-line waits for pages: keeps arrival order
+            self.waiting.popleft()
+            seq.row = free_rows.pop(0)
+            seq.pages, seq.cursor = hit.pages + new, hit.cursor
+            seq.fed, seq.prefill_end = hit.num_tokens, seq.known
+            if seq.preemptions == 0:
+                seq.num_cached_tokens = hit.num_tokens
+                seq.admitted_at = time.perf_counter()
+            seq.admit_order = next(self._admissions)
+            self.rows[seq.row] = seq
+            admits.append(_admit_command(seq))
+            used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples, first_block=0)
+        return admits
+
+    def _commit(self, seq: Sequence) -> None:
+        """Registers the sequence's full pages whose ids are final and whose K/V a sent command writes."""
+        if seq.cursor is not None and seq.row >= 0:
+            self.pages.commit(seq.cursor, seq.pages, seq.ids, min(seq.known, seq.fed))
+
     def _release(self, seq: Sequence) -> None:
         """Frees the row and pages now; the child deactivates the row at the start of the next
         command, before anything it computes, and commands run in order, so reuse is safe."""
         if seq.row < 0 or self.rows[seq.row] is not seq:
             return
+        self._commit(seq)
         self.rows[seq.row] = None
         self.pending_finish.append(seq.row)
-        self.pages.release(seq.pages, seq.reserved)
-        seq.pages, seq.reserved = [], 0
+        self.pages.free(seq.pages)
+        seq.pages, seq.cursor, seq.row = [], None, -1
 
     def _take_finished(self) -> list[int]:
         rows, self.pending_finish = self.pending_finish, []
         return rows
-
-    def _admit(self) -> Scheduled | None:
-        admits, producers, staging, scoring = [], [], [], []
-        used = 0
-        free_rows = [i for i, r in enumerate(self.rows) if r is None]
-        while self.waiting and free_rows:
-            seq = self.waiting[0]
-            if used + seq.prompt_len > self.prefill_capacity:
-                break
-            if not self.pages.reserve(seq.pages_needed(self.page_size)):
-                break  # head-of-line waits for pages: keeps arrival order
-            self.waiting.popleft()
-            seq.row = free_rows.pop(0)
-            seq.reserved = seq.pages_needed(self.page_size)
-            for _ in range(math.ceil(seq.prompt_len / self.page_size)):
-                self._take(seq)
-            seq.admitted_at = time.perf_counter()
-            seq.scheduled = 1
-            self.rows[seq.row] = seq
-            admits.append(_admit_command(seq, used))
-            producers.append((seq.row, seq))
-            staging.append((used, seq.prompt_ids))
-            if seq.want_prompt_logprobs:
-                scoring.append((used, seq))
-            used += seq.prompt_len
-        if not admits:
-            return None
-        cmd = Command(step=self.step, finished_rows=self._take_finished(), admits=admits)
-        for _, seq in producers:
-            self._release_if_fully_scheduled(seq)
-        return Scheduled(cmd, producers, staging, scoring)
-
-    def _take(self, seq: Sequence) -> int:
-        """Moves one page from the sequence's reservation into its block list."""
-        seq.reserved -= 1
-        page = self.pages.take()
-        seq.pages.append(page)
-        return page
-
-    def _release_if_fully_scheduled(self, seq: Sequence) -> None:
-        if seq.scheduled == seq.steps_needed:
-            self._release(seq)
-
-    def _decode(self) -> Scheduled | None:
-        producers = [(i, r) for i, r in enumerate(self.rows) if r is not None and not r.finished]
-        if not producers:
-            return None
-        triples = []
-        for row, seq in producers:
-            pos = seq.prompt_len + seq.scheduled - 1  # position of this step's input token
-            if pos % self.page_size == 0:
-                triples.append((row, pos // self.page_size, self._take(seq)))
-        cmd = Command(step=self.step, finished_rows=self._take_finished(),
-                      new_pages=np.array(triples, np.int32).reshape(-1, 3))
-        if self.full_state:
-            cmd.full_state = self._full_state(producers)
-        for _, seq in producers:
-            seq.scheduled += 1
-            self._release_if_fully_scheduled(seq)
-        return Scheduled(cmd, producers, [])
 
     def _full_state(self, producers: list[tuple[int, Sequence]]) -> FullState:
         """copy_policy="always": rebuild every decode input from scratch, as older systems did."""
@@ -230,7 +340,7 @@ class Scheduler:
             seed_keys=np.zeros(b, np.int64),
         )
         for row, seq in producers:
-            pos = seq.prompt_len + seq.scheduled - 1
+            pos = seq.fed - 1  # this step's input position (fed was advanced when scheduling)
             st.positions[row] = pos
             st.active[row] = True
             st.block_table[row, :len(seq.pages)] = seq.pages
@@ -242,12 +352,11 @@ class Scheduler:
         return st
 
 
-def _admit_command(seq: Sequence, staging_offset: int) -> Admit:
+def _admit_command(seq: Sequence) -> Admit:
     p = seq.params
-    return Admit(seq.row, seq.prompt_len, staging_offset, np.array(seq.pages, np.int32), float(p.temperature),
-                 float(p.top_p), int(p.top_k), int(seq.seed), min_p=float(p.min_p),
-                 presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
-                 repetition_penalty=float(p.repetition_penalty), min_tokens=int(p.min_tokens),
-                 stop_ids=np.array(sorted(seq.stop_ids), np.int32),
+    return Admit(seq.row, seq.prompt_len, float(p.temperature), float(p.top_p), int(p.top_k), int(seq.seed),
+                 min_p=float(p.min_p), presence_penalty=float(p.presence_penalty),
+                 frequency_penalty=float(p.frequency_penalty), repetition_penalty=float(p.repetition_penalty),
+                 min_tokens=int(p.min_tokens), stop_ids=np.array(sorted(seq.stop_ids), np.int32),
                  logprobs=-1 if p.logprobs is None else int(p.logprobs),
-                 prompt_logprobs=int(p.prompt_logprobs) if seq.want_prompt_logprobs else -1)
+                 prompt_logprobs=int(p.prompt_logprobs) if seq.want_prompt_logprobs and seq.preemptions == 0 else -1)

@@ -31,6 +31,7 @@ def distribution(values: list[float]) -> dict[str, float]:
 class GenerateStats:
     """One generate() call. Cleared at the next call, so memory stays flat on a long-lived worker."""
 
+    started_at: float = 0.0  # perf_counter() when the call began
     setup_s: float = 0.0
     wall_s: float = 0.0
     requests: int = 0

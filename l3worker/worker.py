@@ -35,6 +35,9 @@ from l3worker.params import RequestOutput, SamplingParams
 from l3worker.stats import GenerateStats
 
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
+# Tokens per step: decode rows plus prefill chunks. Small enough that a long prompt arriving
+# delays the running rows' next token by one short chunk, not by its whole prefill.
+DEFAULT_BATCHED_TOKENS = 512
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -58,6 +61,8 @@ class DistributedWorker:
         num_pages: int | None = None,
         dtype: str = "auto",
         pipeline_depth: int = 2,
+        max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS,
+        enable_prefix_caching: bool = True,
         copy_policy: str = "dirty",
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
@@ -83,6 +88,12 @@ class DistributedWorker:
         _positive_int("max_seq_len", max_seq_len, 2)
         _positive_int("page_size", page_size)
         _positive_int("pipeline_depth", pipeline_depth)
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if max_num_batched_tokens < max_batch_size:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_batch_size="
+                             f"{max_batch_size}: every decoding row takes one token of a step")
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
         if num_pages is not None:
             _positive_int("num_pages", num_pages)
         if num_threads is not None:
@@ -105,7 +116,7 @@ class DistributedWorker:
         self.runtime_config = RuntimeConfig(
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, page_size=page_size, num_pages=num_pages,
-            copy_policy=copy_policy, num_threads=num_threads,
+            max_prefill_tokens=max_num_batched_tokens, copy_policy=copy_policy, num_threads=num_threads,
         )
         self.device_ids = device_ids
         self.pipeline_depth = pipeline_depth
@@ -123,7 +134,7 @@ class DistributedWorker:
         self._state = "new"  # new -> ready -> closed
         self._prepare_s = 0.0
         self.engine = Engine(self.model_config, self.runtime_config, self.tokenizer, self.model_dir,
-                             pipeline_depth, step_timeout_s)
+                             pipeline_depth, step_timeout_s, max_num_batched_tokens, enable_prefix_caching)
         self._requests_served = 0
         self._generate_calls = 0
         self._last = GenerateStats()
@@ -247,7 +258,6 @@ class DistributedWorker:
         finally:
             if bar is not None:
                 bar.close()
-        self._last.wall_s = time.perf_counter() - t0
         return [finals[s.request_id] for s in states]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
@@ -276,7 +286,7 @@ class DistributedWorker:
         states = [self.engine.make_request(prompt, p, None, stream, f"prompts[{i}]", arrival=t0)
                   for i, (prompt, p) in enumerate(zip(prompt_list, params_list))]
         self.prepare()
-        self._last = GenerateStats(setup_s=time.perf_counter() - t0, requests=len(states))
+        self._last = GenerateStats(started_at=t0, setup_s=time.perf_counter() - t0, requests=len(states))
         self._generate_calls += 1
         for state in states:
             self.engine.submit(state)
@@ -306,6 +316,7 @@ class DistributedWorker:
             raise
         finally:
             engine.recorder = None
+        self._last.wall_s = time.perf_counter() - self._last.started_at
         self._requests_served += len(states)
 
     # -- figures -------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import argparse
 import gc
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -40,10 +39,10 @@ import torch
 from bench_submit import DEFAULT_SIZES, format_submission, measure_submission  # scripts/, next to this file
 
 from chip_child.device import plan_cores
+from chip_child.local import batch_commands
 from chip_child.protocol import Admit, Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig
 from l3worker import DistributedWorker, SamplingParams
-from l3worker.pages import PageAllocator
 
 VARIANTS = ("floor", "l3", "l3_depth1", "l3_always", "hf")
 L3_VARIANTS = {"l3": dict(pipeline_depth=2, copy_policy="dirty"),
@@ -133,7 +132,7 @@ def pinned(cores: list[int] | None):
 
 class Floor:
     """The chip runtime's step in a loop. Commands are built before the clock starts, with page ids
-    handed out by the parent's PageAllocator in the order the scheduler takes them (prompt pages at
+    handed out from a free list in the order the scheduler takes them (prompt pages at
     admission, one triple per row at each page boundary); only `rt.execute` is timed, on the cores
     a worker's child would compute on."""
 
@@ -145,31 +144,17 @@ class Floor:
                                                 max_seq_len=wl.max_seq_len, page_size=wl.page_size,
                                                 num_threads=threads))
         self.out = torch.zeros(wl.batch, dtype=torch.int32)
-        self.pages = PageAllocator(self.rt.cfg.total_pages - 1)
+        self.free_pages = list(range(1, self.rt.cfg.total_pages))
         self.step = 0
         self.previous_rows: list[int] = []
 
     def _commands(self, prompts: list[np.ndarray], new_tokens: int) -> tuple[list[Command], np.ndarray]:
-        page, wl = self.wl.page_size, self.wl
-        need = math.ceil((wl.prompt_len + new_tokens - 1) / page)
-        owned: list[list[int]] = []
-        admits = []
-        for row, p in enumerate(prompts):
-            assert self.pages.reserve(need)
-            owned.append([self.pages.take() for _ in range(math.ceil(len(p) / page))])
-            admits.append(Admit(row, len(p), row * wl.prompt_len, np.array(owned[row], np.int32), 0.0, 1.0, 0, 0))
-        cmds = [Command(self.step, finished_rows=self.previous_rows, admits=admits)]
-        for k in range(1, new_tokens):
-            pos = wl.prompt_len + k - 1  # this step's input position, as Scheduler._decode computes it
-            triples = []
-            for row in range(len(prompts)):
-                if pos % page == 0:
-                    owned[row].append(self.pages.take())
-                    triples.append((row, pos // page, owned[row][-1]))
-            cmds.append(Command(self.step + k, new_pages=np.array(triples, np.int32).reshape(-1, 3)))
+        admits = [Admit(row, len(p), 0.0, 1.0, 0, 0) for row, p in enumerate(prompts)]
+        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], new_tokens, self.wl.page_size,
+                                     self.free_pages, self.previous_rows)
         self.step += len(cmds)
         for pages in owned:
-            self.pages.release(pages, need - len(pages))
+            self.free_pages += pages
         self.previous_rows = list(range(len(prompts)))  # the next prefill finishes them, as the scheduler does
         return cmds, np.concatenate(prompts).astype(np.int32)
 
@@ -196,8 +181,10 @@ class Floor:
 # -- l3 ---------------------------------------------------------------------------------------------------
 class L3:
     def __init__(self, model_dir: str, wl: Workload, threads: int, pipeline_depth: int, copy_policy: str):
+        # The whole prefill in one step, as the floor sends it: the variants differ in decode alone.
         self.w = DistributedWorker(model_dir, device="cpu", max_batch_size=wl.batch, max_seq_len=wl.max_seq_len,
                                    page_size=wl.page_size, pipeline_depth=pipeline_depth, copy_policy=copy_policy,
+                                   max_num_batched_tokens=wl.batch * wl.prompt_len,
                                    num_threads=threads)
         self.setup_s: list[float] = []  # every generate's setup_s; the first includes prepare()
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import math
 import statistics
 import sys
 import tempfile
@@ -31,9 +30,9 @@ import numpy as np
 import torch
 from bench_decode import WORKLOADS, CpuMeter, Workload, compute_cores, make_prompts, pinned, write_checkpoint
 
+from chip_child.local import batch_commands
 from chip_child.protocol import MAX_LOGPROBS, Admit, Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
-from l3worker.pages import PageAllocator
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
 VARIANTS = {
@@ -59,35 +58,22 @@ class Loop:
                                                 num_threads=threads))
         self.out = torch.zeros(wl.batch, dtype=torch.int32)
         self.outputs = StepOutputs.allocate(wl.batch, self.rt.cfg.prefill_capacity)
-        self.pages = PageAllocator(self.rt.cfg.total_pages - 1)
+        self.free_pages = list(range(1, self.rt.cfg.total_pages))
         self.step = 0
         self.previous_rows: list[int] = []
 
     def _commands(self, prompts: list[np.ndarray], features: dict) -> list[Command]:
-        wl, page = self.wl, self.wl.page_size
-        need = math.ceil((wl.prompt_len + wl.new_tokens - 1) / page)
-        owned, admits = [], []
-        for row, p in enumerate(prompts):
-            assert self.pages.reserve(need)
-            owned.append([self.pages.take() for _ in range(math.ceil(len(p) / page))])
-            extra = dict(features)
-            if "min_tokens" in extra:
-                extra["min_tokens"] = wl.new_tokens
-                extra["stop_ids"] = np.array(extra["stop_ids"], np.int32)
-            admits.append(Admit(row, len(p), row * wl.prompt_len, np.array(owned[row], np.int32), 0.8, 1.0, 0,
-                                row, **extra))
-        cmds = [Command(self.step, finished_rows=self.previous_rows, admits=admits)]
-        for k in range(1, wl.new_tokens):
-            pos = wl.prompt_len + k - 1
-            triples = []
-            if pos % page == 0:
-                for row in range(len(prompts)):
-                    owned[row].append(self.pages.take())
-                    triples.append((row, pos // page, owned[row][-1]))
-            cmds.append(Command(self.step + k, new_pages=np.array(triples, np.int32).reshape(-1, 3)))
+        wl = self.wl
+        extra = dict(features)
+        if "min_tokens" in extra:
+            extra["min_tokens"] = wl.new_tokens
+            extra["stop_ids"] = np.array(extra["stop_ids"], np.int32)
+        admits = [Admit(row, len(p), 0.8, 1.0, 0, row, **extra) for row, p in enumerate(prompts)]
+        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], wl.new_tokens, wl.page_size,
+                                     self.free_pages, self.previous_rows)
         self.step += len(cmds)
         for pages in owned:
-            self.pages.release(pages, need - len(pages))
+            self.free_pages += pages
         self.previous_rows = list(range(len(prompts)))
         return cmds
 

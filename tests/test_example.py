@@ -56,6 +56,18 @@ def test_no_arguments_uses_builtin_model() -> None:
     assert all(t.startswith("'") for t in texts)  # a str repr, not None: the tiny model has a tokenizer
 
 
+def test_stream_prints_deltas_that_add_up_to_each_final_text() -> None:
+    res = run(*SMALL, "--stream", "--num-prompts", "3")
+    assert res.returncode == 0, res.stderr
+    check_request_output(res.stdout, prompts=3, requests=1, max_new=6)
+    streamed: dict[str, str] = {}
+    for line in res.stdout.splitlines():
+        if m := re.match(r"^\[(\d+)\] (.*)$", line):
+            streamed[m[1]] = streamed.get(m[1], "") + eval(m[2])  # noqa: S307 (our own printed reprs)
+    finals = [eval(t) for t in lines(res.stdout, "text: ")]  # noqa: S307
+    assert [streamed.get(str(i), "") for i in range(3)] == finals
+
+
 def test_checkpoint_without_tokenizer_default_prompts(make_checkpoint) -> None:
     res = run("--model-dir", str(make_checkpoint("default")), "--num-prompts", "3", "--requests", "3", "--profile",
               *SMALL)

@@ -76,15 +76,14 @@ LIMITS = Limits(max_batch_size=4, max_blocks_per_row=4, num_pages=9, max_seq_len
 
 
 def _admit(**overrides) -> list:
-    fields = dict(row=0, prompt_len=10, offset=0, pages=np.array([1, 2], np.int32).tobytes(), temperature=0.0,
-                  top_p=1.0, top_k=0, seed=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+    fields = dict(row=0, prompt_len=10, temperature=0.0, top_p=1.0, top_k=0, seed=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
                   repetition_penalty=1.0, min_tokens=0, stop_ids=b"", logprobs=-1, prompt_logprobs=-1)
     fields.update(overrides)
     return list(fields.values())
 
 
 @pytest.mark.parametrize("admit, message", [
-    (_admit(pages=np.array([1], np.int32).tobytes()), "pages for 10 prompt tokens"),
+    (_admit(prompt_len=32), "prompt_len 32 outside"),
     (_admit(temperature="x"), "temperature"),
     (_admit(temperature=float("nan")), "temperature"),
     (_admit(top_k=2**40), "top_k"),
@@ -95,9 +94,10 @@ def _admit(**overrides) -> list:
     (_admit(stop_ids=b"\x01"), "stop_ids"),
     (_admit(logprobs=50), "logprobs"),
     (_admit()[:9], "admit must be"),
+    (_admit()[:5], "admit must be"),
 ])
 def test_malformed_admits_are_refused(admit, message) -> None:
-    raw = msgpack.packb([protocol.OP_PREFILL, 0, [], b"", [admit]])
+    raw = msgpack.packb([protocol.OP_PREFILL, 0, [], b"", [admit], b""])
     with pytest.raises(protocol.ProtocolError, match=message) as refused:
         protocol.decode(raw, LIMITS)
     if message != "admit must be":  # refused for the field itself, not for the admit's length
@@ -105,7 +105,8 @@ def test_malformed_admits_are_refused(admit, message) -> None:
 
 
 @pytest.mark.parametrize("raw, message", [
-    (msgpack.packb([protocol.OP_PREFILL, 0, [], b"", 5]), "admits"),
+    (msgpack.packb([protocol.OP_PREFILL, 0, [], b"", 5, b""]), "admits"),
+    (msgpack.packb([protocol.OP_PREFILL, 0, [], b"", [], [1, 2]]), "chunks: expected int32 bytes"),
     (msgpack.packb([protocol.OP_DECODE, -5, [], b""]), "step"),
     (msgpack.packb([protocol.OP_DECODE, 2**63 - 1, [], b""]), "step"),
 ])
@@ -137,7 +138,7 @@ def test_full_state_positions_and_flags_are_checked() -> None:
 
 
 def test_admit_round_trip_keeps_values() -> None:
-    cmd = Command(step=3, admits=[Admit(1, 10, 0, np.array([1, 2], np.int32), 0.5, 0.9, 7, 2**63 + 5)])
+    cmd = Command(step=3, admits=[Admit(1, 10, 0.5, 0.9, 7, 2**63 + 5)])
     back = protocol.decode(protocol.encode(cmd), LIMITS)
     a = back.admits[0]
     assert (a.row, a.prompt_len, a.temperature, a.top_p, a.top_k, a.seed) == (1, 10, 0.5, 0.9, 7, 2**63 + 5)

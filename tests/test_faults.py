@@ -307,8 +307,8 @@ def _triple(row: int, block: int, page: int) -> bytes:
     return np.array([row, block, page], np.int32).tobytes()
 
 
-def _admit(offset: int, prompt_len: int, pages: list[int]) -> list:
-    return [0, prompt_len, offset, np.array(pages, np.int32).tobytes(), 0.0, 1.0, 0, 0]
+def _chunk(start: int, length: int, offset: int) -> bytes:
+    return np.array([0, start, length, offset, 1], np.int32).tobytes()
 
 
 def test_garbled_commands_are_refused_and_leave_state_intact() -> None:
@@ -328,9 +328,10 @@ def test_garbled_commands_are_refused_and_leave_state_intact() -> None:
             "page id 0": (msgpack.packb([0, 5, [], _triple(0, 0, 0)]), "page id outside"),
             "page id num_pages": (msgpack.packb([0, 5, [], _triple(0, 0, pages)]), "page id outside"),
             "block index out of range": (msgpack.packb([0, 5, [], _triple(0, mb, 1)]), "block index outside"),
-            "prefill staging beyond capacity":
-                (msgpack.packb([1, 5, [], b"", [_admit(cap - 2, 4, [1])]]), "staging range outside"),
-            "prefill with page 0": (msgpack.packb([1, 5, [], b"", [_admit(0, 4, [0])]]), "page id outside"),
+            "chunk staging beyond capacity":
+                (msgpack.packb([1, 5, [], b"", [], _chunk(0, 4, cap - 2)]), "staging range outside"),
+            "chunk past max_seq_len":
+                (msgpack.packb([1, 5, [], b"", [], _chunk(lim.max_seq_len - 1, 2, 0)]), "outside"),
         }
         child = w._children[0]
         for name, (raw, expected) in cases.items():

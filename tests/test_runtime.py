@@ -14,7 +14,9 @@ import torch
 from chip_child.local import LocalDriver, LocalRequest
 from chip_child.protocol import (
     OP_DECODE,
+    OP_PREFILL,
     Admit,
+    Chunk,
     Command,
     FullState,
     Limits,
@@ -22,6 +24,7 @@ from chip_child.protocol import (
     Shutdown,
     decode,
     encode,
+    prefill_command,
 )
 from chip_child.pool import TaskArg, TensorPool
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepResult
@@ -94,7 +97,7 @@ def test_bfloat16_logits_track_transformers_in_bfloat16(default_ckpt: Path) -> N
     model = Qwen3ForCausalLM.from_pretrained(default_ckpt, dtype=torch.bfloat16).eval()
     rt = ChipRuntime(RuntimeConfig(str(default_ckpt), device="cpu", dtype="bfloat16", max_batch_size=4,
                                    max_seq_len=80, page_size=3))
-    assert rt.kv.cache.dtype == torch.bfloat16
+    assert rt.attn.kv_cache.dtype == torch.bfloat16
     prompts = random_prompts((13, 5), model.config.vocab_size, seed=7)
     res = LocalDriver(rt).run([LocalRequest(p, 8) for p in prompts], keep_logits=True)
     for prompt, tokens, logits in zip(prompts, res.token_ids, res.logits):
@@ -134,33 +137,44 @@ class Stepper:
 
     def admit(self, rows_prompts: dict[int, list[int]], temperature: float = 0.0, top_p: float = 1.0,
               top_k: int = 0, seed: int = 0) -> StepResult:
+        """Prefills the prompts in one step; rows already decoding take their step beside them."""
+        decoding = np.flatnonzero(self.active)
+        triples = self._boundary_pages()
         staging = np.concatenate([np.asarray(p, np.int32) for p in rows_prompts.values()])
         admits, offset = [], 0
         for row, prompt in rows_prompts.items():
             self.pages[row] = [self.free.pop(0) for _ in range(math.ceil(len(prompt) / self.page))]
-            admits.append(Admit(row, len(prompt), offset, np.array(self.pages[row], np.int32), temperature,
-                                top_p, top_k, seed))
+            admits.append((Admit(row, len(prompt), temperature, top_p, top_k, seed),
+                           np.array(self.pages[row], np.int32), offset))
             offset += len(prompt)
-            self.pos[row], self.active[row] = len(prompt), True
             self.tokens[row] = []
-        result = self._execute(Command(step=self.step, admits=admits), staging)
-        for row in rows_prompts:
+        cmd = prefill_command(self.step, admits)
+        cmd.new_pages = np.concatenate([np.array(triples, np.int32).reshape(-1, 3), cmd.new_pages])
+        result = self._execute(cmd, staging)
+        for row in decoding:
+            self.tokens[int(row)].append(int(self.out[row]))
+        self.pos[decoding] += 1
+        for row, prompt in rows_prompts.items():
+            self.pos[row], self.active[row] = len(prompt), True
             self.tokens[row].append(int(self.out[row]))
         return result
 
-    def decode(self, finished: tuple[int, ...] = ()) -> StepResult:
-        for row in finished:
-            self.active[row], self.pos[row] = False, 0
+    def _boundary_pages(self) -> list[tuple[int, int, int]]:
+        """Pages for active rows whose next input starts one; records every active row's slot."""
         triples = []
+        self.last_slots[:] = 0
         for row in np.flatnonzero(self.active):
             p = int(self.pos[row])
             if p % self.page == 0:
                 self.pages[row].append(self.free.pop(0))
                 triples.append((row, p // self.page, self.pages[row][-1]))
-        self.last_slots[:] = 0
-        for row in np.flatnonzero(self.active):
-            p = int(self.pos[row])
             self.last_slots[row] = self.pages[row][p // self.page] * self.page + p % self.page
+        return triples
+
+    def decode(self, finished: tuple[int, ...] = ()) -> StepResult:
+        for row in finished:
+            self.active[row], self.pos[row] = False, 0
+        triples = self._boundary_pages()
         cmd = Command(step=self.step, finished_rows=list(finished),
                       new_pages=np.array(triples, np.int32).reshape(-1, 3))
         result = self._execute(cmd, np.zeros(1, np.int32))
@@ -332,8 +346,7 @@ LIMITS = Limits(max_batch_size=4, max_blocks_per_row=8, num_pages=33, max_seq_le
 
 
 def _admit(**changes) -> Admit:
-    fields = dict(row=1, prompt_len=5, staging_offset=0, pages=np.array([3, 9], np.int32), temperature=0.5,
-                  top_p=0.9, top_k=4, seed=2**40)
+    fields = dict(row=1, prompt_len=5, temperature=0.5, top_p=0.9, top_k=4, seed=2**40)
     fields.update(changes)
     return Admit(**fields)
 
@@ -342,9 +355,11 @@ def test_protocol_round_trips_valid_commands() -> None:
     cmd = Command(step=7, finished_rows=[0, 3], new_pages=np.array([[1, 7, 32], [2, 0, 1]], np.int32))
     got = decode(encode(cmd), LIMITS)
     assert (got.step, got.finished_rows, got.new_pages.tolist()) == (7, [0, 3], [[1, 7, 32], [2, 0, 1]])
-    prefill = decode(encode(Command(step=0, admits=[_admit()])), LIMITS)
+    prefill = decode(encode(Command(step=0, admits=[_admit()], chunks=[Chunk(1, 0, 5, 3, True), Chunk(2, 8, 4, 8, False)])),
+                     LIMITS)
     a = prefill.admits[0]
-    assert (a.row, a.prompt_len, a.pages.tolist(), a.top_k, a.seed) == (1, 5, [3, 9], 4, 2**40)
+    assert (a.row, a.prompt_len, a.top_k, a.seed) == (1, 5, 4, 2**40)
+    assert prefill.chunks == [Chunk(1, 0, 5, 3, True), Chunk(2, 8, 4, 8, False)]
     assert isinstance(decode(encode(Shutdown()), LIMITS), Shutdown)
     assert len(encode(Command(step=5))) <= 8  # a steady decode step is a handful of bytes
 
@@ -372,13 +387,22 @@ def _decode_cmd(**changes) -> bytes:
     (msgpack.packb([OP_DECODE, 1, [], b"\x00" * 8]), "not a multiple of 3"),
     (msgpack.packb([OP_DECODE, 1, [], b"\x00" * 5]), "int32 bytes"),
     (encode(Command(step=0, admits=[_admit(row=4)])), r"admit: row 4 outside"),
-    (encode(Command(step=0, admits=[_admit(pages=np.array([0, 2], np.int32))])), "admit pages: page id outside"),
-    (encode(Command(step=0, admits=[_admit(pages=np.array([2, 33], np.int32))])), "admit pages: page id outside"),
     (encode(Command(step=0, admits=[_admit(prompt_len=0)])), "prompt_len 0"),
     (encode(Command(step=0, admits=[_admit(), _admit()])), "row appears twice"),
+    (encode(Command(step=0, chunks=[Chunk(4, 0, 2, 0, True)])), r"chunk: row 4 outside"),
+    (encode(Command(step=0, chunks=[Chunk(0, 30, 3, 0, True)])), r"positions \[30, 33\) outside \[0, 32\)"),
+    (encode(Command(step=0, chunks=[Chunk(0, 0, 0, 0, True)])), r"positions \[0, 0\)"),
+    (encode(Command(step=0, chunks=[Chunk(0, 0, 5, 62, True)])), "staging range"),
+    (encode(Command(step=0, chunks=[Chunk(0, 0, 2, 0, True), Chunk(0, 2, 2, 2, True)])), "row appears twice"),
+    (msgpack.packb([OP_PREFILL, 0, [], b"", [], np.array([0, 0, 2, 0, 2], np.int32).tobytes()]), "last must be"),
+    (msgpack.packb([OP_PREFILL, 0, [], b"", [], b"\x00" * 8]), "not a multiple of 5"),
+    (msgpack.packb([OP_PREFILL, 0, [], b"", []]), "a prefill command is"),
+    (msgpack.packb([OP_PREFILL, 0, [], b"", [], b""]), "without admits or chunks"),
 ], ids=["garbage", "truncated", "unknown-op", "not-a-list", "short", "finished-row-high", "finished-row-negative",
         "triple-row", "page-0", "page-too-high", "block-too-high", "block-negative", "triples-length",
-        "triples-bytes", "admit-row", "admit-page-0", "admit-page-too-high", "admit-empty", "admit-duplicate"])
+        "triples-bytes", "admit-row", "admit-empty", "admit-duplicate", "chunk-row", "chunk-past-max-seq-len",
+        "chunk-empty", "chunk-staging", "chunk-duplicate", "chunk-last-flag", "chunks-length", "prefill-short",
+        "prefill-empty"])
 def test_protocol_rejects_bad_commands(raw: bytes, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         decode(raw, LIMITS)

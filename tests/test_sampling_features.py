@@ -19,7 +19,7 @@ import torch
 import chip_child.runtime as runtime_module
 from chip_child import protocol
 from chip_child.local import LocalDriver, LocalRequest, LocalResult
-from chip_child.protocol import Admit, Command, FullState, Limits, ProtocolError, decode, encode
+from chip_child.protocol import Admit, Command, FullState, Limits, ProtocolError, decode, encode, prefill_command
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
 from chip_child.sampling import seed_key, uniform_noise, vocab_hash
 
@@ -143,13 +143,13 @@ def test_logprobs_are_only_computed_when_asked_and_outputs_given(rt) -> None:
     out = torch.zeros(rt.cfg.max_batch_size, dtype=torch.int32)
     outputs = StepOutputs.allocate(rt.cfg.max_batch_size, rt.cfg.prefill_capacity)
     staging = np.array([1, 2, 3, 4, 5], np.int32)
-    plain = Admit(0, 5, 0, np.array([1, 2], np.int32), 0.0, 1.0, 0, 0)
-    asking = dataclasses.replace(plain, row=1, pages=np.array([3, 4], np.int32), logprobs=3, prompt_logprobs=2)
-    step = rt.execute(Command(0, admits=[plain]), staging, out, outputs)
+    plain = Admit(0, 5, 0.0, 1.0, 0, 0)
+    asking = dataclasses.replace(plain, row=1, logprobs=3, prompt_logprobs=2)
+    step = rt.execute(prefill_command(0, [(plain, np.array([1, 2], np.int32), 0)]), staging, out, outputs)
     assert (step.logprobs, step.prompt_logprobs) == (-1, False)
     step = rt.execute(Command(1), staging, out, outputs)
     assert (step.logprobs, step.prompt_logprobs) == (-1, False)
-    step = rt.execute(Command(2, admits=[asking]), staging, out, outputs)
+    step = rt.execute(prefill_command(2, [(asking, np.array([3, 4], np.int32), 0)]), staging, out, outputs)
     assert (step.logprobs, step.prompt_logprobs) == (3, True)
     assert rt.execute(Command(3), staging, out, outputs).logprobs == 3
     assert rt.execute(Command(4), staging, out).logprobs == -1  # no outputs, nothing computed
@@ -253,7 +253,7 @@ def test_always_policy_loads_the_sampling_parameters_it_is_sent(ckpt: Path) -> N
     """copy_policy="always" takes every sampling parameter from the full state, not from admission."""
     rt = make_runtime(ckpt, "always", batch=2)
     s = Steps(rt)
-    s.run(Command(0, admits=[Admit(1, 3, 0, np.array([1], np.int32), 0.0, 1.0, 0, 0)]), np.array([4, 5, 6], np.int32))
+    s.run(prefill_command(0, [(Admit(1, 3, 0.0, 1.0, 0, 0), np.array([1], np.int32), 0)]), np.array([4, 5, 6], np.int32))
     b, mb = 2, rt.cfg.max_blocks_per_row
     table = np.zeros((b, mb), np.int32)
     table[1, 0] = 1
@@ -320,11 +320,11 @@ def test_steady_decode_steps_copy_nothing_and_plain_batches_take_the_plain_sampl
     s = Steps(rt)
     prompt_a, prompt_b = [3, 1, 4, 1, 5, 9], [2, 7, 1, 8]
     staging = np.array(prompt_a + prompt_b, np.int32)
-    featured = [Admit(0, 6, 0, np.array([1], np.int32), 0.8, 1.0, 0, 11, min_p=0.1, presence_penalty=0.5,
-                      frequency_penalty=0.5, repetition_penalty=1.2, min_tokens=3,
-                      stop_ids=np.array([1, 2], np.int32), logprobs=5),
-                Admit(1, 4, 6, np.array([2], np.int32), 0.0, 1.0, 0, 0, repetition_penalty=1.5)]
-    first, _ = s.run(Command(0, admits=featured), staging)
+    featured = [(Admit(0, 6, 0.8, 1.0, 0, 11, min_p=0.1, presence_penalty=0.5, frequency_penalty=0.5,
+                       repetition_penalty=1.2, min_tokens=3, stop_ids=np.array([1, 2], np.int32), logprobs=5),
+                 np.array([1], np.int32), 0),
+                (Admit(1, 4, 0.0, 1.0, 0, 0, repetition_penalty=1.5), np.array([2], np.int32), 6)]
+    first, _ = s.run(prefill_command(0, featured), staging)
     assert first.pool_allocs == 0 and first.logprobs == 5
     for _ in range(8):
         result, size = s.run(Command(s.step))
@@ -338,10 +338,10 @@ def test_steady_decode_steps_copy_nothing_and_plain_batches_take_the_plain_sampl
         assert rt.state["prompt_seen"][row].nonzero().flatten().tolist() == sorted(set(prompt))
 
     # Both rows finish; a plain batch takes their place and runs the plain sampler only.
-    plain = [Admit(2, 6, 0, np.array([3], np.int32), 0.0, 1.0, 0, 0),
-             Admit(3, 4, 6, np.array([4], np.int32), 0.9, 0.8, 5, 3)]
+    plain = [(Admit(2, 6, 0.0, 1.0, 0, 0), np.array([3], np.int32), 0),
+             (Admit(3, 4, 0.9, 0.8, 5, 3), np.array([4], np.int32), 6)]
     s.tokens.clear()
-    s.run(Command(s.step, finished_rows=[0, 1], admits=plain), staging)
+    s.run(prefill_command(s.step, plain, finished_rows=[0, 1]), staging)
     calls["n"] = 0
     for _ in range(8):
         result, size = s.run(Command(s.step))
@@ -359,9 +359,8 @@ def test_min_tokens_mask_ends_without_the_host(ckpt: Path, monkeypatch) -> None:
     monkeypatch.setattr(runtime_module, "sample_with_features",
                         lambda *a, **k: features.append(a[6]) or real(*a, **k))
     s = Steps(rt)
-    admit = Admit(0, 3, 0, np.array([1], np.int32), 0.0, 1.0, 0, 0, min_tokens=4,
-                  stop_ids=np.array([9], np.int32))
-    s.run(Command(0, admits=[admit]), np.array([5, 6, 7], np.int32))
+    admit = Admit(0, 3, 0.0, 1.0, 0, 0, min_tokens=4, stop_ids=np.array([9], np.int32))
+    s.run(prefill_command(0, [(admit, np.array([1], np.int32), 0)]), np.array([5, 6, 7], np.int32))
     for _ in range(6):
         assert s.run(Command(s.step))[0].h2d_copies == 0
     # Generated tokens 0..3 are masked: the prefill and three decode steps.
@@ -375,8 +374,7 @@ LIMITS = Limits(max_batch_size=4, max_blocks_per_row=8, num_pages=33, max_seq_le
 
 
 def _admit(**changes) -> Admit:
-    fields = dict(row=1, prompt_len=5, staging_offset=0, pages=np.array([3, 9], np.int32), temperature=0.5,
-                  top_p=0.9, top_k=4, seed=2**40, min_p=0.25, presence_penalty=-1.5, frequency_penalty=0.75,
+    fields = dict(row=1, prompt_len=5, temperature=0.5, top_p=0.9, top_k=4, seed=2**40, min_p=0.25, presence_penalty=-1.5, frequency_penalty=0.75,
                   repetition_penalty=1.25, min_tokens=7, stop_ids=np.array([0, 299, 17], np.int32), logprobs=20,
                   prompt_logprobs=0)
     fields.update(changes)
@@ -389,7 +387,7 @@ def test_admit_round_trip_keeps_every_field() -> None:
     for f in dataclasses.fields(Admit):
         a, b = getattr(sent, f.name), getattr(got, f.name)
         assert (a.tolist() == b.tolist()) if isinstance(a, np.ndarray) else a == b, f.name
-    defaults = decode(encode(Command(step=0, admits=[Admit(0, 1, 0, np.array([1], np.int32), 0.0, 1.0, 0, 0)])),
+    defaults = decode(encode(Command(step=0, admits=[Admit(0, 1, 0.0, 1.0, 0, 0)])),
                       LIMITS).admits[0]
     assert (defaults.min_p, defaults.presence_penalty, defaults.frequency_penalty, defaults.repetition_penalty,
             defaults.min_tokens, defaults.stop_ids.tolist(), defaults.logprobs, defaults.prompt_logprobs) == \
@@ -397,16 +395,27 @@ def test_admit_round_trip_keeps_every_field() -> None:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(min_p=1.5), "admit: min_p "), (dict(min_p=-0.1), "admit: min_p "), (dict(min_p=float("nan")), "admit: min_p "),
-    (dict(min_p="0.1"), "admit: min_p "), (dict(presence_penalty=float("inf")), "admit: presence_penalty "),
-    (dict(frequency_penalty=None), "admit: frequency_penalty "), (dict(repetition_penalty=0.0), "admit: repetition_penalty "),
-    (dict(repetition_penalty=-1.0), "admit: repetition_penalty "), (dict(min_tokens=-1), "admit: min_tokens "),
-    (dict(min_tokens=33), "admit: min_tokens "), (dict(min_tokens=2.0), "admit: min_tokens "), (dict(min_tokens=True), "admit: min_tokens "),
-    (dict(stop_ids=b"\x00\x01\x02"), "admit stop_ids: expected int32"), (dict(stop_ids=[1, 2]), "admit stop_ids: expected int32"),
+    (dict(min_p=1.5), "admit: min_p "),
+    (dict(min_p=-0.1), "admit: min_p "),
+    (dict(min_p=float("nan")), "admit: min_p "),
+    (dict(min_p="0.1"), "admit: min_p "),
+    (dict(presence_penalty=float("inf")), "admit: presence_penalty "),
+    (dict(frequency_penalty=None), "admit: frequency_penalty "),
+    (dict(repetition_penalty=0.0), "admit: repetition_penalty "),
+    (dict(repetition_penalty=-1.0), "admit: repetition_penalty "),
+    (dict(min_tokens=-1), "admit: min_tokens "),
+    (dict(min_tokens=33), "admit: min_tokens "),
+    (dict(min_tokens=2.0), "admit: min_tokens "),
+    (dict(min_tokens=True), "admit: min_tokens "),
+    (dict(stop_ids=b"\x00\x01\x02"), "admit stop_ids: expected int32"),
+    (dict(stop_ids=[1, 2]), "admit stop_ids: expected int32"),
     (dict(stop_ids=np.array([300], np.int32).tobytes()), "admit stop_ids: token id outside"),
     (dict(stop_ids=np.array([-1], np.int32).tobytes()), "admit stop_ids: token id outside"),
-    (dict(logprobs=21), "admit: logprobs "), (dict(logprobs=-2), "admit: logprobs "), (dict(logprobs=1.0), "admit: logprobs "),
-    (dict(prompt_logprobs=21), "admit: prompt_logprobs "), (dict(prompt_logprobs="3"), "admit: prompt_logprobs "),
+    (dict(logprobs=21), "admit: logprobs "),
+    (dict(logprobs=-2), "admit: logprobs "),
+    (dict(logprobs=1.0), "admit: logprobs "),
+    (dict(prompt_logprobs=21), "admit: prompt_logprobs "),
+    (dict(prompt_logprobs="3"), "admit: prompt_logprobs "),
 ])
 def test_malformed_new_admit_fields_are_refused(changes: dict, message: str) -> None:
     raw = msgpack.unpackb(encode(Command(step=0, admits=[_admit()])))
@@ -417,14 +426,14 @@ def test_malformed_new_admit_fields_are_refused(changes: dict, message: str) -> 
         decode(msgpack.packb(raw), LIMITS)
 
 
-def test_admit_of_the_first_eight_fields_uses_no_optional_feature() -> None:
+def test_admit_of_the_first_six_fields_uses_no_optional_feature() -> None:
     raw = msgpack.unpackb(encode(Command(step=0, admits=[_admit()])))
-    raw[4][0] = raw[4][0][:8]
+    raw[4][0] = raw[4][0][:6]
     short = decode(msgpack.packb(raw), LIMITS).admits[0]
     assert (short.row, short.seed, short.min_p, short.presence_penalty, short.frequency_penalty,
             short.repetition_penalty, short.min_tokens, short.stop_ids.tolist(), short.logprobs,
             short.prompt_logprobs) == (1, 2**40, 0.0, 0.0, 0.0, 1.0, 0, [], -1, -1)
-    for length in (7, 9, 15, 17):
+    for length in (5, 7, 13, 15):
         raw[4][0] = (msgpack.unpackb(encode(Command(step=0, admits=[_admit()])))[4][0] + [0])[:length]
         with pytest.raises(ProtocolError, match="admit must be"):
             decode(msgpack.packb(raw), LIMITS)
@@ -509,11 +518,11 @@ def test_chip_child_writes_logprobs_into_the_step_slot(ckpt: Path) -> None:
             child.wait_ready(120)
             staging = np.array(reqs[0].prompt + reqs[1].prompt, np.int32)
             ring.staging[0, :len(staging)] = torch.from_numpy(staging)
-            admits = [Admit(0, 5, 0, np.array([1, 2], np.int32), 0.7, 1.0, 0, 3, presence_penalty=0.5, logprobs=4,
-                            prompt_logprobs=2),
-                      Admit(1, 3, 5, np.array([3], np.int32), 0.0, 1.0, 0, 0)]
+            admits = [(Admit(0, 5, 0.7, 1.0, 0, 3, presence_penalty=0.5, logprobs=4, prompt_logprobs=2),
+                       np.array([1, 2], np.int32), 0),
+                      (Admit(1, 3, 0.0, 1.0, 0, 0), np.array([3], np.int32), 5)]
             # Row 1's third token needs its second page (position 4).
-            commands = [Command(0, admits=admits), Command(1), Command(2, new_pages=np.array([[1, 1, 4]], np.int32))]
+            commands = [prefill_command(0, admits), Command(1), Command(2, new_pages=np.array([[1, 1, 4]], np.int32))]
             for cmd in commands:
                 child.send(encode(cmd))
                 deadline = time.monotonic() + 60
