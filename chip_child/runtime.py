@@ -6,10 +6,13 @@ cross from the host; positions advance, slot mappings are computed and next toke
 on the device. The one host synchronisation of a decode step is the copy of the sampled ids into
 `out`.
 
-Every step is one forward over a packed token axis: the B decode lanes first (a lane whose row is
+Every step is one forward over a packed token axis: the decode lanes first (a lane whose row is
 not decoding writes to the scratch page and its token is ignored), then the tokens of each prompt
 chunk. A chunk that ends its prompt hands its last hidden state to its row's lane, so one
-sampler call serves decode rows and rows that just finished their prefill alike.
+sampler call serves decode rows and rows that just finished their prefill alike. A step runs
+lanes [0, n) only, n the lane bucket of its highest active row (chip_child.graphs); the rows
+above are idle and untouched. On cuda and npu the decode-only step's forward is a captured graph
+per bucket, replayed without copying anything (see chip_child.graphs: not run on hardware yet).
 
 Optional sampling stages (penalties, min_p, the min_tokens stop-id mask, log-probabilities) run
 only in steps where some active row uses them, decided from host facts kept between admissions:
@@ -21,12 +24,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 import torch
 
 from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device
+from chip_child.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_of, resolve_decode_graphs
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
 from chip_child.model import Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.pool import TaskArg, TensorPool
@@ -36,6 +41,10 @@ from chip_child.sampling import Features, RowParams, sample, sample_with_feature
 COPY_POLICIES = ("dirty", "always")
 STATE = "state"  # pool owner of the tensors prefill and decode share
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [rows, vocab] logits exist at once
+# Pooled tensors with one entry per row: a step reads them narrowed to its lanes.
+LANE_SLOTS = ("input_ids", "positions", "active", "block_table", "slot_mapping", "lane_seq_lens", "temperature",
+              "top_p", "top_k", "seed_keys", "logits", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "min_pos", "output_counts", "prompt_seen", "stop_mask", "lp_values", "lp_ids")
 
 
 @dataclass
@@ -51,6 +60,7 @@ class RuntimeConfig:
     max_prefill_tokens: int | None = None  # chunk tokens per step; None: max(max_seq_len, 2048)
     copy_policy: str = "dirty"
     attention_backend: str | None = None  # None: the device's default (see chip_child.attention)
+    decode_graphs: bool | None = None  # None: on for cuda and npu where the backend allows (chip_child.graphs)
     num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
     tp_rank: int = 0
     tp_size: int = 1
@@ -89,6 +99,7 @@ class BatchFacts:
     mask_steps: int = 0  # decode steps, this one first, in which some row still masks its stop ids
     logprobs: int = -1  # the largest N an active row asked for; -1: none
     plain: bool = True  # none of the four above: the plain sampler alone
+    lanes: int = 1  # the lane bucket holding every active row
 
     def update_plain(self) -> None:
         self.plain = not (self.any_penalty or self.any_min_p or self.mask_steps > 0 or self.logprobs >= 0)
@@ -130,10 +141,10 @@ class ChunkPlan:
     """What the host knows of a step's prompt chunks: sizes for slicing the pooled buffers, the
     metadata's host lengths, and which rows start decoding after this step."""
 
-    num_tokens: int  # chunk tokens after the B decode lanes
+    num_tokens: int  # chunk tokens after the step's decode lanes
     num_chunks: int
     max_query_len: int
-    query_lens: list[int]  # per sequence: the B lanes, then the chunks
+    query_lens: list[int]  # per sequence: the lanes, then the chunks
     seq_lens: list[int]
     last_rows: int  # chunks that end their prompt, first in last_* buffers
     penalized: list[tuple[int, int, int, int]]  # (row, first packed index, prompt tokens, output tokens)
@@ -144,7 +155,9 @@ class ChipRuntime:
     # Inference mode throughout: tensors without autograd bookkeeping make each small op cheaper,
     # which is most of a decode step's cost on the cpu.
     @torch.inference_mode()
-    def __init__(self, cfg: RuntimeConfig):
+    def __init__(self, cfg: RuntimeConfig, graph_capturer: Capturer | None = None):
+        """`graph_capturer` replaces the device's graph capture (tests drive the graph path on
+        the cpu with a stand-in); given, decode graphs are on whatever `cfg.decode_graphs` says."""
         if cfg.copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {cfg.copy_policy!r}")
         t0 = time.perf_counter()
@@ -174,7 +187,12 @@ class ChipRuntime:
         spec = AttentionSpec(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size,
                              dtype=self.dtype, max_tokens=b + p, max_seqs=2 * b, max_blocks=mb)
-        self.attn = get_backend(self.device.type, cfg.attention_backend)(spec, self.device)
+        backend = get_backend(self.device.type, cfg.attention_backend)
+        graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name)
+        graphs = graphs or graph_capturer is not None
+        # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
+        options = {"decode_mirror": False} if graphs and backend.name == "torch" else {}
+        self.attn = backend(spec, self.device, **options)
         i32, i64, f32 = torch.int32, torch.int64, torch.float32
         state = lambda slot, shape, dtype, role: TaskArg(slot, shape, dtype, role, owner=STATE)  # noqa: E731
         shared = (
@@ -220,6 +238,14 @@ class ChipRuntime:
         self.attn.bind(self.state["kv_cache"], {name: self.state[f"attn_{name}"] for name in self.attn.workspace_shapes})
         self.state["vocab_keys"].copy_(vocab_hash(v, self.device))
         self.state["lane_starts"].copy_(torch.arange(b + 1, dtype=i32))
+        self._bucket = bucket_of(b).tolist()  # highest active row + 1 -> the lanes a step runs
+        # Each bucket's views of the pooled tensors, made once: fixed addresses a graph can read.
+        self._lane_views = {n: {**{slot: self.state[slot][:n] for slot in LANE_SLOTS},
+                                "lane_starts": self.state["lane_starts"][:n + 1],
+                                "vocab_keys": self.state["vocab_keys"]}
+                            for n in sorted(set(self._bucket))}
+        self.graphs: DecodeGraphs | None = None  # set once warm-up captured them; warm-up itself runs eagerly
+        self._pending_graphs = DecodeGraphs(graph_capturer or DeviceGraphs(self.device)) if graphs else None
 
         # Host mirrors of per-row facts the child needs without reading the device.
         self._positions = np.zeros(b, np.int64)
@@ -253,7 +279,9 @@ class ChipRuntime:
         return all_reduce
 
     def close(self) -> None:
-        """Frees the pooled tensors and leaves the process group."""
+        """Frees the graphs and pooled tensors and leaves the process group."""
+        self.graphs = None
+        self._lane_views = {}
         self.pool.release()
         if self.cfg.tp_size > 1:
             import torch.distributed as dist
@@ -295,12 +323,15 @@ class ChipRuntime:
         self._timer.start()
         if cmd.full_state is not None:
             self._load_full_state(cmd.full_state)
-        n, plan = self._run_step(cmd.chunks, staging, cmd.full_state is None, outputs is not None)
+        n, plan, lanes = self._run_step(cmd.chunks, staging, cmd.full_state is None, outputs is not None)
         self._timer.stop()
-        out.copy_(self.state["input_ids"])  # the sampled ids: the step's only synchronisation
+        # The sampled ids: the step's only synchronisation. Lanes [0, lanes) hold every active
+        # row, the only rows the parent reads; the rest of `out` is left as it was.
+        v = self._lane_views[lanes]
+        out[:lanes].copy_(v["input_ids"])
         if n >= 0:
-            outputs.logprobs[:, :1 + n].copy_(self.state["lp_values"][:, :1 + n])
-            outputs.logprob_ids[:, :n].copy_(self.state["lp_ids"][:, :n])
+            outputs.logprobs[:lanes, :1 + n].copy_(v["lp_values"][:, :1 + n])
+            outputs.logprob_ids[:lanes, :n].copy_(v["lp_ids"][:, :n])
         asks = plan.prompt_asks if plan is not None else ()
         if asks:
             values, ids = self.prefill_state["prompt_lp_values"], self.prefill_state["prompt_lp_ids"]
@@ -354,6 +385,7 @@ class ChipRuntime:
             random = self._temperature[act] > 0
             facts = BatchFacts(int(live.max()) if live.size else 0, bool(random.any()),
                                bool(self._filtered[act].any()), bool(live.size))
+            facts.lanes = self._bucket[int(np.flatnonzero(act)[-1]) + 1 if live.size else 0]
             if live.size:
                 facts.any_penalty = bool(self._penalized[act].any())
                 facts.any_min_p = bool((random & (self._min_p[act] > 0)).any())
@@ -424,14 +456,15 @@ class ChipRuntime:
         self._rows_changed()
 
     def _run_step(self, chunks: list[Chunk], staging: np.ndarray, compute_slots: bool,
-                  want_logprobs: bool) -> tuple[int, ChunkPlan | None]:
-        """Returns N of the per-row log-probabilities computed (-1: none) and the chunks' plan."""
+                  want_logprobs: bool) -> tuple[int, ChunkPlan | None, int]:
+        """Returns N of the per-row log-probabilities computed (-1: none), the chunks' plan and
+        the lanes the step ran."""
         plan = self._plan_chunks(chunks, staging, want_logprobs) if chunks else None
         facts = self._facts()
         features = None if facts.plain else self._step_features(facts, want_logprobs)
         if facts.furthest >= self.cfg.max_seq_len:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
-        page = self.cfg.page_size
+        page, lanes = self.cfg.page_size, facts.lanes
         if not compute_slots:
             slots = "given"
         elif self._slot_steps > 0 and plan is None:
@@ -443,31 +476,23 @@ class ChipRuntime:
             live = self._positions[self._active]
             self._slot_steps = int((page - 1 - live % page).min()) if live.size and plan is None else 0
         self.submit_next_level("prefill" if plan else "decode", self.prefill_args if plan else self.decode_args,
-                               plan=plan, lane_lens=self._positions + 1, max_lane_len=facts.furthest + 1,
-                               any_random=facts.any_random, any_filter=facts.any_filter, slots=slots,
-                               features=features)
+                               plan=plan, lanes=lanes, lane_lens=self._positions[:lanes] + 1,
+                               max_lane_len=facts.furthest + 1, any_random=facts.any_random,
+                               any_filter=facts.any_filter, slots=slots, features=features)
         self._positions += self._active
         facts.furthest += facts.any_active
-        return (-1 if features is None else features.logprobs), plan
+        return (-1 if features is None else features.logprobs), plan, lanes
 
     def _plan_chunks(self, chunks: list[Chunk], staging: np.ndarray, want_logprobs: bool) -> ChunkPlan:
-        """Copies the chunks' ids, positions and metadata to the device in one transfer, and
-        marks the rows whose prompt ends here as decoding from this step's sample on."""
-        b = self.cfg.max_batch_size
+        """Marks the rows whose prompt ends here as decoding from this step's sample on, then
+        copies the chunks' ids, positions and metadata (laid out after the step's lanes, which
+        now include those rows) to the device in one transfer."""
         lens = [c.length for c in chunks]
         total = sum(lens)
         for c in chunks:
             if self._active[c.row]:
                 raise ValueError(f"chunk for row {c.row}, which is decoding")
         starts = np.cumsum([0] + lens[:-1])
-        ids = np.concatenate([staging[c.staging_offset:c.staging_offset + c.length] for c in chunks])
-        positions = np.concatenate([np.arange(c.start, c.start + c.length) for c in chunks])
-        rows = np.repeat([c.row for c in chunks], lens)
-        last = [(c, int(s)) for c, s in zip(chunks, starts) if c.last]
-        seq_lens = [c.start + c.length for c in chunks]
-        ends = b + np.cumsum(lens)
-        # chunk_ints: ids | positions | rows | query starts (B + C + 1) | chunk seq lens (C) |
-        # metadata rows (B + C) | last rows | their packed index | prompt-logprob targets
         targets, asks, penalized = [], [], []
         for c, s in zip(chunks, starts):
             plen = int(self._prompt_len[c.row])
@@ -481,97 +506,130 @@ class ChipRuntime:
                     raise ValueError(f"chunk of row {c.row}: its prompt-logprob targets run past the staging slot")
                 asks.append((int(s), count, c.staging_offset, top))
                 targets.append(staging[c.staging_offset + 1:c.staging_offset + 1 + count])
-        ints = np.concatenate([ids, positions, rows, np.arange(b + 1), ends, seq_lens,
-                               np.arange(b), [c.row for c in chunks], [c.row for c, _ in last],
-                               [b + s + c.length - 1 for c, s in last], *targets]).astype(np.int64)
-        self.prefill_state["chunk_ints"][:len(ints)].copy_(self._h2d(ints))
+        last = [(c, int(s)) for c, s in zip(chunks, starts) if c.last]
         for c, _ in last:
             self._active[c.row] = True
             self._positions[c.row] = c.start + c.length - 1  # the input position its sample counts from
         self._rows_changed()
-        host_lens = self._positions + 1
-        return ChunkPlan(total, len(chunks), max(lens), [1] * b + lens, host_lens.tolist() + seq_lens, len(last),
+        n = self._facts().lanes
+        ids = np.concatenate([staging[c.staging_offset:c.staging_offset + c.length] for c in chunks])
+        positions = np.concatenate([np.arange(c.start, c.start + c.length) for c in chunks])
+        rows = np.repeat([c.row for c in chunks], lens)
+        seq_lens = [c.start + c.length for c in chunks]
+        ends = n + np.cumsum(lens)
+        # chunk_ints: ids | positions | rows | query starts (n + C + 1) | chunk seq lens (C) |
+        # metadata rows (n + C) | last rows | their packed index | prompt-logprob targets
+        ints = np.concatenate([ids, positions, rows, np.arange(n + 1), ends, seq_lens,
+                               np.arange(n), [c.row for c in chunks], [c.row for c, _ in last],
+                               [n + s + c.length - 1 for c, s in last], *targets]).astype(np.int64)
+        self.prefill_state["chunk_ints"][:len(ints)].copy_(self._h2d(ints))
+        host_lens = self._positions[:n] + 1
+        return ChunkPlan(total, len(chunks), max(lens), [1] * n + lens, host_lens.tolist() + seq_lens, len(last),
                          penalized, asks)
 
-    def _step(self, *, input_ids, positions, active, block_table, slot_mapping, lane_seq_lens, lane_starts,
-              temperature, top_p, top_k, seed_keys, vocab_keys, logits, min_p, presence_penalty, frequency_penalty,
-              repetition_penalty, min_pos, output_counts, prompt_seen, stop_mask, lp_values, lp_ids,
-              plan: ChunkPlan | None, lane_lens: np.ndarray, max_lane_len: int, any_random: bool,
-              any_filter: bool, slots: str, features: Features | None, tokens=None, token_positions=None,
-              token_slots=None, chunk_ints=None, prompt_lp_values=None, prompt_lp_ids=None, **_cache) -> None:
-        b, page = self.cfg.max_batch_size, self.cfg.page_size
-        if slots == "compute":
-            blocks = block_table.gather(1, (positions // page)[:, None]).squeeze(1)
-            # Idle lanes write to slot 0 of the scratch page, never into a page another row owns.
-            torch.mul(blocks * page + positions % page, active, out=slot_mapping)
-        elif slots == "advance":
-            slot_mapping.add_(active)  # no active row crosses a page boundary this step
-        torch.add(positions, 1, out=lane_seq_lens)
+    def _step(self, *, plan: ChunkPlan | None, lanes: int, lane_lens: np.ndarray, max_lane_len: int,
+              any_random: bool, any_filter: bool, slots: str, features: Features | None, tokens=None,
+              token_positions=None, token_slots=None, chunk_ints=None, prompt_lp_values=None, prompt_lp_ids=None,
+              **pooled) -> None:
+        """One step over lanes [0, lanes) of the pooled tensors the task arguments name, through
+        their views made once per bucket; rows above are idle and left untouched."""
+        v = self._lane_views[lanes]
         if plan is None:
-            meta = AttentionMetadata(lane_starts, lane_seq_lens, block_table, slot_mapping, 1, max_lane_len,
-                                     seq_lens_host=lane_lens)
-            hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, input_ids,
-                             positions, self._all_reduce)
+            if self.graphs is not None:
+                self.graphs.replay(lanes)  # its inputs are already where the command and the last step left them
+            else:
+                self._decode_logits(v, slots, max_lane_len, lane_lens)
         else:
-            hidden = self._forward_chunks(plan, input_ids, positions, block_table, slot_mapping, lane_seq_lens,
-                                          tokens, token_positions, token_slots, chunk_ints)
-        row_hidden = hidden[:b]
-        if plan is not None:
+            self._lane_slots(v, slots)
+            torch.add(v["positions"], 1, out=v["lane_seq_lens"])
+            hidden = self._forward_chunks(plan, lanes, v, tokens, token_positions, token_slots, chunk_ints)
+            row_hidden = hidden[:lanes]
             t, c = plan.num_tokens, plan.num_chunks
-            ints = chunk_ints[3 * t + 2 * b + 3 * c + 1:]
+            ints = chunk_ints[3 * t + 2 * lanes + 3 * c + 1:]
             last_rows, last_index = ints[:plan.last_rows], ints[plan.last_rows:2 * plan.last_rows]
             if plan.last_rows:  # a row whose prompt ends here samples from its last token
                 row_hidden.index_copy_(0, last_rows, hidden.index_select(0, last_index))
-                positions[last_rows] = token_positions.index_select(0, last_index)
-                active[last_rows] = True
-            self._chunk_side_effects(plan, hidden, tokens, ints[2 * plan.last_rows:], output_counts, prompt_seen,
-                                     prompt_lp_values, prompt_lp_ids)
-        final_logits(self.weights, row_hidden, out=logits)
+                v["positions"][last_rows] = token_positions.index_select(0, last_index)
+                v["active"][last_rows] = True
+            # Chunk rows not ending their prompt may sit above the lanes: the full per-row state.
+            self._chunk_side_effects(plan, lanes, hidden, tokens, ints[2 * plan.last_rows:], pooled["output_counts"],
+                                     pooled["prompt_seen"], prompt_lp_values, prompt_lp_ids)
+            final_logits(self.weights, row_hidden, out=v["logits"])
+        self._sample(v, any_random, any_filter, features)
+
+    def _lane_slots(self, v: dict[str, torch.Tensor], slots: str) -> None:
+        page = self.cfg.page_size
+        if slots == "compute":
+            positions = v["positions"]
+            blocks = v["block_table"].gather(1, (positions // page)[:, None]).squeeze(1)
+            # Idle lanes write to slot 0 of the scratch page, never into a page another row owns.
+            torch.mul(blocks * page + positions % page, v["active"], out=v["slot_mapping"])
+        elif slots == "advance":
+            v["slot_mapping"].add_(v["active"])  # no active row crosses a page boundary this step
+
+    def _decode_logits(self, v: dict[str, torch.Tensor], slots: str, max_seq_len: int,
+                       seq_lens_host: np.ndarray | None) -> None:
+        """A decode-only step's forward into v["logits"]. Eager steps pass the exact longest
+        context and host lengths; a graph is captured with "compute" slots, the config's
+        max_seq_len and no host lengths, so nothing of one step is frozen into it."""
+        self._lane_slots(v, slots)
+        torch.add(v["positions"], 1, out=v["lane_seq_lens"])
+        meta = AttentionMetadata(v["lane_starts"], v["lane_seq_lens"], v["block_table"], v["slot_mapping"], 1,
+                                 max_seq_len, seq_lens_host=seq_lens_host)
+        hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
+                         v["positions"], self._all_reduce)
+        final_logits(self.weights, hidden, out=v["logits"])
+
+    def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
+                features: Features | None) -> None:
+        """The lanes' next ids into v["input_ids"]; then active lanes' positions advance."""
+        logits, input_ids, positions, active = v["logits"], v["input_ids"], v["positions"], v["active"]
         # Idle lanes' ids are never read: the parent ignores them and a chunk overwrites them.
         if features is None:
-            input_ids.copy_(sample(logits, temperature, top_k, top_p, seed_keys, positions, vocab_keys, any_random,
-                                   any_filter))
+            input_ids.copy_(sample(logits, v["temperature"], v["top_k"], v["top_p"], v["seed_keys"], positions,
+                                   v["vocab_keys"], any_random, any_filter))
         else:
-            params = RowParams(temperature, top_k, top_p, seed_keys, min_p, presence_penalty, frequency_penalty,
-                               repetition_penalty, min_pos, output_counts, prompt_seen, stop_mask)
-            input_ids.copy_(sample_with_features(logits, params, positions, vocab_keys, any_random, any_filter,
-                                                 features, lp_values, lp_ids))
+            params = RowParams(v["temperature"], v["top_k"], v["top_p"], v["seed_keys"], v["min_p"],
+                               v["presence_penalty"], v["frequency_penalty"], v["repetition_penalty"], v["min_pos"],
+                               v["output_counts"], v["prompt_seen"], v["stop_mask"])
+            input_ids.copy_(sample_with_features(logits, params, positions, v["vocab_keys"], any_random, any_filter,
+                                                 features, v["lp_values"], v["lp_ids"]))
             if features.penalties:  # the sampled ids join their rows' outputs, on the device
-                output_counts.scatter_add_(1, input_ids[:, None], active[:, None].to(output_counts.dtype))
+                v["output_counts"].scatter_add_(1, input_ids[:, None], active[:, None].to(torch.float32))
         positions.add_(active)
 
-    def _forward_chunks(self, plan: ChunkPlan, input_ids, positions, block_table, slot_mapping, lane_seq_lens,
-                        tokens, token_positions, token_slots, chunk_ints) -> torch.Tensor:
-        """The forward of a step with chunks: lanes and chunk tokens on one packed axis."""
-        b, page = self.cfg.max_batch_size, self.cfg.page_size
-        t, c = plan.num_tokens, plan.num_chunks
-        n = b + t
+    def _forward_chunks(self, plan: ChunkPlan, lanes: int, v: dict[str, torch.Tensor], tokens, token_positions,
+                        token_slots, chunk_ints) -> torch.Tensor:
+        """The forward of a step with chunks: `lanes` lanes and the chunk tokens on one packed axis."""
+        page = self.cfg.page_size
+        t, c, n = plan.num_tokens, plan.num_chunks, lanes
+        total = n + t
         ids, pos, rows = chunk_ints[:t], chunk_ints[t:2 * t], chunk_ints[2 * t:3 * t]
         meta_ints = chunk_ints[3 * t:]
-        tokens[:b].copy_(input_ids)
-        tokens[b:n].copy_(ids)
-        token_positions[:b].copy_(positions)
-        token_positions[b:n].copy_(pos)
-        token_slots[:b].copy_(slot_mapping)
-        torch.add(block_table[rows, pos // page].long() * page, pos % page, out=token_slots[b:n])
-        starts = meta_ints[:b + c + 1].to(torch.int32)
-        seq_lens = torch.cat([lane_seq_lens, meta_ints[b + c + 1:b + 2 * c + 1].to(torch.int32)])
-        seq_rows = meta_ints[b + 2 * c + 1:2 * b + 3 * c + 1]
+        block_table = self.state["block_table"]  # chunk rows may sit above the lanes
+        tokens[:n].copy_(v["input_ids"])
+        tokens[n:total].copy_(ids)
+        token_positions[:n].copy_(v["positions"])
+        token_positions[n:total].copy_(pos)
+        token_slots[:n].copy_(v["slot_mapping"])
+        torch.add(block_table[rows, pos // page].long() * page, pos % page, out=token_slots[n:total])
+        starts = meta_ints[:n + c + 1].to(torch.int32)
+        seq_lens = torch.cat([v["lane_seq_lens"], meta_ints[n + c + 1:n + 2 * c + 1].to(torch.int32)])
+        seq_rows = meta_ints[n + 2 * c + 1:2 * n + 3 * c + 1]
         max_len = max(plan.seq_lens)
         width = -(-max_len // page)
         meta = AttentionMetadata(starts, seq_lens, block_table.index_select(0, seq_rows)[:, :width],
-                                 token_slots[:n], max(plan.max_query_len, 1), max_len,
+                                 token_slots[:total], max(plan.max_query_len, 1), max_len,
                                  query_lens_host=plan.query_lens, seq_lens_host=plan.seq_lens)
-        return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:n],
-                       token_positions[:n], self._all_reduce)
+        return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:total],
+                       token_positions[:total], self._all_reduce)
 
-    def _chunk_side_effects(self, plan: ChunkPlan, hidden, tokens, targets, output_counts, prompt_seen,
+    def _chunk_side_effects(self, plan: ChunkPlan, lanes: int, hidden, tokens, targets, output_counts, prompt_seen,
                             prompt_lp_values, prompt_lp_ids) -> None:
         """Penalty state from the chunks' ids (prompt part: seen; past prompt_len: output counts),
         and prompt log-probabilities for the chunks that asked."""
-        b = self.cfg.max_batch_size
         for row, first, in_prompt, in_output in plan.penalized:
-            ids = tokens[b + first:b + first + in_prompt + in_output]
+            ids = tokens[lanes + first:lanes + first + in_prompt + in_output]
             if in_prompt:
                 prompt_seen[row, ids[:in_prompt]] = True
             if in_output:
@@ -579,8 +637,8 @@ class ChipRuntime:
                                                                               device=ids.device))
         taken = 0
         for first, count, _, top in plan.prompt_asks:
-            self._prompt_logprobs(hidden[b + first:b + first + count], targets[taken:taken + count], first, top,
-                                  prompt_lp_values, prompt_lp_ids)
+            self._prompt_logprobs(hidden[lanes + first:lanes + first + count], targets[taken:taken + count], first,
+                                  top, prompt_lp_values, prompt_lp_ids)
             taken += count
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, first: int, top: int,
@@ -646,5 +704,15 @@ class ChipRuntime:
             step += 3
         for name in ("block_table", "output_counts", "prompt_seen", "stop_mask"):
             self.state[name].zero_()
+        if self._pending_graphs is not None:
+            self._capture_graphs(self._pending_graphs)
         self.state["kv_cache"].zero_()
         self.attn.invalidate()
+
+    def _capture_graphs(self, graphs: DecodeGraphs) -> None:
+        """One graph per lane bucket, the largest first (the smaller ones reuse its memory). Every
+        row is idle here, so the runs made while capturing write only to the scratch page."""
+        for lanes in sorted(self._lane_views, reverse=True):
+            graphs.capture(lanes, partial(self._decode_logits, self._lane_views[lanes], "compute", self.cfg.max_seq_len,
+                                          None))
+        self.graphs, self._pending_graphs = graphs, None

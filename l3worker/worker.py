@@ -20,7 +20,9 @@ from typing import Iterator, Sequence
 import zmq
 from tqdm import tqdm
 
+from chip_child.attention import get_backend
 from chip_child.device import DEVICE_TYPES, CorePlan, available_cores, device_type, pin_socket_threads, plan_cores
+from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
@@ -62,6 +64,8 @@ class DistributedWorker:
         max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS,
         enable_prefix_caching: bool = True,
         copy_policy: str = "dirty",
+        attention_backend: str | None = None,
+        decode_graphs: bool | None = None,
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
         num_threads: int | None = None,
@@ -75,6 +79,11 @@ class DistributedWorker:
             raise TypeError(f"dtype must be a name such as 'auto', 'bfloat16' or 'float32', got {dtype!r}")
         if copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {copy_policy!r}")
+        # The backend and graph choices hold for the device type whatever its id: refused here,
+        # before any child starts, with the choices named.
+        kind = device_type(device)
+        backend = get_backend(kind, attention_backend)
+        resolve_decode_graphs(decode_graphs, kind, backend.decode_capturable, backend.name)
         device_ids = tuple(device_ids)
         if not device_ids:
             raise ValueError("device_ids must name at least one device")
@@ -115,6 +124,7 @@ class DistributedWorker:
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, page_size=page_size, num_pages=num_pages,
             max_prefill_tokens=max_num_batched_tokens, copy_policy=copy_policy, num_threads=num_threads,
+            attention_backend=attention_backend, decode_graphs=decode_graphs,
         )
         self.device_ids = device_ids
         self.pipeline_depth = pipeline_depth
@@ -331,6 +341,8 @@ class DistributedWorker:
             "prepare_s": self._prepare_s,
             "pipeline_depth": self.pipeline_depth,
             "copy_policy": self.runtime_config.copy_policy,
+            "attention_backend": info.get("attention_backend"),
+            "decode_graphs": info.get("decode_graphs"),  # the lane buckets captured; [] when off
             "kv_pages_total": self.runtime_config.total_pages - 1,
             "kv_pages_free": self.engine.scheduler.pages.num_free if self.engine.scheduler else None,
             "generate_calls": self._generate_calls,

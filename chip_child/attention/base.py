@@ -215,6 +215,9 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     cache_layout: ClassVar[str]  # the cache's dimensions, outermost first
+    # Whether a pure-decode `plan` given no host lengths does only device work and host
+    # arithmetic on the bound ints, so a captured graph replays it correctly for any batch.
+    decode_capturable: ClassVar[bool] = True
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cpu"):
         self.spec = spec

@@ -41,6 +41,7 @@ MASK_SIZE = 2048
 class NpuAttention(AttentionBackend):
     name = "npu"
     cache_layout = "layer, k|v, page, offset, kv_head, head_dim"
+    decode_capturable = False  # the vendor op takes the lengths as host lists: a graph would freeze them
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "npu", *, decode_only: bool = False):
         super().__init__(spec, device)
