@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -60,6 +61,11 @@ class RequestState:
     reported: list[int] = field(default_factory=list)  # per sample: tokens already in a delta
     first_token_seen: bool = False
     finished: bool = False
+
+    @cached_property
+    def prompt_token_ids(self) -> list[int]:
+        """Built once: every output of the request shares this list."""
+        return self.prompt_ids.tolist()
 
     @property
     def all_finished(self) -> bool:
@@ -355,7 +361,7 @@ class Engine:
             self._finish_request(state)
         if samples or done:
             outputs.append(RequestOutput(
-                state.request_id, state.prompt, state.prompt_ids.tolist(), samples, finished=done,
+                state.request_id, state.prompt, state.prompt_token_ids, samples, finished=done,
                 prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.seqs[0].num_cached_tokens,
                 metrics=_request_metrics(state) if done else None))
 
