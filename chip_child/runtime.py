@@ -176,7 +176,7 @@ class ChipRuntime:
             state("repetition_penalty", (b,), f32, "in"),
             state("min_pos", (b,), i64, "in"),
             state("output_counts", (b, v), f32, "inout"),
-            state("prompt_seen", (b, v), torch.bool, "in"),
+            state("prompt_seen", (b, v), f32, "in"),  # 1.0 / 0.0: float arithmetic is faster than bool
             state("stop_mask", (b, v), torch.bool, "in"),
             state("lp_values", (b, 1 + MAX_LOGPROBS), f32, "out"),
             state("lp_ids", (b, MAX_LOGPROBS), i64, "out"),
@@ -480,7 +480,7 @@ class ChipRuntime:
                 self.state["output_counts"][a.row].zero_()
                 seen = self.state["prompt_seen"][a.row]
                 seen.zero_()
-                seen[t["tokens"][start:start + a.prompt_len]] = True
+                seen[t["tokens"][start:start + a.prompt_len]] = 1.0
         if min_pos.any():
             for a, m in zip(admits, min_pos):
                 if m:
