@@ -218,7 +218,7 @@ class ChipRuntime:
             state("repetition_penalty", (b,), f32, "in"),
             state("min_pos", (b,), i64, "in"),
             state("output_counts", (b, v), f32, "inout"),
-            state("prompt_seen", (b, v), torch.bool, "inout"),
+            state("prompt_seen", (b, v), f32, "inout"),  # 1.0 / 0.0: float arithmetic is faster than bool
             state("stop_mask", (b, v), torch.bool, "in"),
             state("lp_values", (b, 1 + MAX_LOGPROBS), f32, "out"),
             state("lp_ids", (b, MAX_LOGPROBS), i64, "out"),
@@ -631,7 +631,7 @@ class ChipRuntime:
         for row, first, in_prompt, in_output in plan.penalized:
             ids = tokens[lanes + first:lanes + first + in_prompt + in_output]
             if in_prompt:
-                prompt_seen[row, ids[:in_prompt]] = True
+                prompt_seen[row, ids[:in_prompt]] = 1.0
             if in_output:
                 output_counts[row].index_add_(0, ids[in_prompt:], torch.ones(in_output, dtype=output_counts.dtype,
                                                                               device=ids.device))

@@ -105,15 +105,22 @@ def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_se
                     presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
     """The repetition, frequency and presence penalties, per row, on fp32 logits [N, V].
 
-    A token seen in the prompt (`prompt_seen`) or the output (`output_counts` > 0) has its logit
-    divided by the repetition penalty when positive, multiplied by it otherwise; then each output
-    occurrence subtracts `frequency` and any output occurrence `presence`. Neutral values (1, 0, 0)
-    leave a row's logits bit for bit as they were."""
-    in_output = output_counts > 0
-    rep = repetition[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(prompt_seen | in_output, penalised, logits)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
+    A token seen in the prompt (`prompt_seen`, 1.0 or 0.0) or the output (`output_counts` > 0)
+    has its logit divided by the repetition penalty when positive, multiplied by it otherwise;
+    then each output occurrence subtracts `frequency` and any output occurrence `presence`.
+    Neutral values (1, 0, 0) leave a row's logits as they were, bit for bit.
+
+    Written as float arithmetic only: on the cpu, ops that read or write bool tensors (compare,
+    where, masked_fill) are several times slower than these, which the penalties would pay on
+    [rows, vocab] every step."""
+    in_output = output_counts.clamp(max=1)  # 1.0 where the token occurs in the output
+    seen = torch.maximum(prompt_seen, in_output)
+    # (1 - seen) + seen * penalty: exactly the penalty where the token was seen, 1 elsewhere.
+    scale = torch.sub(1, seen).addcmul_(seen, repetition[:, None])
+    # A logit is either positive or not: one of the two terms is zero.
+    out = logits.clamp(max=0).mul_(scale).add_(logits.clamp(min=0).div_(scale))
+    out.sub_(output_counts * frequency[:, None])
+    return out.sub_(in_output.mul_(presence[:, None]))
 
 
 def token_logprobs(logits: torch.Tensor, temperature: torch.Tensor, ids: torch.Tensor, num: int,
@@ -156,7 +163,7 @@ class RowParams:
     repetition: torch.Tensor
     min_pos: torch.Tensor  # stop ids are masked while the input position is below this
     output_counts: torch.Tensor  # float32 [N, V]: occurrences of each token in the row's output so far
-    prompt_seen: torch.Tensor  # bool [N, V]: the token occurs in the row's prompt
+    prompt_seen: torch.Tensor  # float32 [N, V]: 1.0 where the token occurs in the row's prompt
     stop_mask: torch.Tensor  # bool [N, V]: the row's stop ids
 
     def select(self, rows: torch.Tensor) -> "RowParams":

@@ -339,16 +339,22 @@ class Scheduler:
             temperature=np.zeros(b, np.float32), top_p=np.ones(b, np.float32), top_k=np.zeros(b, np.int64),
             seed_keys=np.zeros(b, np.int64),
         )
+        width = max((len(seq.stop_ids) for _, seq in producers), default=0)
+        st.stop_ids = np.full((b, width), -1, np.int32)
         for row, seq in producers:
+            p = seq.params
             pos = seq.fed - 1  # this step's input position (fed was advanced when scheduling)
             st.positions[row] = pos
             st.active[row] = True
             st.block_table[row, :len(seq.pages)] = seq.pages
             st.slot_mapping[row] = seq.pages[pos // page] * page + pos % page
-            st.temperature[row] = float(seq.params.temperature)
-            st.top_p[row] = float(seq.params.top_p)
-            st.top_k[row] = int(seq.params.top_k)
+            st.temperature[row], st.top_p[row], st.top_k[row] = p.temperature, p.top_p, p.top_k
             st.seed_keys[row] = seq.seed_key
+            st.min_p[row], st.presence_penalty[row] = p.min_p, p.presence_penalty
+            st.frequency_penalty[row], st.repetition_penalty[row] = p.frequency_penalty, p.repetition_penalty
+            st.min_tokens[row], st.prompt_lens[row] = p.min_tokens, seq.prompt_len
+            st.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+            st.stop_ids[row, :len(seq.stop_ids)] = sorted(seq.stop_ids)
         return st
 
 

@@ -13,7 +13,9 @@ min_p has something to filter:
              prompt_logprobs=20 (the prompt's cost is in the prefill column, not the step)
 
 Each reports the decode step's p50 (median over repeats of each repeat's p50), its ratio to
-`off`, and the prefill's time. Timings are not checked: compare ratios from one run.
+`off`, and the prefill's time. A second table times the sampler alone on [batch, vocab] logits
+(what each variant adds to a step whatever the model; on a shared machine far steadier than a
+large model's step). Timings are not checked: compare ratios from one run.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from bench_decode import WORKLOADS, CpuMeter, Workload, compute_cores, make_prom
 from chip_child.local import batch_commands
 from chip_child.protocol import MAX_LOGPROBS, Admit, Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
+from chip_child.sampling import Features, RowParams, sample, sample_with_features, seed_key, vocab_hash
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
 VARIANTS = {
@@ -94,6 +97,48 @@ class Loop:
         return steps, prefill, tokens
 
 
+STAGES = {"off": None, "penalties": Features(penalties=True), "logprobs": Features(logprobs=MAX_LOGPROBS),
+          "min_p": Features(min_p=True),
+          "all": Features(penalties=True, min_p=True, stop_mask=True, logprobs=MAX_LOGPROBS)}
+
+
+def sampler_alone(batch: int, vocab: int, threads: int, rounds: int = 30, calls: int = 20) -> dict[str, float]:
+    """p50 seconds of one step's sampling (and, with penalties, the device update of the output
+    counts) per variant, on random logits, rows seeded at temperature 0.8; variants alternate."""
+    g = torch.Generator().manual_seed(0)
+    n = torch.full((batch,), 1.0)
+    logits = torch.randn(batch, vocab, generator=g)
+    counts = torch.randint(0, 2, (batch, vocab), generator=g).float()
+    params = RowParams(temperature=n * 0.8, top_k=torch.zeros(batch, dtype=torch.int64), top_p=n.clone(),
+                       keys=torch.tensor([seed_key(i) for i in range(batch)]), min_p=n * 0.05, presence=n * 0.5,
+                       frequency=n * 0.5, repetition=n * 1.2, min_pos=torch.full((batch,), 1 << 20),
+                       output_counts=counts, prompt_seen=(torch.rand(batch, vocab, generator=g) < 0.01).float(),
+                       stop_mask=torch.zeros(batch, vocab, dtype=torch.bool))
+    params.stop_mask[:, :2] = True
+    counters, vocab_keys = torch.full((batch,), 200), vocab_hash(vocab, torch.device("cpu"))
+    values, ids = torch.zeros(batch, 1 + MAX_LOGPROBS), torch.zeros(batch, MAX_LOGPROBS, dtype=torch.int64)
+    active = torch.ones(batch, dtype=torch.bool)
+    times: dict[str, list[float]] = {v: [] for v in STAGES}
+
+    def one(features: Features | None) -> None:
+        if features is None:
+            sample(logits, params.temperature, params.top_k, params.top_p, params.keys, counters, vocab_keys,
+                   True, False)
+            return
+        out = sample_with_features(logits, params, counters, vocab_keys, True, False, features, values, ids)
+        if features.penalties:
+            counts.scatter_add_(1, out[:, None], active[:, None].to(counts.dtype))
+
+    with pinned(compute_cores(threads)), torch.inference_mode():
+        for _ in range(rounds):
+            for variant, features in STAGES.items():
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    one(features)
+                    times[variant].append(time.perf_counter() - t0)
+    return {v: float(np.percentile(t, 50)) for v, t in times.items()}
+
+
 def bench(name: str, wl: Workload, model_dir: str, threads: int) -> dict:
     print(f"\n== {name}: {wl.description}; batch {wl.batch}, prompt {wl.prompt_len}, {wl.new_tokens} new tokens, "
           f"{wl.repeats} repeats", flush=True)
@@ -128,6 +173,12 @@ def bench(name: str, wl: Workload, model_dir: str, threads: int) -> dict:
         print(f"cpu use while timing: this benchmark {load['this_benchmark_cores']:.2f} cores, other processes "
               f"{load['other_processes_cores']:.2f} cores")
     loop.rt.close()
+    alone = sampler_alone(wl.batch, wl.model["vocab_size"], threads)
+    print(f"\nthe sampler alone on [{wl.batch}, {wl.model['vocab_size']}] logits:")
+    print("| variant | sampling p50 (ms) | added to a step (ms) |\n| --- | ---: | ---: |")
+    for v, t in alone.items():
+        rows[v]["sampler_alone_s"] = t
+        print(f"| {v} | {t * 1e3:.3f} | {(t - alone['off']) * 1e3:+.3f} |")
     return rows
 
 

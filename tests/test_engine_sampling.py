@@ -108,3 +108,19 @@ def test_min_tokens_masks_stop_ids_until_reached(worker) -> None:
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop" and stopped.stop_reason == first
     held = worker.generate([PROMPT], SamplingParams(max_new_tokens=8, stop_token_ids=[first], min_tokens=3))[0]
     assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
+
+
+def test_every_feature_gives_the_same_tokens_under_both_copy_policies(ckpt, worker) -> None:
+    """copy_policy="always" re-sends every sampling parameter each decode step: the tokens and
+    log-probabilities of featured requests equal the diff-only path's."""
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True, presence_penalty=0.7, repetition_penalty=1.4,
+                             logprobs=3),
+              SamplingParams(max_new_tokens=10, temperature=0.9, min_p=0.1, seed=3, frequency_penalty=0.5),
+              SamplingParams(max_new_tokens=10, stop_token_ids=[PROMPT[3]], min_tokens=6, temperature=0.7, seed=8)]
+    prompts = [PROMPT, PROMPT[:9], PROMPT[5:]]
+    want = worker.generate(prompts, params)
+    with DistributedWorker(ckpt, max_batch_size=4, max_seq_len=128, page_size=8, max_num_batched_tokens=24,
+                           copy_policy="always") as always:
+        got = always.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [lp.top for lp in got[0].outputs[0].logprobs] == [lp.top for lp in want[0].outputs[0].logprobs]

@@ -154,7 +154,7 @@ def test_min_p_keeps_tokens_above_its_share_of_the_top_probability(min_p: float,
 def test_penalties_follow_their_formulas_and_neutral_rows_keep_their_bits() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.25, 1.0]] * 2)
     counts = torch.tensor([[2.0, 1.0, 0.0, 0.0, 0.0]] * 2)
-    prompt = torch.tensor([[False, False, False, True, False]] * 2)
+    prompt = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0]] * 2)
     out = apply_penalties(logits, counts, prompt, presence=torch.tensor([0.5, 0.0]),
                           frequency=torch.tensor([0.25, 0.0]), repetition=torch.tensor([2.0, 1.0]))
     # Token 0: output, positive: 2 / 2 - 0.25 * 2 - 0.5; token 1: output, negative: -1 * 2 - 0.25 - 0.5;
@@ -192,9 +192,31 @@ def test_unused_stages_leave_seeded_draws_unchanged() -> None:
     params = RowParams(temperature, top_k, top_p, keys, min_p=torch.zeros(n), presence=torch.zeros(n),
                        frequency=torch.zeros(n), repetition=torch.ones(n), min_pos=torch.zeros(n, dtype=torch.int64),
                        output_counts=torch.randint(0, 3, (n, v), generator=g).float(),
-                       prompt_seen=torch.rand(n, v, generator=g) < 0.3, stop_mask=torch.rand(n, v, generator=g) < 0.3)
+                       prompt_seen=(torch.rand(n, v, generator=g) < 0.3).float(),
+                       stop_mask=torch.rand(n, v, generator=g) < 0.3)
     plain = sample(logits, temperature, top_k, top_p, keys, counters, vocab, any_random=True, any_filter=True)
     values, ids = torch.zeros(n, 21), torch.zeros(n, 20, dtype=torch.int64)
     every = sample_with_features(logits, params, counters, vocab, True, True,
                                  Features(penalties=True, min_p=True, stop_mask=True, logprobs=20), values, ids)
     assert torch.equal(plain, every)
+
+
+def test_penalties_equal_the_plain_formula_bit_for_bit() -> None:
+    """The float-only arithmetic of apply_penalties against the formula written with where()."""
+    g = torch.Generator().manual_seed(3)
+    n, v = 64, 200
+    logits = torch.randn(n, v, generator=g) * 3
+    logits[torch.rand(n, v, generator=g) < 0.05] = -torch.inf  # masked stop ids
+    logits[torch.rand(n, v, generator=g) < 0.05] = 0.0
+    counts = torch.randint(0, 4, (n, v), generator=g).float() * (torch.rand(n, v, generator=g) < 0.2)
+    prompt = torch.rand(n, v, generator=g) < 0.1
+    repetition = torch.cat([torch.rand(n - 8, generator=g) * 3 + 0.05, torch.ones(8)])
+    frequency, presence = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    frequency[-8:], presence[-8:] = 0, 0  # the last rows are neutral
+    seen = prompt | (counts > 0)
+    rep = repetition[:, None]
+    want = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    want = want - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    got = apply_penalties(logits, counts, prompt.float(), presence, frequency, repetition)
+    assert torch.equal(got, want)
+    assert torch.equal(got[-8:], logits[-8:])
