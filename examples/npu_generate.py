@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--pipeline-depth", type=int, default=2, help="step commands kept in flight")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="tokens per step: decode rows plus prefill chunks (default 512)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step: decode rows plus prefill chunks (default: the larger of 256 and "
+                        "--max-num-seqs)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute shared prompt prefixes instead of reusing their KV pages")
     p.add_argument("--stream", action="store_true", help="print each request's text as it is generated")

@@ -61,7 +61,7 @@ class DistributedWorker:
         num_pages: int | None = None,
         dtype: str = "auto",
         pipeline_depth: int = 2,
-        max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS,
+        max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         copy_policy: str = "dirty",
         attention_backend: str | None = None,
@@ -95,6 +95,8 @@ class DistributedWorker:
         _positive_int("max_seq_len", max_seq_len, 2)
         _positive_int("page_size", page_size)
         _positive_int("pipeline_depth", pipeline_depth)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(DEFAULT_BATCHED_TOKENS, max_batch_size)
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if max_num_batched_tokens < max_batch_size:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_batch_size="

@@ -2,8 +2,8 @@
 """Scheduler figures on live-traffic shapes, each printed with its comparison from the same run:
 
   stall    8 rows decode while a 3,000-token prompt arrives: tokens those rows produce during its
-           prefill and their inter-token latency there (p50, p99), chunked prefill vs one whole-
-           prompt step (max_num_batched_tokens at least the prompt)
+           prefill and their inter-token latency there (p50, p99), for each --budgets value
+           (max_num_batched_tokens; one at least the prompt's length prefills it in one step)
   prefix   two requests sharing a 1,536-token prefix: the second's TTFT over the first's, with
            the prefix cache on and off
   pages    a pool that fits only half the rows at their worst case: how many rows ran at once,
@@ -118,13 +118,19 @@ def pages(model_dir: Path, rows: int = 8, prompt_len: int = 64, new: int = 192, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budgets", default="256,512,4096",
+                    help="max_num_batched_tokens values for the stall figure (default: %(default)s)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench-scheduler-") as tmp:
         model_dir = write_checkpoint(Path(tmp) / "model")
         result: dict = {"model": MODEL}
-        runs = {b: [stall(model_dir, b) for _ in range(args.repeats)] for b in (512, 4096)}
+        budgets = [int(b) for b in args.budgets.split(",")]
+        runs: dict[int, list[dict]] = {b: [] for b in budgets}
+        for _ in range(args.repeats):  # alternating, so load on the machine spreads over every budget
+            for b in budgets:
+                runs[b].append(stall(model_dir, b))
         result["stall"] = {str(b): {k: statistics.median(r[k] for r in rs) for k in rs[0] if rs[0][k] is not None}
                            for b, rs in runs.items()}
         for b, r in result["stall"].items():

@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated device ids; several: tensor parallel (default: 0)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
     p.add_argument("--pipeline-depth", type=int, default=2, help="step commands in flight (default: 2)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_BATCHED_TOKENS, metavar="N",
-                   help="tokens per step: decoding rows plus prefill chunks (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens per step: decoding rows plus prefill chunks (default: the larger of "
+                        f"{DEFAULT_BATCHED_TOKENS} and --max-num-seqs)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes seen before (default: on)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
