@@ -1,19 +1,15 @@
 """POST /v1/chat/completions: messages rendered through the chat template, then one engine request."""
 from __future__ import annotations
 
-import logging
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from l3worker.params import RequestOutput
 from l3worker.server.engine_client import EngineClient, merge, unless_disconnected
-from l3worker.server.errors import APIError, internal
 from l3worker.server.protocol import ChatCompletionRequest
-from l3worker.server.responses import SSE_DONE, TokenFormatter, new_id, now, sse, usage
+from l3worker.server.responses import TokenFormatter, new_id, now, sse, sse_stream, usage
 from l3worker.server.translate import ServedModel
-
-log = logging.getLogger("l3worker.server")
 
 
 class _Job:
@@ -95,7 +91,7 @@ async def _stream(job: _Job, first: RequestOutput, outputs):
                                     include_usage))
         return "".join(frames)
 
-    try:
+    async def frames():
         # Every choice opens with the assistant role, as OpenAI's stream does.
         yield "".join(job.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}], include_usage) for i in range(job.req.n))
@@ -103,14 +99,10 @@ async def _stream(job: _Job, first: RequestOutput, outputs):
         async for _, out in outputs:
             if frame := events(out):
                 yield frame
-        if include_usage:
-            yield sse({"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
-                       "model": job.model_name, "choices": [], "usage": job.usage()})
-    except APIError as e:
-        yield sse(e.body())
-    except Exception:
-        log.exception("%s failed while streaming", job.request_id)
-        yield sse(internal().body())
-    finally:
-        await outputs.aclose()
-    yield SSE_DONE
+
+    def usage_chunk() -> dict:
+        return {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created,
+                "model": job.model_name, "choices": [], "usage": job.usage()}
+
+    async for event in sse_stream(frames(), outputs, usage_chunk if include_usage else None, job.request_id):
+        yield event

@@ -1,7 +1,6 @@
 """POST /v1/completions: prompts (text or ids, one or several) to choices, whole or streamed."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -9,12 +8,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from l3worker.params import RequestOutput
 from l3worker.server.engine_client import EngineClient, merge, unless_disconnected
-from l3worker.server.errors import APIError, internal
 from l3worker.server.protocol import CompletionRequest
-from l3worker.server.responses import SSE_DONE, TokenFormatter, new_id, now, sse, usage
+from l3worker.server.responses import TokenFormatter, new_id, now, sse, sse_stream, usage
 from l3worker.server.translate import ServedModel
-
-log = logging.getLogger("l3worker.server")
 
 
 @dataclass
@@ -129,19 +125,15 @@ async def _stream(job: _Job, first: tuple[int, RequestOutput], outputs):
             frames.append(sse(chunk))
         return "".join(frames)
 
-    try:
+    async def frames():
         yield events(*first)
         async for i, out in outputs:
             if frame := events(i, out):
                 yield frame
-        if include_usage:
-            yield sse({"id": job.request_id, "object": "text_completion", "created": job.created,
-                       "model": job.model_name, "choices": [], "usage": job.usage()})
-    except APIError as e:
-        yield sse(e.body())
-    except Exception:
-        log.exception("%s failed while streaming", job.request_id)
-        yield sse(internal().body())
-    finally:
-        await outputs.aclose()
-    yield SSE_DONE
+
+    def usage_chunk() -> dict:
+        return {"id": job.request_id, "object": "text_completion", "created": job.created, "model": job.model_name,
+                "choices": [], "usage": job.usage()}
+
+    async for event in sse_stream(frames(), outputs, usage_chunk if include_usage else None, job.request_id):
+        yield event
