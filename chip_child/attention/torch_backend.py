@@ -36,6 +36,7 @@ from chip_child.attention.base import AttentionBackend, AttentionMetadata, Atten
 
 MIRROR_BUDGET_BYTES = 1 << 30  # the largest mirror turned on by default
 MIRROR_MIN_BYTES = 4 << 20  # the least a decode step must gather for the mirror to be used
+MASK_TABLE_BYTES = 4 << 20  # the largest table of decode masks by length kept (see _bind_views)
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -98,6 +99,15 @@ class TorchAttention(AttentionBackend):
         self._key_index = torch.arange(self.spec.max_context, dtype=torch.int32, device=cache.device)
         self._zero = torch.zeros((), dtype=cache.dtype, device=cache.device)
         self._neg_inf = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
+        # Row L: the additive decode mask of a sequence of length L (0 on keys 0..L-1, -inf
+        # after), so a step's mask is one index_select by the lengths instead of a compare and
+        # a where; kept only while small (max_context up to 1024 in fp32).
+        ctx = self.spec.max_context
+        self._mask_table = None
+        if (ctx + 1) * ctx * self._elem <= MASK_TABLE_BYTES:
+            lengths = torch.arange(ctx + 1, dtype=torch.int32, device=cache.device)
+            visible = self._key_index[None, :] < lengths[:, None]
+            self._mask_table = torch.where(visible, self._zero, self._neg_inf).unsqueeze(1)  # [ctx + 1, 1, ctx]
         if self.decode_mirror:
             mirror = self.workspace["mirror"]
             self._mirror_layers = list(mirror.unbind(0))  # [2, max_seqs, kvh, max_ctx, hd]
@@ -145,10 +155,13 @@ class TorchAttention(AttentionBackend):
         """Gather index and mask for decode rows (one new token each) read through the cache."""
         s = self.spec
         rows = block_table.shape[0]
-        target, keys_t, values, key_index = self._gather_views(rows, blocks)
+        target, keys_t, values, key_index, masks = self._gather_views(rows, blocks)
         lens = seq_lens if s.num_kv_heads == 1 else seq_lens.repeat(s.num_kv_heads)
         # [kvh * rows, 1, ctx]: 0 where the key is within the row's length, -inf past it.
-        bias = torch.where(key_index < lens.view(-1, 1, 1), self._zero, self._neg_inf)
+        if masks is not None:
+            bias = masks.index_select(0, lens)
+        else:
+            bias = torch.where(key_index < lens.view(-1, 1, 1), self._zero, self._neg_inf)
         # int32 or int64: index_select takes either.
         pages = block_table.reshape(-1) if blocks == block_table.shape[1] else block_table[:, :blocks].reshape(-1)
         return dict(pages=pages, target=target, keys_t=keys_t, values=values, bias=bias, rows=rows)
@@ -156,7 +169,8 @@ class TorchAttention(AttentionBackend):
     def _gather_views(self, rows: int, blocks: int) -> tuple:
         """The workspace views a decode gather of `rows` rows x `blocks` pages uses (target,
         keys [kvh * rows, hd, ctx], values [kvh * rows, ctx, hd]) and the key positions
-        [1, 1, ctx]; made once per shape, as they only depend on the bound workspace."""
+        [1, 1, ctx] and the mask table's first ctx keys (None without a table); made once per
+        shape, as they only depend on the bound workspace."""
         views = self._views.get((rows, blocks))
         if views is None:
             s = self.spec
@@ -164,7 +178,8 @@ class TorchAttention(AttentionBackend):
             target = self.workspace["gather"].view(-1)[:2 * s.num_kv_heads * rows * ctx * s.head_dim]
             target = target.view(2, s.num_kv_heads, rows * blocks, s.page_size, s.head_dim)
             flat = target.view(2, s.num_kv_heads * rows, ctx, s.head_dim)  # row r of kv head j at j * rows + r
-            views = (target, flat[0].transpose(1, 2), flat[1], self._key_index[:ctx].view(1, 1, ctx))
+            masks = None if self._mask_table is None else self._mask_table[:, :, :ctx]
+            views = (target, flat[0].transpose(1, 2), flat[1], self._key_index[:ctx].view(1, 1, ctx), masks)
             self._views[(rows, blocks)] = views
         return views
 
