@@ -159,16 +159,15 @@ def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, c
     """q [T, heads, hd], k and v [T, kv_heads, hd]. q and k are normed and rotated together:
     one op sequence instead of two."""
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = linear(x, lw.qkv, lw.qkv_bias).view(-1, nh + 2 * nkv, hd)
-    qk = apply_rope(rms_norm(qkv[:, :nh + nkv], lw.qk_norm, w.eps, w.inv_head_dim), cos, sin)
-    return qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]
+    qk, v = linear(x, lw.qkv, lw.qkv_bias).view(-1, nh + 2 * nkv, hd).split_with_sizes((nh + nkv, nkv), 1)
+    q, k = apply_rope(rms_norm(qk, lw.qk_norm, w.eps, w.inv_head_dim), cos, sin).split_with_sizes((nh, nkv), 1)
+    return q, k, v
 
 
 def _mlp_residual(w: Qwen3Weights, lw: LayerWeights, h: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
     x = rms_norm(h, lw.post_norm, w.eps, w.inv_hidden)
-    gate_up = linear(x, lw.gate_up)
-    inter = gate_up.shape[-1] // 2
-    return h + all_reduce(linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down))
+    gate, up = linear(x, lw.gate_up).chunk(2, -1)
+    return h + all_reduce(linear(F.silu(gate) * up, lw.down))
 
 
 def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,8 +184,7 @@ def forward(cfg: ModelConfig, w: Qwen3Weights, attn: AttentionBackend, step: Ste
     """Every layer over the packed tokens [T] at `positions` [T]; `step` is the attention plan of
     this step's sequences (made once, shared by the layers). Leaves each token's K/V in the cache
     and returns the last layer's hidden states [T, hidden] (see final_logits)."""
-    cos_sin = rope.index_select(0, positions)
-    cos, sin = cos_sin[:, :1], cos_sin[:, 1:]
+    cos, sin = rope.index_select(0, positions).split_with_sizes((1, 1), 1)  # [T, 1, hd] each
     h = F.embedding(tokens, w.embed)
     for i, lw in enumerate(w.layers):
         x = rms_norm(h, lw.input_norm, w.eps, w.inv_hidden)

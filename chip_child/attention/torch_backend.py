@@ -36,6 +36,7 @@ from chip_child.attention.base import AttentionBackend, AttentionMetadata, Atten
 
 MIRROR_BUDGET_BYTES = 1 << 30  # the largest mirror turned on by default
 MIRROR_MIN_BYTES = 4 << 20  # the least a decode step must gather for the mirror to be used
+MASK_TABLE_BYTES = 4 << 20  # the largest table of decode masks by length kept (see _bind_views)
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,7 @@ class TorchAttention(AttentionBackend):
         self._mirror_len = np.zeros(s.max_seqs, np.int64)  # leading positions of each row equal to the cache
         self._mirror_table = np.zeros((s.max_seqs, s.max_blocks), np.int64)  # the pages those positions came from
         self._mirror_gen = 0  # bumped by every write that bypasses the mirror
+        self._mirror_stale = False  # set by invalidate(): _mirror_len is to be cleared before use
 
     # ---- layout --------------------------------------------------------------------------
     @property
@@ -89,23 +91,37 @@ class TorchAttention(AttentionBackend):
         cache = self.kv_cache
         self._layers = list(cache.unbind(0))  # [2, kvh, pages, page, hd]
         self._slots = [c.flatten(2, 3) for c in self._layers]  # [2, kvh, slots, hd]
+        # Token-major views of each layer's K and V slots, [slots, kvh, hd]: a write indexes
+        # dim 0 with k/v [T, kvh, hd] as they come, no transpose per write.
+        self._k_rows = [c[0].transpose(0, 1) for c in self._slots]
+        self._v_rows = [c[1].transpose(0, 1) for c in self._slots]
+        self._views: dict[tuple[int, int], tuple] = {}  # (rows, blocks) -> workspace views, see _gather_views
         self._key_index = torch.arange(self.spec.max_context, dtype=torch.int32, device=cache.device)
         self._zero = torch.zeros((), dtype=cache.dtype, device=cache.device)
         self._neg_inf = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
+        # Row L: the additive decode mask of a sequence of length L (0 on keys 0..L-1, -inf
+        # after), so a step's mask is one index_select by the lengths instead of a compare and
+        # a where; kept only while small (max_context up to 1024 in fp32).
+        ctx = self.spec.max_context
+        self._mask_table = None
+        if (ctx + 1) * ctx * self._elem <= MASK_TABLE_BYTES:
+            lengths = torch.arange(ctx + 1, dtype=torch.int32, device=cache.device)
+            visible = self._key_index[None, :] < lengths[:, None]
+            self._mask_table = torch.where(visible, self._zero, self._neg_inf).unsqueeze(1)  # [ctx + 1, 1, ctx]
         if self.decode_mirror:
             mirror = self.workspace["mirror"]
             self._mirror_layers = list(mirror.unbind(0))  # [2, max_seqs, kvh, max_ctx, hd]
         self.invalidate()
 
     def invalidate(self) -> None:
-        self._mirror_len[:] = 0
+        # Cheap, as every non-mirrored write calls it: _plan_mirror clears the lengths it reads.
+        self._mirror_stale = True
         self._mirror_gen += 1
 
     # ---- writes --------------------------------------------------------------------------
     def _write_cache(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        slots = self._slots[layer]
-        slots[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
-        slots[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
+        self._k_rows[layer].index_copy_(0, slot_mapping, k)
+        self._v_rows[layer].index_copy_(0, slot_mapping, v)
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self._check_bound()
@@ -139,15 +155,33 @@ class TorchAttention(AttentionBackend):
         """Gather index and mask for decode rows (one new token each) read through the cache."""
         s = self.spec
         rows = block_table.shape[0]
-        ctx = blocks * s.page_size
-        target = self.workspace["gather"].view(-1)[:2 * s.num_kv_heads * rows * ctx * s.head_dim]
-        target = target.view(2, s.num_kv_heads, rows * blocks, s.page_size, s.head_dim)
-        flat = target.view(2, s.num_kv_heads * rows, ctx, s.head_dim)  # row r of kv head j at j * rows + r
+        target, keys_t, values, key_index, masks = self._gather_views(rows, blocks)
         lens = seq_lens if s.num_kv_heads == 1 else seq_lens.repeat(s.num_kv_heads)
-        visible = self._key_index[:ctx][None, :] < lens[:, None]
-        bias = torch.where(visible, self._zero, self._neg_inf).unsqueeze(1)
-        pages = block_table[:, :blocks].reshape(-1)  # int32 or int64: index_select takes either
-        return dict(pages=pages, target=target, keys_t=flat[0].transpose(1, 2), values=flat[1], bias=bias, rows=rows)
+        # [kvh * rows, 1, ctx]: 0 where the key is within the row's length, -inf past it.
+        if masks is not None:
+            bias = masks.index_select(0, lens)
+        else:
+            bias = torch.where(key_index < lens.view(-1, 1, 1), self._zero, self._neg_inf)
+        # int32 or int64: index_select takes either.
+        pages = block_table.reshape(-1) if blocks == block_table.shape[1] else block_table[:, :blocks].reshape(-1)
+        return dict(pages=pages, target=target, keys_t=keys_t, values=values, bias=bias, rows=rows)
+
+    def _gather_views(self, rows: int, blocks: int) -> tuple:
+        """The workspace views a decode gather of `rows` rows x `blocks` pages uses (target,
+        keys [kvh * rows, hd, ctx], values [kvh * rows, ctx, hd]) and the key positions
+        [1, 1, ctx] and the mask table's first ctx keys (None without a table); made once per
+        shape, as they only depend on the bound workspace."""
+        views = self._views.get((rows, blocks))
+        if views is None:
+            s = self.spec
+            ctx = blocks * s.page_size
+            target = self.workspace["gather"].view(-1)[:2 * s.num_kv_heads * rows * ctx * s.head_dim]
+            target = target.view(2, s.num_kv_heads, rows * blocks, s.page_size, s.head_dim)
+            flat = target.view(2, s.num_kv_heads * rows, ctx, s.head_dim)  # row r of kv head j at j * rows + r
+            masks = None if self._mask_table is None else self._mask_table[:, :, :ctx]
+            views = (target, flat[0].transpose(1, 2), flat[1], self._key_index[:ctx].view(1, 1, ctx), masks)
+            self._views[(rows, blocks)] = views
+        return views
 
     def _mirror_pays(self, rows: int, blocks: int) -> bool:
         """Whether the gathers this decode step would make (every layer, K and V) are large
@@ -161,6 +195,9 @@ class TorchAttention(AttentionBackend):
         each layer appends its new token. Host work in numpy: the mirror lives on the cpu."""
         meta, s = step.meta, self.spec
         page, n, kvh = s.page_size, meta.num_seqs, s.num_kv_heads
+        if self._mirror_stale:
+            self._mirror_len[:] = 0
+            self._mirror_stale = False
         lens = np.asarray(meta.seq_lens_host if meta.seq_lens_host is not None else meta.seq_lens.tolist(), np.int64)
         table = meta.block_table.numpy()[:, :blocks].astype(np.int64)
         slots = meta.slot_mapping.numpy()
@@ -196,6 +233,13 @@ class TorchAttention(AttentionBackend):
     # ---- attention -------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepPlan,
                 out: torch.Tensor | None = None) -> torch.Tensor:
+        view = step.extra.get("decode")
+        if view is not None:  # pure decode through the gather
+            self._k_rows[layer].index_copy_(0, step.meta.slot_mapping, k)
+            self._v_rows[layer].index_copy_(0, step.meta.slot_mapping, v)
+            if self.decode_mirror:
+                self.invalidate()
+            return self._attend_rows(layer, q, view, out)
         mirror = step.extra.get("mirror")
         if mirror is not None and mirror["gen"] == self._mirror_gen:
             self._check_bound()
@@ -210,19 +254,17 @@ class TorchAttention(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None = None,
                k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
         self._check_bound()
-        out = self._out(q, out)
         mirror = step.extra.get("mirror")
         if mirror is not None:
             if mirror["gen"] == self._mirror_gen:
-                return self._attend_mirror(layer, q, mirror, out)
+                return self._attend_mirror(layer, q, mirror, self._out(q, out))
             # Something wrote the cache after the plan: read it as the gather path does.
             step.extra["decode"] = self._decode_view(step.meta.block_table, step.meta.seq_lens, step.extra["blocks"])
             del step.extra["mirror"]
         view = step.extra.get("decode")
         if view is not None:
-            self._attend_decode(layer, q, view, out)
-            return out
-        return self._attend_general(layer, q, step, out, k, v)
+            return self._attend_rows(layer, q, view, out)
+        return self._attend_general(layer, q, step, self._out(q, out), k, v)
 
     def _attend_mirror(self, layer: int, q: torch.Tensor, mirror: dict, out: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -232,6 +274,28 @@ class TorchAttention(AttentionBackend):
         qg = q.reshape(n * kvh, g, hd)
         scores = torch.baddbmm(mirror["bias"], qg, keys.transpose(1, 2), alpha=s.softmax_scale)
         torch.bmm(_softmax(scores), values, out=out.view(n * kvh, g, hd))
+        return out
+
+    def _attend_rows(self, layer: int, q: torch.Tensor, view: dict, out: torch.Tensor | None) -> torch.Tensor:
+        """Pure decode (q's token i is row i's new token): into `out` when given, else the
+        result of the last matmul itself (a view of it), with no copy."""
+        s = self.spec
+        torch.index_select(self._layers[layer], 2, view["pages"], out=view["target"])
+        rows, kvh, g, hd = view["rows"], s.num_kv_heads, s.group, s.head_dim
+        if out is not None:
+            out = self._out(q, out)
+        if kvh == 1:  # q [rows, heads, hd] is already the batch of [heads, hd] queries per row
+            scores = torch.baddbmm(view["bias"], q, view["keys_t"], alpha=s.softmax_scale)
+            if out is None:
+                return torch.bmm(_softmax(scores), view["values"])
+            torch.bmm(_softmax(scores), view["values"], out=out)
+            return out
+        qg = q.reshape(rows, kvh, g, hd).transpose(0, 1).reshape(kvh * rows, g, hd)
+        scores = torch.baddbmm(view["bias"], qg, view["keys_t"], alpha=s.softmax_scale)
+        o = torch.bmm(_softmax(scores), view["values"]).view(kvh, rows, g, hd).transpose(0, 1)
+        if out is None:
+            return o.reshape(rows, kvh * g, hd)
+        out.view(rows, kvh, g, hd).copy_(o)
         return out
 
     def _attend_decode(self, layer: int, q: torch.Tensor, view: dict, out: torch.Tensor,
