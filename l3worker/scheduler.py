@@ -28,7 +28,7 @@ from l3worker.page_pool import CacheCursor, PagePool, PrefixHit
 from l3worker.params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a field-wise == would compare id arrays
 class Sequence:
     """One sample of a request: it occupies one batch row while it runs."""
 
@@ -195,11 +195,8 @@ class Scheduler:
         if seq.finished:
             return
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if seq.row < 0:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass
+        if seq.row < 0 and seq in self.waiting:  # waiting, not released after its last command
+            self.waiting.remove(seq)
         self._release(seq)
 
     @property
