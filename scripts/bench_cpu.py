@@ -1,0 +1,518 @@
+#!/usr/bin/env python
+"""CPU benchmark: l3 against transformers on small models, prefill included.
+
+What a CPU user compares: the wall time of one whole generate call (prefill and decode) divided
+by the output tokens it produced, fp32, greedy, the same prompts for every variant. Variants,
+each in a process of its own and run alternately within each repeat:
+
+  l3          DistributedWorker with the defaults a user gets (only max_batch_size set)
+  l3_prefill  the same with max_num_batched_tokens=2048: the whole prompt batch in one step
+              instead of chunks of 512 tokens
+  l3_spin     l3_prefill with GOMP_SPINCOUNT=300000 (libgomp's own default) for the child: its
+              OpenMP threads spin for milliseconds instead of sleeping soon
+  l3_spare    l3_prefill with num_threads=cores-1: the child pinned, a core left for the parent
+              and the socket threads (the default before every core went to the child)
+  l3_<name>   DistributedWorker with options given by --l3 NAME:KEY=VALUE,... (see below)
+  floor       (--floor) the chip runtime's loop in one process: no parent, no IPC, every core
+  hf_static   transformers generate, static cache, torch's default thread count, one padded batch
+  hf_dynamic  the same with the dynamic cache
+  hf_batch    transformers' continuous batching, model.generate_batch(inputs=[ids, ...]),
+              with a KV cache sized for the workload (its default sizes the cache from the
+              machine's RAM and zeroes it on every call)
+
+Prompts have lengths spread around --prompt-len; transformers' generate gets them left-padded
+into one batch, generate_batch and l3 get them as they are. Every request makes exactly
+--new-tokens tokens (no eos). Reported per variant: the median over repeats of ms per output
+token, its ratio to l3, to the best of hf_static/hf_dynamic, and to hf_batch.
+
+Extra l3 variants: `--l3 'nap:spin_wait_s=0'` passes keyword arguments to DistributedWorker
+(Python literals); `env.NAME=VALUE` sets an environment variable for that variant's process and
+its chip-child (e.g. `--l3 'passive:env.OMP_WAIT_POLICY=PASSIVE'`).
+
+Timings are not checked here: compare ratios from one run. Before each timed run the benchmark
+waits for other processes to go quiet (--quiet-wait), and runs again a run during which they kept
+more than --max-other cores busy (up to --retries times); the table shows that load and how many
+runs were rerun. `--contend N` instead keeps N busy-looping processes running while timing: how
+the variants behave when something else wants the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+BASE_MODEL = dict(tie_word_embeddings=False, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: dict  # Qwen3Config fields on top of BASE_MODEL
+    batch: int = 16
+    prompt_len: int = 100  # mean; lengths spread over +-prompt_spread
+    prompt_spread: int = 16
+    new_tokens: int = 32
+    seed: int = 0
+
+
+WORKLOADS = {
+    "small": Workload("small", dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
+    "small_b8": Workload("small_b8", dict(vocab_size=4096, hidden_size=256, intermediate_size=768,
+                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=64), batch=8),
+    "wide": Workload("wide", dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=2,
+                                  num_attention_heads=8, num_key_value_heads=4, head_dim=64)),
+    "deep": Workload("deep", dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32), batch=12),
+    "tiny": Workload("tiny", dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)),
+}
+DEFAULT_WORKLOADS = ("small", "wide")
+HF_VARIANTS = ("hf_static", "hf_dynamic", "hf_batch")
+
+
+def write_checkpoint(path: Path, wl: Workload) -> int:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(wl.seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**BASE_MODEL, **wl.model})).eval()
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_prompts(wl: Workload) -> list[list[int]]:
+    rng = np.random.default_rng(wl.seed)
+    lo, hi = wl.prompt_len - wl.prompt_spread, wl.prompt_len + wl.prompt_spread
+    return [rng.integers(0, wl.model["vocab_size"], int(rng.integers(lo, hi + 1))).tolist() for _ in range(wl.batch)]
+
+
+# -- variants, each served in a process of its own ----------------------------------------------------
+class L3Runner:
+    def __init__(self, model_dir: str, wl: Workload, options: dict):
+        from l3worker import DistributedWorker
+
+        self.wl = wl
+        self.w = DistributedWorker(model_dir, device="cpu", max_batch_size=wl.batch, **options).prepare()
+
+    def run(self, prompts: list[list[int]]) -> np.ndarray:
+        from l3worker import SamplingParams
+
+        outs = self.w.generate(prompts, SamplingParams(max_new_tokens=self.wl.new_tokens, ignore_eos=True),
+                               use_tqdm=False)
+        return np.array([o.token_ids for o in outs], np.int32)
+
+    def info(self) -> dict:
+        s = self.w.stats()
+        return {"child_threads": s["child_threads"], "child_cores": s["child_cores"], "pids": s["child_pids"],
+                "spin_s": self.w._doorbell.spin_s}
+
+    def close(self) -> None:
+        self.w.close()
+
+
+class FloorRunner:
+    """The chip runtime's loop in this process (chip_child.local): no parent, no IPC, the whole
+    prompt batch in one prefill, every core for torch's threads (where the time goes, not a
+    variant a user runs)."""
+
+    def __init__(self, model_dir: str, wl: Workload):
+        import torch
+
+        from chip_child.device import available_cores
+        from chip_child.local import LocalDriver
+        from chip_child.runtime import ChipRuntime, RuntimeConfig
+
+        self.wl = wl
+        capacity = wl.batch * (wl.prompt_len + wl.prompt_spread)
+        torch.set_num_threads(available_cores())
+        self.rt = ChipRuntime(RuntimeConfig(model_dir, device="cpu", max_batch_size=wl.batch, max_seq_len=4096,
+                                            max_prefill_tokens=capacity, num_threads=available_cores()))
+        self.driver = LocalDriver(self.rt)
+
+    def run(self, prompts: list[list[int]]) -> np.ndarray:
+        from chip_child.local import LocalRequest
+
+        result = self.driver.run([LocalRequest(p, self.wl.new_tokens) for p in prompts])
+        return np.array(result.token_ids, np.int32)
+
+    def info(self) -> dict:
+        import torch
+
+        return {"threads": torch.get_num_threads(), "pids": []}
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+class HFRunner:
+    def __init__(self, model_dir: str, wl: Workload, kind: str):
+        import torch
+        from transformers import Qwen3ForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # eos warnings on every call
+        self.wl, self.kind = wl, kind
+        self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(self, prompts: list[list[int]]) -> np.ndarray:
+        import torch
+        from transformers import GenerationConfig
+
+        n = self.wl.new_tokens
+        if self.kind == "hf_batch":
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+            page = 64
+            blocks = len(prompts) * -(-(max(map(len, prompts)) + n) // page) + 4
+            gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = self.model.generate_batch(
+                inputs=prompts, generation_config=gen,
+                continuous_batching_config=ContinuousBatchingConfig(page_size=page, num_blocks=blocks))
+            return np.array([list(o.generated_tokens)[:n] for o in out.values()], np.int32)
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        kwargs = {"cache_implementation": "static"} if self.kind == "hf_static" else {}
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      pad_token_id=0, eos_token_id=None, **kwargs)
+        return out[:, width:].numpy().astype(np.int32)
+
+    def info(self) -> dict:
+        import torch
+
+        return {"threads": torch.get_num_threads(), "pids": []}
+
+    def close(self) -> None:
+        pass
+
+
+def _serve(conn, name: str, model_dir: str, wl: Workload, options: dict, env: dict) -> None:
+    os.environ.update(env)  # before torch is imported here, and inherited by a chip-child
+    try:
+        if name in HF_VARIANTS:
+            runner = HFRunner(model_dir, wl, name)
+        elif name == "floor":
+            runner = FloorRunner(model_dir, wl)
+        else:
+            runner = L3Runner(model_dir, wl, options)
+        conn.send(("ready", runner.info()))
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    try:
+        while (prompts := conn.recv()) is not None:
+            try:
+                t0 = time.perf_counter()
+                tokens = runner.run(prompts)
+                conn.send(("ok", (time.perf_counter() - t0, tokens)))
+            except Exception as exc:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        runner.close()
+
+
+class Variant:
+    def __init__(self, name: str, model_dir: str, wl: Workload, options: dict | None = None,
+                 env: dict | None = None):
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child_conn, name, model_dir, wl, options or {}, env or {}),
+                                daemon=True)
+        self.proc.start()
+        status, self.info = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"{name}: {self.info}")
+        self.pids = [self.proc.pid, *self.info.pop("pids")]
+
+    def run(self, prompts: list[list[int]]) -> tuple[float, np.ndarray]:
+        self.conn.send(prompts)
+        status, payload = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"{self.name}: {payload}")
+        return payload
+
+    def close(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# -- measuring ---------------------------------------------------------------------------------------------
+def busy_cores() -> tuple[float, float] | None:
+    """(busy core-seconds of the whole machine, wall clock) from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), time.perf_counter()
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system time of these processes (all their threads) so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def wait_quiet(max_wait_s: float, threshold: float = 0.15, window_s: float = 0.5) -> float | None:
+    """Waits (at most max_wait_s) until other processes keep less than `threshold` of a core busy
+    over `window_s` (nothing of this benchmark runs meanwhile); returns the last load seen."""
+    deadline = time.perf_counter() + max_wait_s
+    while True:
+        a = busy_cores()
+        time.sleep(window_s)
+        b = busy_cores()
+        if a is None or b is None:
+            return None
+        load = (b[0] - a[0]) / (b[1] - a[1])
+        if load < threshold or time.perf_counter() > deadline:
+            return load
+
+
+def bench_workload(wl: Workload, model_dir: str, params: int, l3_variants: dict[str, tuple[dict, dict]],
+                   hf: tuple[str, ...], repeats: int, quiet_wait_s: float, max_other: float, retries: int,
+                   floor: bool = False) -> dict:
+    prompts = make_prompts(wl)
+    out_tokens = wl.batch * wl.new_tokens
+    print(f"\n== {wl.name}: {params / 1e6:.2f}M params ({wl.model['num_hidden_layers']} layers, hidden "
+          f"{wl.model['hidden_size']}, intermediate {wl.model['intermediate_size']}, vocab {wl.model['vocab_size']}), "
+          f"batch {wl.batch}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{wl.new_tokens} new tokens, {repeats} repeats", flush=True)
+    variants: dict[str, Variant] = {}
+    times: dict[str, list[float]] = {}
+    tokens: dict[str, np.ndarray] = {}
+    errors: dict[str, str] = {}
+    t_start = time.perf_counter()
+    try:
+        for name, (options, env) in l3_variants.items():
+            variants[name] = Variant(name, model_dir, wl, options, env)
+        for name in (("floor",) if floor else ()) + hf:
+            try:
+                variants[name] = Variant(name, model_dir, wl)
+            except RuntimeError as exc:
+                errors[name] = str(exc)
+        for name, v in list(variants.items()):  # warm-up, off the record
+            try:
+                v.run(prompts)
+            except RuntimeError as exc:
+                errors[name] = str(exc)
+                variants.pop(name).close()
+        times = {name: [] for name in variants}
+        others = {name: [] for name in variants}
+        discarded = {name: 0 for name in variants}
+        for rep in range(repeats):
+            order = list(variants.items())
+            if rep % 2:
+                order.reverse()  # no variant always follows the same one
+            for name, v in order:
+                for attempt in range(1 + retries):
+                    if quiet_wait_s:
+                        wait_quiet(quiet_wait_s)
+                    b0, c0 = busy_cores(), cpu_seconds(v.pids)
+                    dt, toks = v.run(prompts)
+                    b1, c1 = busy_cores(), cpu_seconds(v.pids)
+                    # Cores other processes kept busy meanwhile (tick-granular: rough).
+                    other = max(b1[0] - b0[0] - (c1 - c0), 0.0) / (b1[1] - b0[1]) if b0 and b1 else 0.0
+                    if other <= max_other:
+                        break
+                    discarded[name] += 1
+                others[name].append(other)
+                times[name].append(dt / out_tokens)
+                tokens.setdefault(name, toks)
+            print(f"   repeat {rep + 1}/{repeats}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.3f}" for n in variants)
+                  + " ms/token; other processes " + ", ".join(f"{others[n][-1]:.2f}" for n in variants if others[n])
+                  + " cores", flush=True)
+        infos = {name: v.info for name, v in variants.items()}
+    finally:
+        for v in variants.values():
+            v.close()
+
+    rows: dict[str, dict] = {}
+    for name, ts in times.items():
+        rows[name] = {"ms_per_token": statistics.median(ts) * 1e3, "ms_per_token_per_repeat": [t * 1e3 for t in ts],
+                      "other_cores": statistics.median(others[name]) if others[name] else None,
+                      "other_cores_max": max(others[name]) if others[name] else None,
+                      "discarded_runs": discarded[name],
+                      "info": infos.get(name)}
+    l3_ms = rows["l3"]["ms_per_token"] if "l3" in rows else None
+    hf_best = min((rows[n]["ms_per_token"], n) for n in ("hf_static", "hf_dynamic") if n in rows) \
+        if any(n in rows for n in ("hf_static", "hf_dynamic")) else None
+    batch_ms = rows["hf_batch"]["ms_per_token"] if "hf_batch" in rows else None
+    for name, r in rows.items():
+        ms = r["ms_per_token"]
+        r["tokens_per_s"] = 1e3 / ms
+        r["vs_l3"] = ms / l3_ms if l3_ms else None
+        r["vs_hf_best_generate"] = ms / hf_best[0] if hf_best else None
+        r["vs_hf_batch"] = ms / batch_ms if batch_ms else None
+    l3_names = [n for n in l3_variants if n in tokens]
+    same = all(np.array_equal(tokens[n], tokens[l3_names[0]]) for n in l3_names) if l3_names else None
+    agreement = {n: float((tokens[n] == tokens[l3_names[0]]).mean()) for n in ("floor", *hf) if n in tokens
+                 and tokens[n].shape == tokens[l3_names[0]].shape} if l3_names else {}
+
+    print(format_table(rows, hf_best))
+    print(f"tokens: l3 variants identical: {same}; agreement with l3 (hf: fp32 reductions differ): "
+          + ", ".join(f"{n} {a:.1%}" for n, a in agreement.items()))
+    for name, info in infos.items():
+        print(f"   {name}: {info}")
+    if errors:
+        print("errors: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+    print(f"   workload took {time.perf_counter() - t_start:.0f} s", flush=True)
+    return {"workload": {**asdict(wl), "model": {**BASE_MODEL, **wl.model}, "params": params,
+                         "prompt_lens": [len(p) for p in prompts], "output_tokens": out_tokens},
+            "variants": rows, "hf_best_generate": hf_best[1] if hf_best else None, "l3_tokens_identical": same,
+            "hf_token_agreement": agreement, "errors": errors}
+
+
+def format_table(rows: dict, hf_best) -> str:
+    def f(x, d=3):
+        return "-" if x is None else f"{x:.{d}f}"
+
+    best = f"hf best generate ({hf_best[1]})" if hf_best else "hf best generate"
+    lines = [f"| variant | ms/token (median) | tokens/s | / l3 | / {best} | / hf_batch | other load (cores): "
+             "median, max | runs rerun |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {f(r['ms_per_token'])} | {f(r['tokens_per_s'], 0)} | {f(r['vs_l3'])} "
+                     f"| {f(r['vs_hf_best_generate'])} | {f(r['vs_hf_batch'])} | {f(r['other_cores'], 2)}, "
+                     f"{f(r['other_cores_max'], 2)} | {r['discarded_runs']} |")
+    return "\n".join(lines)
+
+
+def parse_l3(specs: list[str]) -> dict[str, tuple[dict, dict]]:
+    """NAME:KEY=VALUE,... -> {"l3_NAME": (worker keyword arguments, environment)}."""
+    out: dict[str, tuple[dict, dict]] = {}
+    for spec in specs:
+        name, _, rest = spec.partition(":")
+        options, env = {}, {}
+        for item in filter(None, rest.split(",")):
+            key, _, value = item.partition("=")
+            if key.startswith("env."):
+                env[key[4:]] = value
+            else:
+                try:
+                    options[key] = ast.literal_eval(value)
+                except (ValueError, SyntaxError):
+                    options[key] = value
+        out[f"l3_{name}"] = (options, env)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", action="append", choices=sorted(WORKLOADS),
+                    help=f"repeatable (default: {', '.join(DEFAULT_WORKLOADS)})")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=int, help="rows (default: the workload's, 16 or fewer)")
+    ap.add_argument("--prompt-len", type=int, help="mean prompt length (default 100)")
+    ap.add_argument("--new-tokens", type=int, help="tokens per request (default 32)")
+    ap.add_argument("--l3", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="an extra l3 variant (repeatable); see the description")
+    ap.add_argument("--only-l3-default", action="store_true",
+                    help="of the built-in l3 variants time only l3 (extra --l3 variants still run)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the chip runtime's loop in one process (no parent, no IPC, every core)")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--hf", default=",".join(HF_VARIANTS), help="which transformers variants")
+    ap.add_argument("--quiet-wait", type=float, default=5.0, metavar="S",
+                    help="before each timed run wait up to S seconds for other processes to go quiet (0: never)")
+    ap.add_argument("--max-other", type=float, default=0.2, metavar="CORES",
+                    help="a run during which other processes kept more than this many cores busy is run again")
+    ap.add_argument("--retries", type=int, default=3, help="how many times such a run is run again (then kept)")
+    ap.add_argument("--contend", type=int, default=0, metavar="N",
+                    help="keep N busy-looping processes running while timing (no quiet wait, no reruns)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+
+    hf = () if args.no_hf else tuple(n for n in args.hf.split(",") if n)
+    if any(n not in HF_VARIANTS for n in hf):
+        ap.error(f"--hf takes names from {HF_VARIANTS}")
+    from chip_child.device import available_cores
+
+    prefill = {"max_num_batched_tokens": 2048}
+    l3_variants = {"l3": ({}, {}), "l3_prefill": (prefill, {}),
+                   "l3_spin": (prefill, {"GOMP_SPINCOUNT": "300000"})}
+    if available_cores() > 1:
+        l3_variants["l3_spare"] = ({**prefill, "num_threads": available_cores() - 1}, {})
+    if args.only_l3_default:
+        l3_variants = {"l3": ({}, {})}
+    l3_variants.update(parse_l3(args.l3))
+    machine = {"cpu": platform.processor(), "cores": os.cpu_count(), "torch": torch.__version__,
+               "transformers": transformers.__version__, "loadavg_at_start": list(os.getloadavg())}
+    try:
+        with open("/proc/cpuinfo") as f:
+            machine["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                                  machine["cpu"])
+    except OSError:
+        pass
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
+    result: dict = {"machine": machine, "l3_variants": {k: {"options": o, "env": e} for k, (o, e) in
+                                                         l3_variants.items()}, "workloads": {}}
+    overrides = {k: v for k, v in (("batch", args.batch), ("prompt_len", args.prompt_len),
+                                   ("new_tokens", args.new_tokens)) if v is not None}
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.contend)]
+    if hogs:
+        args.quiet_wait, args.max_other = 0.0, float("inf")
+        result["contending_processes"] = len(hogs)
+    try:
+        run_workloads(args, l3_variants, hf, overrides, result)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    same = all(w["l3_tokens_identical"] in (True, None) for w in result["workloads"].values())
+    return 0 if same else 1
+
+
+def run_workloads(args, l3_variants: dict, hf: tuple[str, ...], overrides: dict, result: dict) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
+        for name in args.workload or DEFAULT_WORKLOADS:
+            wl = Workload(**{**asdict(WORKLOADS[name]), **overrides})
+            model_dir = str(Path(tmp) / name)
+            params = write_checkpoint(Path(model_dir), wl)
+            result["workloads"][name] = bench_workload(wl, model_dir, params, l3_variants, hf, args.repeats,
+                                                        args.quiet_wait, args.max_other, args.retries, args.floor)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
