@@ -63,17 +63,22 @@ def available_cores() -> int:
 def default_cpu_threads(children: int) -> int:
     """Every core this process may use, shared among the children, as torch's own default. The
     parent then has no core of its own: it sleeps through each step instead of spinning (see
-    DistributedWorker._spin_budget), and the children's OpenMP teams spin only briefly before
-    they sleep (child_environment), so the parent's bookkeeping and other processes take an idle
-    core instead of stalling a team whose threads wait on each other. On a 2-core box this ran
-    a 5M-parameter model's generate 1.4x faster than one pinned thread and a spare core."""
+    DistributedWorker._spin_budget), and a child's OpenMP threads spin only briefly before they
+    sleep (child_environment). On a 2-core box this ran a 5M-parameter model's whole generate
+    (batch 16, prompts of ~100 tokens, 32 new tokens) 1.2x faster than one pinned thread with a
+    core left for the parent (scripts/bench_cpu.py: l3 against l3_spare); a model too small for
+    a second thread to speed its step up (40k parameters) ran slower, and is better served by
+    num_threads=cores-1."""
     return max(1, available_cores() // children)
 
 
-# libgomp's spin before a waiting OpenMP thread sleeps, for a cpu child (its default is 300000,
-# several milliseconds): a team that spins that long collapses when anything else wants one of
-# its cores, since each of its threads then burns its time slice waiting for a descheduled one.
-CHILD_GOMP_SPINCOUNT = 1000
+# How long (libgomp spin iterations) a cpu child's idle OpenMP thread spins before it sleeps.
+# libgomp's default, 300000, is several milliseconds: a team that spins that long collapses
+# when anything else wants one of its cores, each thread burning its time slice waiting for a
+# descheduled one (a 2-core box with one other busy process: 26 ms per token instead of 0.5).
+# 4000 cost nothing measurable on a quiet box and ran 1.5 ms per token under that load; 1000
+# ran 1.0 there but 7% slower when quiet (scripts/bench_cpu.py --contend 1).
+CHILD_GOMP_SPINCOUNT = 4000
 OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
