@@ -10,8 +10,8 @@ each in a process of its own and run alternately within each repeat:
               instead of chunks of 512 tokens
   l3_spin     l3_prefill with GOMP_SPINCOUNT=300000 (libgomp's own default) for the child: its
               OpenMP threads spin for milliseconds instead of sleeping soon
-  l3_spare    l3_prefill with num_threads=cores-1: the child pinned, a core left for the parent
-              and the socket threads (the default before every core went to the child)
+  l3_spare    l3 with num_threads=cores-1: the child pinned, a core left for the parent and the
+              socket threads (the default before every core went to the child)
   l3_<name>   DistributedWorker with options given by --l3 NAME:KEY=VALUE,... (see below)
   floor       (--floor) the chip runtime's loop in one process: no parent, no IPC, every core
   hf_static   transformers generate, static cache, torch's default thread count, one padded batch
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     l3_variants = {"l3": ({}, {}), "l3_prefill": (prefill, {}),
                    "l3_spin": (prefill, {"GOMP_SPINCOUNT": "300000"})}
     if available_cores() > 1:
-        l3_variants["l3_spare"] = ({**prefill, "num_threads": available_cores() - 1}, {})
+        l3_variants["l3_spare"] = ({"num_threads": available_cores() - 1}, {})
     if args.only_l3_default:
         l3_variants = {"l3": ({}, {})}
     l3_variants.update(parse_l3(args.l3))
