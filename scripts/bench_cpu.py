@@ -395,7 +395,7 @@ def bench_workload(wl: Workload, model_dir: str, params: int, l3_variants: dict[
     return {"workload": {**asdict(wl), "model": {**BASE_MODEL, **wl.model}, "params": params,
                          "prompt_lens": [len(p) for p in prompts], "output_tokens": out_tokens},
             "variants": rows, "hf_best_generate": hf_best[1] if hf_best else None, "l3_tokens_identical": same,
-            "hf_token_agreement": agreement, "errors": errors}
+            "token_agreement_with_l3": agreement, "errors": errors}
 
 
 def format_table(rows: dict, hf_best) -> str:
