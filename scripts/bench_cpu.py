@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -100,7 +100,7 @@ def write_checkpoint(path: Path, wl: Workload) -> int:
 
 def make_prompts(wl: Workload) -> list[list[int]]:
     rng = np.random.default_rng(wl.seed)
-    lo, hi = wl.prompt_len - wl.prompt_spread, wl.prompt_len + wl.prompt_spread
+    lo, hi = max(1, wl.prompt_len - wl.prompt_spread), wl.prompt_len + wl.prompt_spread
     return [rng.integers(0, wl.model["vocab_size"], int(rng.integers(lo, hi + 1))).tolist() for _ in range(wl.batch)]
 
 
