@@ -61,10 +61,33 @@ def available_cores() -> int:
 
 
 def default_cpu_threads(children: int) -> int:
-    """The cores this process may use, less one for the parent, shared among the children: a
-    parent that waits for steps must not take a core from a child's OpenMP team, whose threads
-    then wait on each other (a 2-core box ran the tiny model's step 2.4x slower that way)."""
-    return max(1, (available_cores() - 1) // children)
+    """Every core this process may use, shared among the children, as torch's own default. The
+    parent then has no core of its own: it sleeps through each step instead of spinning (see
+    DistributedWorker._spin_budget), and a child's OpenMP threads spin only briefly before they
+    sleep (child_environment). On a 2-core box this ran the whole generate of a 5M- and a
+    15M-parameter model (16 rows, prompts of ~100 tokens, 32 new tokens) 1.4x faster than one
+    pinned thread with a core left for the parent (scripts/bench_cpu.py: l3 against l3_spare); a
+    model too small for a second thread to speed its step up (40k parameters) ran 2.2x slower,
+    and is better served by num_threads=cores-1."""
+    return max(1, available_cores() // children)
+
+
+# How long (libgomp spin iterations) a cpu child's idle OpenMP thread spins before it sleeps.
+# libgomp's default, 300000, is several milliseconds: a team that spins that long collapses
+# when anything else wants one of its cores, each thread burning its time slice waiting for a
+# descheduled one (a 2-core box with one other busy process: 19-26 ms per token instead of 0.5).
+# 4000 cost nothing measurable on a quiet box and ran 1.5-1.8 ms per token under that load;
+# 1000 ran 1.0 there but 7% slower when quiet (scripts/bench_cpu.py --contend 1).
+CHILD_GOMP_SPINCOUNT = 4000
+OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def child_environment(env: dict[str, str]) -> dict[str, str]:
+    """The environment of a cpu child: `env` with a short OpenMP spin, unless `env` already says
+    how OpenMP threads wait (the user's choice wins)."""
+    if any(name in env for name in OMP_WAIT_VARIABLES):
+        return env
+    return {**env, "GOMP_SPINCOUNT": str(CHILD_GOMP_SPINCOUNT)}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import msgpack
 import zmq
 
 import chip_child
+from chip_child.device import child_environment, device_type
 from chip_child.protocol import Shutdown, encode
 from chip_child.runtime import RuntimeConfig
 from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError
@@ -42,6 +43,8 @@ class ChildProcess:
             "service_cores": service_cores,
         })
         env = dict(os.environ)
+        if device_type(runtime.device) == "cpu":
+            env = child_environment(env)
         package_root = str(Path(chip_child.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.sock = ctx.socket(zmq.PAIR)

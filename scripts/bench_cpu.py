@@ -6,6 +6,12 @@ by the output tokens it produced, fp32, greedy, the same prompts for every varia
 each in a process of its own and run alternately within each repeat:
 
   l3          DistributedWorker with the defaults a user gets (only max_batch_size set)
+  l3_prefill  the same with max_num_batched_tokens=2048: the whole prompt batch in one step
+              instead of chunks of 512 tokens
+  l3_spin     l3_prefill with GOMP_SPINCOUNT=300000 (libgomp's own default) for the child: its
+              OpenMP threads spin for milliseconds instead of sleeping soon
+  l3_spare    l3 with num_threads=cores-1: the child pinned, a core left for the parent and the
+              socket threads (the default before every core went to the child)
   l3_<name>   DistributedWorker with options given by --l3 NAME:KEY=VALUE,... (see below)
   floor       (--floor) the chip runtime's loop in one process: no parent, no IPC, every core
   hf_static   transformers generate, static cache, torch's default thread count, one padded batch
@@ -23,18 +29,23 @@ Extra l3 variants: `--l3 'nap:spin_wait_s=0'` passes keyword arguments to Distri
 (Python literals); `env.NAME=VALUE` sets an environment variable for that variant's process and
 its chip-child (e.g. `--l3 'passive:env.OMP_WAIT_POLICY=PASSIVE'`).
 
-Timings are not checked here: compare ratios from one run, on a quiet machine (the load of other
-processes while timing is printed).
+Timings are not checked here: compare ratios from one run. Before each timed run the benchmark
+waits for other processes to go quiet (--quiet-wait), and runs again a run during which they kept
+more than --max-other cores busy (up to --retries times); the table shows that load and how many
+runs were rerun. `--contend N` instead keeps N busy-looping processes running while timing: how
+the variants behave when something else wants the cores.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import json
+import logging
 import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,6 +79,8 @@ WORKLOADS = {
                                   num_attention_heads=8, num_key_value_heads=4, head_dim=64)),
     "deep": Workload("deep", dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32), batch=12),
+    "tiny": Workload("tiny", dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)),
 }
 DEFAULT_WORKLOADS = ("small", "wide")
 HF_VARIANTS = ("hf_static", "hf_dynamic", "hf_batch")
@@ -87,7 +100,7 @@ def write_checkpoint(path: Path, wl: Workload) -> int:
 
 def make_prompts(wl: Workload) -> list[list[int]]:
     rng = np.random.default_rng(wl.seed)
-    lo, hi = wl.prompt_len - wl.prompt_spread, wl.prompt_len + wl.prompt_spread
+    lo, hi = max(1, wl.prompt_len - wl.prompt_spread), wl.prompt_len + wl.prompt_spread
     return [rng.integers(0, wl.model["vocab_size"], int(rng.integers(lo, hi + 1))).tolist() for _ in range(wl.batch)]
 
 
@@ -156,6 +169,7 @@ class HFRunner:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # eos warnings on every call
         self.wl, self.kind = wl, kind
         self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -381,7 +395,7 @@ def bench_workload(wl: Workload, model_dir: str, params: int, l3_variants: dict[
     return {"workload": {**asdict(wl), "model": {**BASE_MODEL, **wl.model}, "params": params,
                          "prompt_lens": [len(p) for p in prompts], "output_tokens": out_tokens},
             "variants": rows, "hf_best_generate": hf_best[1] if hf_best else None, "l3_tokens_identical": same,
-            "hf_token_agreement": agreement, "errors": errors}
+            "token_agreement_with_l3": agreement, "errors": errors}
 
 
 def format_table(rows: dict, hf_best) -> str:
@@ -428,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, help="tokens per request (default 32)")
     ap.add_argument("--l3", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="an extra l3 variant (repeatable); see the description")
+    ap.add_argument("--only-l3-default", action="store_true",
+                    help="of the built-in l3 variants time only l3 (extra --l3 variants still run)")
     ap.add_argument("--floor", action="store_true",
                     help="also time the chip runtime's loop in one process (no parent, no IPC, every core)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -437,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-other", type=float, default=0.2, metavar="CORES",
                     help="a run during which other processes kept more than this many cores busy is run again")
     ap.add_argument("--retries", type=int, default=3, help="how many times such a run is run again (then kept)")
+    ap.add_argument("--contend", type=int, default=0, metavar="N",
+                    help="keep N busy-looping processes running while timing (no quiet wait, no reruns)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
@@ -446,7 +464,16 @@ def main(argv: list[str] | None = None) -> int:
     hf = () if args.no_hf else tuple(n for n in args.hf.split(",") if n)
     if any(n not in HF_VARIANTS for n in hf):
         ap.error(f"--hf takes names from {HF_VARIANTS}")
-    l3_variants = {"l3": ({}, {}), **parse_l3(args.l3)}
+    from chip_child.device import available_cores
+
+    prefill = {"max_num_batched_tokens": 2048}
+    l3_variants = {"l3": ({}, {}), "l3_prefill": (prefill, {}),
+                   "l3_spin": (prefill, {"GOMP_SPINCOUNT": "300000"})}
+    if available_cores() > 1:
+        l3_variants["l3_spare"] = ({"num_threads": available_cores() - 1}, {})
+    if args.only_l3_default:
+        l3_variants = {"l3": ({}, {})}
+    l3_variants.update(parse_l3(args.l3))
     machine = {"cpu": platform.processor(), "cores": os.cpu_count(), "torch": torch.__version__,
                "transformers": transformers.__version__, "loadavg_at_start": list(os.getloadavg())}
     try:
@@ -460,6 +487,24 @@ def main(argv: list[str] | None = None) -> int:
                                                          l3_variants.items()}, "workloads": {}}
     overrides = {k: v for k, v in (("batch", args.batch), ("prompt_len", args.prompt_len),
                                    ("new_tokens", args.new_tokens)) if v is not None}
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.contend)]
+    if hogs:
+        args.quiet_wait, args.max_other = 0.0, float("inf")
+        result["contending_processes"] = len(hogs)
+    try:
+        run_workloads(args, l3_variants, hf, overrides, result)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    same = all(w["l3_tokens_identical"] in (True, None) for w in result["workloads"].values())
+    return 0 if same else 1
+
+
+def run_workloads(args, l3_variants: dict, hf: tuple[str, ...], overrides: dict, result: dict) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
         for name in args.workload or DEFAULT_WORKLOADS:
             wl = Workload(**{**asdict(WORKLOADS[name]), **overrides})
@@ -467,11 +512,6 @@ def main(argv: list[str] | None = None) -> int:
             params = write_checkpoint(Path(model_dir), wl)
             result["workloads"][name] = bench_workload(wl, model_dir, params, l3_variants, hf, args.repeats,
                                                         args.quiet_wait, args.max_other, args.retries, args.floor)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    same = all(w["l3_tokens_identical"] in (True, None) for w in result["workloads"].values())
-    return 0 if same else 1
 
 
 if __name__ == "__main__":

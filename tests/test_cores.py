@@ -1,5 +1,6 @@
 """Core pinning of cpu children: each child's threads on cores of its own, every ZeroMQ socket
-thread on the rest. A module of its own: a worker left alive by another test holds the cores and
+thread on the rest, where the children's threads leave a core over (by default they take every
+core, and nothing is pinned). A module of its own: a worker left alive by another test holds the cores and
 leaves later workers unpinned, as it should."""
 from __future__ import annotations
 
@@ -50,17 +51,35 @@ def test_cpu_child_computes_on_its_own_cores_and_socket_threads_on_the_rest(ckpt
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
-def test_default_threads_fill_the_pinned_cores_and_a_second_worker_is_left_unpinned(ckpt: Path) -> None:
-    plan = plan_cores(1, None)
+def test_default_threads_take_every_core_unpinned_with_a_short_openmp_spin(ckpt: Path) -> None:
+    with DistributedWorker(ckpt, **{**COMMON, "num_threads": None}) as w:
+        pid = w.child_pids[0]
+        assert w.stats()["child_threads"] == len(allowed_cores())
+        assert os.sched_getaffinity(pid) == set(allowed_cores())
+        env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+        if not any(name in os.environ for name in device.OMP_WAIT_VARIABLES):
+            assert env["GOMP_SPINCOUNT"] == str(device.CHILD_GOMP_SPINCOUNT)
+        if len(allowed_cores()) > 1:
+            assert w._doorbell.spin_s == 0.0  # no core is free for a spinning parent
+
+
+def test_the_users_openmp_wait_settings_win() -> None:
+    assert device.child_environment({"OMP_WAIT_POLICY": "active"}) == {"OMP_WAIT_POLICY": "active"}
+    assert device.child_environment({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}
+    assert device.child_environment({}) == {"GOMP_SPINCOUNT": str(device.CHILD_GOMP_SPINCOUNT)}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+def test_a_second_worker_is_left_unpinned_while_the_first_holds_its_cores(ckpt: Path) -> None:
+    plan = plan_cores(1, 1)
     if plan is None:
         pytest.skip("needs a core beyond the child's")
-    with DistributedWorker(ckpt, **{**COMMON, "num_threads": None}) as first:
+    with DistributedWorker(ckpt, **COMMON) as first:
         assert os.sched_getaffinity(first.child_pids[0]) == set(plan.children[0])
-        assert first.stats()["child_threads"] == len(plan.children[0])
         with DistributedWorker(ckpt, **COMMON) as second:  # the same plan would stack both children
             assert os.sched_getaffinity(second.child_pids[0]) == set(allowed_cores())
     with DistributedWorker(ckpt, **COMMON) as third:  # the first closed: its cores are free again
-        assert os.sched_getaffinity(third.child_pids[0]) == set(plan_cores(1, 1).children[0])
+        assert os.sched_getaffinity(third.child_pids[0]) == set(plan.children[0])
 
 
 def test_accelerator_children_are_not_pinned(ckpt: Path) -> None:
@@ -74,8 +93,11 @@ def test_pin_cores_must_be_a_bool(ckpt: Path) -> None:
 
 def test_core_plan_leaves_a_core_over_or_pins_nothing(monkeypatch) -> None:
     monkeypatch.setattr(device, "allowed_cores", lambda: list(range(8)))
-    assert plan_cores(2, None) == CorePlan(service=[0, 1], children=[[2, 3, 4], [5, 6, 7]])  # 3 threads each
+    assert plan_cores(2, 3) == CorePlan(service=[0, 1], children=[[2, 3, 4], [5, 6, 7]])
     assert plan_cores(1, 4) == CorePlan(service=[0, 1, 2, 3], children=[[4, 5, 6, 7]])
     assert plan_cores(2, 4) is None  # the children would take every core
+    assert plan_cores(2, None) is None  # and by default they do: 4 threads each
+    monkeypatch.setattr(device, "allowed_cores", lambda: list(range(7)))
+    assert plan_cores(2, None) == CorePlan(service=[0], children=[[1, 2, 3], [4, 5, 6]])  # one left over
     monkeypatch.setattr(device, "allowed_cores", lambda: [0])
     assert plan_cores(1, None) is None
