@@ -709,6 +709,34 @@ class ChipRuntime:
         self.state["kv_cache"].zero_()
         self.attn.invalidate()
 
+    @torch.inference_mode()
+    def time_decode_step(self, steps: int, budget_s: float) -> float:
+        """Median wall time of a greedy decode step with every row active (one-token prompts, the
+        rows sharing one page: the cache's contents do not matter here), after one untimed step;
+        at most `steps` timed steps, fewer once `budget_s` is spent (at least one). Leaves an
+        empty batch and a zeroed cache, as warm-up does."""
+        b = self.cfg.max_batch_size
+        out = torch.zeros(b, dtype=torch.int32)
+        outputs = StepOutputs.allocate(b, 1)
+        staging = np.zeros(b, np.int32)
+        steps = max(1, min(steps, self.cfg.max_seq_len - 2, self.cfg.page_size - 2))
+        page = np.array([1], np.int32)
+        admits = [(Admit(row=r, prompt_len=1, temperature=0.0, top_p=1.0, top_k=0, seed=0), page, r) for r in range(b)]
+        self.execute(prefill_command(0, admits), staging, out, outputs)
+        self.execute(Command(step=1), staging, out, outputs)
+        times: list[float] = []
+        deadline = time.perf_counter() + budget_s
+        for step in range(2, 2 + steps):
+            t0 = time.perf_counter()
+            self.execute(Command(step=step), staging, out, outputs)
+            times.append(time.perf_counter() - t0)
+            if t0 > deadline:
+                break
+        self.finish_rows(list(range(b)))
+        self.state["kv_cache"].zero_()
+        self.attn.invalidate()
+        return float(np.median(times))
+
     def _capture_graphs(self, graphs: DecodeGraphs) -> None:
         """One graph per lane bucket, the largest first (the smaller ones reuse its memory). Every
         row is idle here, so the runs made while capturing write only to the scratch page."""

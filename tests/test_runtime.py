@@ -212,6 +212,19 @@ def test_pool_allocations_flat_over_many_decode_steps(default_ckpt: Path) -> Non
         assert rt.pool.allocations == warm
 
 
+def test_timing_a_decode_step_leaves_the_runtime_as_it_was(default_ckpt: Path) -> None:
+    """The start-up layout trial (cpu_layout="auto") times decode steps on a warm runtime: no pool
+    allocation, and the same tokens afterwards as from a runtime that never timed one."""
+    requests = [LocalRequest(p, 12) for p in random_prompts((3, 9, 1), 300, seed=11)]
+    expected = run_tokens(make_runtime(default_ckpt, page_size=3), requests)
+    rt = make_runtime(default_ckpt, page_size=3)
+    for steps in (1, 40):  # 40: more than a page holds, capped
+        assert rt.time_decode_step(steps, budget_s=10.0) > 0
+    assert rt.time_decode_step(1000, budget_s=0.0) > 0  # out of budget: stops after one timed step
+    assert rt.pool.allocations == rt.warm_pool_allocations
+    assert run_tokens(rt, requests) == expected
+
+
 def test_steady_decode_step_copies_nothing_to_the_device(default_ckpt: Path) -> None:
     rt = make_runtime(default_ckpt, page_size=4)
     s = Stepper(rt)
