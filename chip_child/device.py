@@ -60,16 +60,74 @@ def available_cores() -> int:
     return len(allowed_cores())
 
 
-def default_cpu_threads(children: int) -> int:
-    """Every core this process may use, shared among the children, as torch's own default. The
-    parent then has no core of its own: it sleeps through each step instead of spinning (see
-    DistributedWorker._spin_budget), and a child's OpenMP threads spin only briefly before they
-    sleep (child_environment). On a 2-core box this ran the whole generate of a 5M- and a
-    15M-parameter model (16 rows, prompts of ~100 tokens, 32 new tokens) 1.4x faster than one
-    pinned thread with a core left for the parent (scripts/bench_cpu.py: l3 against l3_spare); a
-    model too small for a second thread to speed its step up (40k parameters) ran 2.2x slower,
-    and is better served by num_threads=cores-1."""
-    return max(1, available_cores() // children)
+CPU_LAYOUTS = ("auto", "every_core", "spare_core")
+
+
+def default_cpu_threads(children: int, layout: str = "spare_core") -> int:
+    """Threads per cpu child for a layout. `every_core`: every core this process may use, shared
+    among the children (torch's own default); the parent then has no core of its own and sleeps
+    through each step. `spare_core`: the same less one core, for the parent and the socket
+    threads. `auto` starts as `spare_core` and times both (see choose_cpu_layout)."""
+    if layout not in CPU_LAYOUTS:
+        raise ValueError(f"cpu_layout must be one of {CPU_LAYOUTS}, got {layout!r}")
+    spare = 0 if layout == "every_core" else 1
+    return max(1, (available_cores() - spare) // children)
+
+
+# `auto` keeps every core for the child only where its decode step, timed at start-up under both
+# layouts, is at least this much faster there. The child's step alone is timed: with every core
+# the parent's bookkeeping (tens of microseconds a row, run ahead on its own core otherwise) and
+# anything else on the machine land on the child's cores, and an OpenMP team waits for its
+# slowest thread. On a 2-core box a few-million-parameter model's step took 0.55-0.65x the time on
+# both cores; a 40k-parameter one ran no faster, and with one other busy process every model ran
+# slower on both (scripts/bench_cpu.py: l3 against l3_every and l3_spare).
+EVERY_CORE_GAIN = 0.8
+
+
+def choose_cpu_layout(time_step, spare_threads: int, every_cores: list[int], rounds: int = 2) -> dict:
+    """Times `time_step()` (seconds per decode step) under the `spare_core` layout (the caller's
+    threads and affinities as they are, `spare_threads` threads) and the `every_core` one (every
+    thread of this process allowed on `every_cores`, one intra-op thread per core), alternated
+    over `rounds`; keeps `every_core` if its median step time is at most EVERY_CORE_GAIN times the
+    other's, else puts the threads back as they were. Returns the choice and both times."""
+    pinned = _thread_affinities()
+    times: dict[str, list[float]] = {"spare_core": [], "every_core": []}
+    try:
+        for _ in range(rounds):
+            for layout in times:
+                _set_layout(layout, spare_threads, every_cores, pinned)
+                times[layout].append(time_step())
+    except BaseException:
+        _set_layout("spare_core", spare_threads, every_cores, pinned)
+        raise
+    step_s = {layout: float(sorted(t)[len(t) // 2]) for layout, t in times.items()}
+    chosen = "every_core" if step_s["every_core"] <= EVERY_CORE_GAIN * step_s["spare_core"] else "spare_core"
+    _set_layout(chosen, spare_threads, every_cores, pinned)
+    return {"layout": chosen, "step_s": step_s}
+
+
+def _thread_affinities() -> dict[int, set[int]]:
+    """Every thread of this process and its affinity mask (empty where the platform has none)."""
+    if not (hasattr(os, "sched_getaffinity") and os.path.isdir("/proc/self/task")):
+        return {}
+    masks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            masks[int(tid)] = os.sched_getaffinity(int(tid))
+        except OSError:  # a thread that just ended
+            pass
+    return masks
+
+
+def _set_layout(layout: str, spare_threads: int, every_cores: list[int], pinned: dict[int, set[int]]) -> None:
+    """Threads started under every_core (OpenMP workers) keep its mask: with spare_core's fewer
+    threads they are not part of the team."""
+    for tid, mask in pinned.items():
+        try:
+            os.sched_setaffinity(tid, every_cores if layout == "every_core" else mask)
+        except OSError:
+            pass
+    torch.set_num_threads(len(every_cores) if layout == "every_core" else spare_threads)
 
 
 # How long (libgomp spin iterations) a cpu child's idle OpenMP thread spins before it sleeps.

@@ -23,11 +23,12 @@ import torch
 import zmq
 
 from chip_child import protocol
-from chip_child.device import pin_socket_threads
+from chip_child.device import choose_cpu_layout, pin_socket_threads
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
+LAYOUT_STEPS, LAYOUT_BUDGET_S = 6, 0.15  # timed decode steps per layout and round, at most / about
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ChildSpec:
     wake_every_step: bool = False  # send a wake-up after every step, not only to a sleeping parent
     cpu_cores: list[int] | None = None  # a cpu child's threads run here only
     service_cores: list[int] | None = None  # and its socket threads here
+    layout_cores: list[int] | None = None  # cpu_layout="auto": the cores every_core would take; times both
     fault: str | None = None  # test-only: "raise@STEP", "hang@STEP" or "exit@STEP"
 
     @classmethod
@@ -112,6 +114,10 @@ def serve(spec: ChildSpec) -> None:
             if spec.cpu_cores:
                 os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
             rt = ChipRuntime(spec.runtime)
+            layout = {"layout": None, "step_s": None}
+            if spec.layout_cores:
+                layout = choose_cpu_layout(lambda: rt.time_decode_step(LAYOUT_STEPS, LAYOUT_BUDGET_S),
+                                           torch.get_num_threads(), spec.layout_cores)
             if spec.fault:
                 _inject_fault(rt, spec.fault)
         except Exception as exc:
@@ -137,6 +143,7 @@ def serve(spec: ChildSpec) -> None:
             "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
             "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
             "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"],
         }))
         limits = rt.limits
         failed: str | None = None  # after a failed step the device state is suspect: refuse the rest

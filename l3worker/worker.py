@@ -21,7 +21,8 @@ import zmq
 from tqdm import tqdm
 
 from chip_child.attention import get_backend
-from chip_child.device import DEVICE_TYPES, CorePlan, available_cores, device_type, pin_socket_threads, plan_cores
+from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores, default_cpu_threads,
+                                device_type, pin_socket_threads, plan_cores)
 from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
@@ -69,6 +70,7 @@ class DistributedWorker:
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
         num_threads: int | None = None,
+        cpu_layout: str = "auto",
         spin_wait_s: float = 0.003,
         pin_cores: bool = True,
         fault_injection: str | None = None,  # test-only, see chip_child.serve
@@ -107,6 +109,10 @@ class DistributedWorker:
             _positive_int("num_pages", num_pages)
         if num_threads is not None:
             _positive_int("num_threads", num_threads)
+        if cpu_layout not in CPU_LAYOUTS:
+            raise ValueError(f"cpu_layout must be one of {CPU_LAYOUTS}, got {cpu_layout!r}")
+        if num_threads is not None and cpu_layout != "auto":
+            raise ValueError(f"cpu_layout={cpu_layout!r} and num_threads={num_threads} both set the cpu threads: give one")
         if not isinstance(pin_cores, bool):
             raise TypeError(f"pin_cores must be a bool, got {type(pin_cores).__name__}")
         if not 0 <= spin_wait_s <= MAX_SPIN_S:
@@ -134,6 +140,7 @@ class DistributedWorker:
         self.startup_timeout_s = startup_timeout_s
         self.spin_wait_s = spin_wait_s  # how long the parent spins on the doorbell before it sleeps
         self.pin_cores = pin_cores
+        self.cpu_layout = cpu_layout
         self._doorbell: Doorbell | None = None
         self._core_plan: CorePlan | None = None
         self._fault = fault_injection
@@ -165,7 +172,9 @@ class DistributedWorker:
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
             world = len(self.device_ids)
-            self._core_plan = plan = self._plan_cores(world)
+            threads = self._cpu_threads(world)
+            self._core_plan = plan = self._plan_cores(world, threads)
+            trial = self._layout_trial(world)
             _live_workers.add(self)
             if plan:
                 pin_socket_threads(self._ctx, plan.service)  # before the first socket starts its threads
@@ -173,13 +182,13 @@ class DistributedWorker:
             for rank, device_id in enumerate(self.device_ids):
                 rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
                              dist_init=f"file://{self._socket_dir}/tp-store" if world > 1 else None)
-                if plan and cfg.num_threads is None:
+                if threads is not None:
                     # The child's own default would count only the cores it is pinned to.
-                    rc = replace(rc, num_threads=len(plan.children[rank]))
+                    rc = replace(rc, num_threads=threads)
                 self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir,
                                                    wake_every_step, self._fault,
                                                    plan.children[rank] if plan else None,
-                                                   plan.service if plan else None))
+                                                   plan.service if plan else None, trial))
             for child in self._children:
                 child.wait_ready(self.startup_timeout_s)
             self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget())
@@ -190,14 +199,34 @@ class DistributedWorker:
         self._prepare_s = time.perf_counter() - t0
         return self
 
-    def _plan_cores(self, children: int) -> CorePlan | None:
+    def _cpu_threads(self, children: int) -> int | None:
+        """Intra-op threads per cpu child (None off the cpu): num_threads, else the layout's;
+        `auto` starts a child as `spare_core` (see _layout_trial)."""
+        if device_type(self.runtime_config.device) != "cpu":
+            return None
+        layout = "spare_core" if self.cpu_layout == "auto" else self.cpu_layout
+        return self.runtime_config.num_threads or default_cpu_threads(children, layout)
+
+    def _layout_trial(self, children: int) -> list[int] | None:
+        """With cpu_layout="auto", one cpu child and more than one core, the child times its decode
+        step with a core spared for the parent and with every core, and keeps the faster (see
+        chip_child.device.choose_cpu_layout): every core wins on models of a few million
+        parameters on a quiet machine, and loses on tiny models and on a loaded one. Returns the
+        cores every_core would take; None: no trial (tensor-parallel children step together and
+        keep spare_core)."""
+        if (self.cpu_layout != "auto" or self.runtime_config.num_threads is not None or children != 1
+                or device_type(self.runtime_config.device) != "cpu" or available_cores() < 2):
+            return None
+        return allowed_cores()
+
+    def _plan_cores(self, children: int, threads: int | None) -> CorePlan | None:
         """Cores for cpu children only, and not when another worker of this process already
         pinned its children: both would pick the same cores."""
-        if not self.pin_cores or device_type(self.runtime_config.device) != "cpu":
+        if not self.pin_cores or threads is None:
             return None
         if any(w._core_plan for w in _live_workers if w is not self):
             return None
-        return plan_cores(children, self.runtime_config.num_threads)
+        return plan_cores(children, threads)
 
     def _spin_budget(self) -> float:
         """Spin only where a core is free for it: on accelerators, or when the cpu children's
@@ -340,6 +369,8 @@ class DistributedWorker:
             "child_setup_s": info.get("setup_s"),
             "child_threads": info.get("threads"),
             "child_cores": info.get("cores"),
+            "cpu_layout": info.get("cpu_layout"),  # what cpu_layout="auto" chose; None: no trial
+            "cpu_layout_step_s": info.get("layout_step_s"),  # the decode step it timed under each
             "prepare_s": self._prepare_s,
             "pipeline_depth": self.pipeline_depth,
             "copy_policy": self.runtime_config.copy_policy,

@@ -1,7 +1,7 @@
-"""Core pinning of cpu children: each child's threads on cores of its own, every ZeroMQ socket
-thread on the rest, where the children's threads leave a core over (by default they take every
-core, and nothing is pinned). A module of its own: a worker left alive by another test holds the cores and
-leaves later workers unpinned, as it should."""
+"""Core layouts of cpu children: each child's threads on cores of its own and every ZeroMQ socket
+thread on the rest where the children's threads leave a core over; every core to the child
+where the start-up trial (cpu_layout="auto") or the user says so. A module of its own: a worker
+left alive by another test holds the cores and leaves later workers unpinned, as it should."""
 from __future__ import annotations
 
 import os
@@ -50,17 +50,100 @@ def test_cpu_child_computes_on_its_own_cores_and_socket_threads_on_the_rest(ckpt
         assert w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids == pinned_tokens
 
 
+def child_env(pid: int) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+
+
+def assert_every_core(w: DistributedWorker) -> None:
+    pid = w.child_pids[0]
+    assert w.stats()["child_threads"] == len(allowed_cores())
+    assert os.sched_getaffinity(pid) == set(allowed_cores())
+    assert w._doorbell.spin_s == 0.0  # no core is free for a spinning parent
+
+
+def assert_spare_core(w: DistributedWorker) -> None:
+    plan = plan_cores(1, len(allowed_cores()) - 1)
+    assert w.stats()["child_threads"] == len(allowed_cores()) - 1
+    assert os.sched_getaffinity(w.child_pids[0]) == set(plan.children[0])
+    assert w._doorbell.spin_s == w.spin_wait_s
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
-def test_default_threads_take_every_core_unpinned_with_a_short_openmp_spin(ckpt: Path) -> None:
+def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: Path) -> None:
+    if len(allowed_cores()) < 2:
+        pytest.skip("one core: nothing to choose")
     with DistributedWorker(ckpt, **{**COMMON, "num_threads": None}) as w:
-        pid = w.child_pids[0]
-        assert w.stats()["child_threads"] == len(allowed_cores())
-        assert os.sched_getaffinity(pid) == set(allowed_cores())
-        env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+        s = w.stats()
+        assert set(s["cpu_layout_step_s"]) == {"every_core", "spare_core"}
+        assert all(t > 0 for t in s["cpu_layout_step_s"].values())
+        (assert_every_core if s["cpu_layout"] == "every_core" else assert_spare_core)(w)
         if not any(name in os.environ for name in device.OMP_WAIT_VARIABLES):
-            assert env["GOMP_SPINCOUNT"] == str(device.CHILD_GOMP_SPINCOUNT)
-        if len(allowed_cores()) > 1:
-            assert w._doorbell.spin_s == 0.0  # no core is free for a spinning parent
+            assert child_env(w.child_pids[0])["GOMP_SPINCOUNT"] == str(device.CHILD_GOMP_SPINCOUNT)
+        tokens = w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids
+    with DistributedWorker(ckpt, **COMMON) as w:  # num_threads given: no trial
+        assert w.stats()["cpu_layout"] is None
+        assert w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids == tokens
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+def test_explicit_layouts_are_not_timed(ckpt: Path) -> None:
+    if len(allowed_cores()) < 2:
+        pytest.skip("one core: both layouts are one thread")
+    options = {**COMMON, "num_threads": None}
+    with DistributedWorker(ckpt, **options, cpu_layout="every_core") as w:
+        assert w.stats()["cpu_layout"] is None
+        assert_every_core(w)
+    with DistributedWorker(ckpt, **options, cpu_layout="spare_core") as w:
+        assert w.stats()["cpu_layout"] is None
+        assert_spare_core(w)
+
+
+def test_cpu_layout_is_validated(ckpt: Path) -> None:
+    with pytest.raises(ValueError, match="cpu_layout"):
+        DistributedWorker(ckpt, **{**COMMON, "num_threads": None}, cpu_layout="all")
+    with pytest.raises(ValueError, match="cpu_layout='every_core' and num_threads=1"):
+        DistributedWorker(ckpt, **COMMON, cpu_layout="every_core")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="sets thread affinities through /proc")
+@pytest.mark.parametrize("every_core_s, chosen", [(0.5, "every_core"), (device.EVERY_CORE_GAIN, "every_core"),
+                                                  (0.95, "spare_core"), (3.0, "spare_core")])
+def test_choose_cpu_layout_keeps_every_core_only_where_its_step_is_enough_faster(every_core_s, chosen) -> None:
+    import threading
+
+    import torch
+
+    cores = allowed_cores()
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    threads, me = torch.get_num_threads(), threading.get_native_id()
+    os.sched_setaffinity(0, cores[-1:])  # this thread pinned, as a spare_core child's are
+    torch.set_num_threads(1)
+    seen = []
+
+    def time_step() -> float:  # every_core is the layout with a thread per core and this thread unpinned
+        every = torch.get_num_threads() == len(cores) and os.sched_getaffinity(me) == set(cores)
+        seen.append("every_core" if every else "spare_core")
+        return every_core_s if every else 1.0
+    try:
+        result = device.choose_cpu_layout(time_step, 1, cores)
+        assert result == {"layout": chosen, "step_s": {"spare_core": 1.0, "every_core": every_core_s}}
+        assert seen == ["spare_core", "every_core"] * 2  # alternated
+        if chosen == "every_core":
+            assert torch.get_num_threads() == len(cores) and os.sched_getaffinity(0) == set(cores)
+        else:  # back as it was
+            assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {cores[-1]}
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+
+
+def test_layout_threads(monkeypatch) -> None:
+    monkeypatch.setattr(device, "allowed_cores", lambda: list(range(8)))
+    assert device.default_cpu_threads(1, "every_core") == 8 and device.default_cpu_threads(2, "every_core") == 4
+    assert device.default_cpu_threads(1, "spare_core") == 7 and device.default_cpu_threads(2) == 3
+    with pytest.raises(ValueError, match="cpu_layout"):
+        device.default_cpu_threads(1, "auto-ish")
 
 
 def test_the_users_openmp_wait_settings_win() -> None:
@@ -82,8 +165,20 @@ def test_a_second_worker_is_left_unpinned_while_the_first_holds_its_cores(ckpt: 
         assert os.sched_getaffinity(third.child_pids[0]) == set(plan.children[0])
 
 
-def test_accelerator_children_are_not_pinned(ckpt: Path) -> None:
-    assert DistributedWorker(ckpt, **{**COMMON, "device": "cuda"})._plan_cores(1) is None
+def test_accelerator_children_are_not_pinned_nor_timed(ckpt: Path) -> None:
+    w = DistributedWorker(ckpt, **{**COMMON, "device": "cuda", "num_threads": None})
+    assert w._cpu_threads(1) is None and w._plan_cores(1, w._cpu_threads(1)) is None
+    assert w._layout_trial(1) is None
+
+
+def test_tensor_parallel_cpu_children_keep_a_core_spare_untimed(ckpt: Path, monkeypatch) -> None:
+    import l3worker.worker
+
+    for module in (device, l3worker.worker):
+        monkeypatch.setattr(module, "allowed_cores", lambda: list(range(8)))
+    w = DistributedWorker(ckpt, **{**COMMON, "num_threads": None})
+    assert w._layout_trial(2) is None and w._cpu_threads(2) == 3
+    assert w._layout_trial(1) == list(range(8)) and w._cpu_threads(1) == 7  # starts as spare_core
 
 
 def test_pin_cores_must_be_a_bool(ckpt: Path) -> None:
@@ -96,8 +191,6 @@ def test_core_plan_leaves_a_core_over_or_pins_nothing(monkeypatch) -> None:
     assert plan_cores(2, 3) == CorePlan(service=[0, 1], children=[[2, 3, 4], [5, 6, 7]])
     assert plan_cores(1, 4) == CorePlan(service=[0, 1, 2, 3], children=[[4, 5, 6, 7]])
     assert plan_cores(2, 4) is None  # the children would take every core
-    assert plan_cores(2, None) is None  # and by default they do: 4 threads each
-    monkeypatch.setattr(device, "allowed_cores", lambda: list(range(7)))
-    assert plan_cores(2, None) == CorePlan(service=[0], children=[[1, 2, 3], [4, 5, 6]])  # one left over
+    assert plan_cores(2, None) == CorePlan(service=[0, 1], children=[[2, 3, 4], [5, 6, 7]])  # spare_core's 3 each
     monkeypatch.setattr(device, "allowed_cores", lambda: [0])
     assert plan_cores(1, None) is None
