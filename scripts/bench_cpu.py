@@ -5,13 +5,13 @@ What a CPU user compares: the wall time of one whole generate call (prefill and 
 by the output tokens it produced, fp32, greedy, the same prompts for every variant. Variants,
 each in a process of its own and run alternately within each repeat:
 
-  l3          DistributedWorker with the defaults a user gets (only max_batch_size set)
-  l3_prefill  the same with max_num_batched_tokens=2048: the whole prompt batch in one step
-              instead of chunks of 512 tokens
-  l3_spin     l3_prefill with GOMP_SPINCOUNT=300000 (libgomp's own default) for the child: its
-              OpenMP threads spin for milliseconds instead of sleeping soon
-  l3_spare    l3 with num_threads=cores-1: the child pinned, a core left for the parent and the
-              socket threads (the default before every core went to the child)
+  l3          DistributedWorker with the defaults a user gets (only max_batch_size set): the
+              child times its decode step under both layouts below at start-up and keeps one
+  l3_every    l3 with cpu_layout="every_core": every core to the child, the parent sleeps
+  l3_spare    l3 with cpu_layout="spare_core": the child pinned, a core left for the parent and
+              the socket threads
+  l3_prefill  l3 with max_num_batched_tokens=2048: the whole prompt batch in one step instead
+              of chunks of the default token budget
   l3_<name>   DistributedWorker with options given by --l3 NAME:KEY=VALUE,... (see below)
   floor       (--floor) the chip runtime's loop in one process: no parent, no IPC, every core
   hf_static   transformers generate, static cache, torch's default thread count, one padded batch
@@ -122,7 +122,8 @@ class L3Runner:
     def info(self) -> dict:
         s = self.w.stats()
         return {"child_threads": s["child_threads"], "child_cores": s["child_cores"], "pids": s["child_pids"],
-                "spin_s": self.w._doorbell.spin_s}
+                "spin_s": self.w._doorbell.spin_s, "cpu_layout": s["cpu_layout"],
+                "cpu_layout_step_ms": {k: round(v * 1e3, 3) for k, v in (s["cpu_layout_step_s"] or {}).items()}}
 
     def close(self) -> None:
         self.w.close()
@@ -466,11 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--hf takes names from {HF_VARIANTS}")
     from chip_child.device import available_cores
 
-    prefill = {"max_num_batched_tokens": 2048}
-    l3_variants = {"l3": ({}, {}), "l3_prefill": (prefill, {}),
-                   "l3_spin": (prefill, {"GOMP_SPINCOUNT": "300000"})}
+    l3_variants = {"l3": ({}, {})}
     if available_cores() > 1:
-        l3_variants["l3_spare"] = ({"num_threads": available_cores() - 1}, {})
+        l3_variants.update(l3_every=({"cpu_layout": "every_core"}, {}), l3_spare=({"cpu_layout": "spare_core"}, {}))
+    l3_variants["l3_prefill"] = ({"max_num_batched_tokens": 2048}, {})
     if args.only_l3_default:
         l3_variants = {"l3": ({}, {})}
     l3_variants.update(parse_l3(args.l3))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from chip_child.device import available_cores
+
 pytest.importorskip("transformers")  # the benchmark writes its checkpoints with it and runs it
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu.py"
@@ -34,13 +36,18 @@ def test_every_variant_reports_its_figures(result: dict) -> None:
     wl = result["workloads"]["tiny"]
     assert wl["workload"]["output_tokens"] == 3 * 4 and len(wl["workload"]["prompt_lens"]) == 3
     variants = wl["variants"]
-    assert {"l3", "l3_prefill", "l3_spin", "l3_depth1", "floor", "hf_static", "hf_dynamic", "hf_batch"} <= set(variants)
+    assert {"l3", "l3_prefill", "l3_depth1", "floor", "hf_static", "hf_dynamic", "hf_batch"} <= set(variants)
     assert not wl["errors"]
     for name, v in variants.items():
         assert v["ms_per_token"] > 0 and len(v["ms_per_token_per_repeat"]) == 1, name
         assert v["vs_l3"] is not None and v["vs_hf_best_generate"] is not None and v["vs_hf_batch"] is not None
     assert variants["l3"]["vs_l3"] == pytest.approx(1.0)
     assert wl["hf_best_generate"] in ("hf_static", "hf_dynamic")
+    if available_cores() > 1:  # the default's start-up choice between the two layouts, and each alone
+        assert {"l3_every", "l3_spare"} <= set(variants)
+        assert variants["l3"]["info"]["cpu_layout"] in ("every_core", "spare_core")
+        assert set(variants["l3"]["info"]["cpu_layout_step_ms"]) == {"every_core", "spare_core"}
+        assert variants["l3_every"]["info"]["cpu_layout"] is None
     assert result["l3_variants"]["l3_depth1"] == {"options": {"pipeline_depth": 1}, "env": {}}
 
 
