@@ -75,13 +75,14 @@ def default_cpu_threads(children: int, layout: str = "spare_core") -> int:
 
 
 # `auto` keeps every core for the child only where its decode step, timed at start-up under both
-# layouts, is at least this much faster there. The child's step alone is timed: with every core
-# the parent's bookkeeping (tens of microseconds a row, run ahead on its own core otherwise) and
-# anything else on the machine land on the child's cores, and an OpenMP team waits for its
-# slowest thread. On a 2-core box a few-million-parameter model's step took 0.55-0.65x the time on
-# both cores; a 40k-parameter one ran no faster, and with one other busy process every model ran
-# slower on both (scripts/bench_cpu.py: l3 against l3_every and l3_spare).
-EVERY_CORE_GAIN = 0.8
+# layouts, is at least 10% faster there. The step alone is a cautious guide: a whole generate
+# also prefills, which gains more from a second core, while with every core the parent's
+# bookkeeping and anything else on the machine land on the child's cores, and an OpenMP team waits
+# for its slowest thread. On a 2-core box (batch 16) the decode step took 0.77-0.83x the time
+# on both cores for models of 1.3M to 15M parameters, and whole generates 0.72-0.80x; models of
+# 40k and 230k parameters ran their step no faster (1.04x: their ops are too small to split);
+# with one other busy process every model's step ran 2 to 10x slower on both.
+EVERY_CORE_GAIN = 0.9
 
 
 def choose_cpu_layout(time_step, spare_threads: int, every_cores: list[int], rounds: int = 2) -> dict:
