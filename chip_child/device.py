@@ -90,7 +90,9 @@ def choose_cpu_layout(time_step, spare_threads: int, every_cores: list[int], rou
     threads and affinities as they are, `spare_threads` threads) and the `every_core` one (every
     thread of this process allowed on `every_cores`, one intra-op thread per core), alternated
     over `rounds`; keeps `every_core` if its median step time is at most EVERY_CORE_GAIN times the
-    other's, else puts the threads back as they were. Returns the choice and both times."""
+    other's, else puts the threads back as they were. Returns the choice, both step times and how
+    long the trial took."""
+    t0 = time.perf_counter()
     pinned = _thread_affinities()
     times: dict[str, list[float]] = {"spare_core": [], "every_core": []}
     try:
@@ -104,7 +106,7 @@ def choose_cpu_layout(time_step, spare_threads: int, every_cores: list[int], rou
     step_s = {layout: float(sorted(t)[len(t) // 2]) for layout, t in times.items()}
     chosen = "every_core" if step_s["every_core"] <= EVERY_CORE_GAIN * step_s["spare_core"] else "spare_core"
     _set_layout(chosen, spare_threads, every_cores, pinned)
-    return {"layout": chosen, "step_s": step_s}
+    return {"layout": chosen, "step_s": step_s, "trial_s": time.perf_counter() - t0}
 
 
 def _thread_affinities() -> dict[int, set[int]]:

@@ -114,7 +114,7 @@ def serve(spec: ChildSpec) -> None:
             if spec.cpu_cores:
                 os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
             rt = ChipRuntime(spec.runtime)
-            layout = {"layout": None, "step_s": None}
+            layout = {"layout": None, "step_s": None, "trial_s": None}
             if spec.layout_cores:
                 layout = choose_cpu_layout(lambda: rt.time_decode_step(LAYOUT_STEPS, LAYOUT_BUDGET_S),
                                            torch.get_num_threads(), spec.layout_cores)
@@ -143,7 +143,7 @@ def serve(spec: ChildSpec) -> None:
             "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
             "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
             "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"],
+            "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"], "layout_trial_s": layout["trial_s"],
         }))
         limits = rt.limits
         failed: str | None = None  # after a failed step the device state is suspect: refuse the rest

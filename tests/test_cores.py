@@ -75,7 +75,7 @@ def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: 
     with DistributedWorker(ckpt, **{**COMMON, "num_threads": None}) as w:
         s = w.stats()
         assert set(s["cpu_layout_step_s"]) == {"every_core", "spare_core"}
-        assert all(t > 0 for t in s["cpu_layout_step_s"].values())
+        assert all(t > 0 for t in s["cpu_layout_step_s"].values()) and s["cpu_layout_trial_s"] > 0
         (assert_every_core if s["cpu_layout"] == "every_core" else assert_spare_core)(w)
         if not any(name in os.environ for name in device.OMP_WAIT_VARIABLES):
             assert child_env(w.child_pids[0])["GOMP_SPINCOUNT"] == str(device.CHILD_GOMP_SPINCOUNT)
@@ -127,6 +127,7 @@ def test_choose_cpu_layout_keeps_every_core_only_where_its_step_is_enough_faster
         return every_core_s if every else 1.0
     try:
         result = device.choose_cpu_layout(time_step, 1, cores)
+        assert result.pop("trial_s") >= 0
         assert result == {"layout": chosen, "step_s": {"spare_core": 1.0, "every_core": every_core_s}}
         assert seen == ["spare_core", "every_core"] * 2  # alternated
         if chosen == "every_core":
