@@ -178,6 +178,14 @@ def test_torch_backend_matches_dense_reference(name, mirror):
         assert ("mirror" if mirror else "decode") in step.extra
 
 
+def test_torch_decode_mirror_attends_over_the_longest_row_not_the_last_page():
+    """Keys past the longest row are masked: the mirror reads 160 keys here, not 2 pages of 128."""
+    sc = make_scenario(q_lens=[1, 1, 1], s_lens=[1, 97, 145], page=128, heads=4, kv_heads=2, head_dim=64, seed=5)
+    out, step = run_step(torch_backend(sc, decode_mirror=True), sc, use_out=True)
+    assert step.extra["mirror"]["ctx"] == 160
+    torch.testing.assert_close(out.double(), dense_reference(sc), atol=2e-5, rtol=1e-4)
+
+
 def test_torch_backend_long_context_and_host_reads():
     """Contexts of a few thousand positions; lengths read from the device when the caller
     gives no host copies."""

@@ -37,6 +37,7 @@ from chip_child.attention.base import AttentionBackend, AttentionMetadata, Atten
 MIRROR_BUDGET_BYTES = 1 << 30  # the largest mirror turned on by default
 MIRROR_MIN_BYTES = 4 << 20  # the least a decode step must gather for the mirror to be used
 MASK_TABLE_BYTES = 4 << 20  # the largest table of decode masks by length kept (see _bind_views)
+MIRROR_CTX_ALIGN = 16  # a mirrored decode step attends over the longest row rounded up to this
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -222,7 +223,9 @@ class TorchAttention(AttentionBackend):
         if not np.all(consistent | (slots[:n] < page)):
             self._mirror_len[:] = 0
         self._mirror_len[n:] = 0  # rows past this step's batch are not maintained
-        ctx = blocks * page
+        # Keys past the longest row are masked anyway: not the whole last page, as the gather
+        # path must (it copies pages), but the longest row rounded up.
+        ctx = min(blocks * page, -(-int(lens.max()) // MIRROR_CTX_ALIGN) * MIRROR_CTX_ALIGN)
         visible = np.arange(ctx)[None, :] < np.repeat(lens, kvh)[:, None]  # row s * kvh + j
         bias = torch.from_numpy(np.where(visible, np.float32(0), np.float32(-np.inf)))
         bias = bias if s.dtype == torch.float32 else bias.to(s.dtype)
