@@ -710,19 +710,26 @@ class ChipRuntime:
         self.attn.invalidate()
 
     @torch.inference_mode()
-    def time_decode_step(self, steps: int, budget_s: float) -> float:
-        """Median wall time of a greedy decode step with every row active (one-token prompts, the
-        rows sharing one page: the cache's contents do not matter here), after one untimed step;
-        at most `steps` timed steps, fewer once `budget_s` is spent (at least one). Leaves an
-        empty batch and a zeroed cache, as warm-up does."""
-        b = self.cfg.max_batch_size
+    def time_steps(self, prefill_tokens: int, steps: int, budget_s: float) -> tuple[float, float]:
+        """Wall times of a prefill step of about `prefill_tokens` tokens (every row's prompt, of
+        equal lengths) and the median of the greedy decode steps that follow with every row
+        active, after one untimed one: at most `steps` of them, fewer once `budget_s` is spent
+        (at least one). The rows share their pages: the cache's contents do not matter here.
+        Leaves an empty batch and a zeroed cache, as warm-up does."""
+        cfg, b = self.cfg, self.cfg.max_batch_size
+        steps = max(1, min(steps, cfg.max_seq_len - 3))
+        longest = min(cfg.max_seq_len - 1, (cfg.total_pages - 1) * cfg.page_size)  # positions a row may reach
+        plen = max(1, min(prefill_tokens // b, cfg.prefill_capacity // b, longest - steps - 1))
+        steps = max(1, min(steps, longest - plen - 1))
         out = torch.zeros(b, dtype=torch.int32)
         outputs = StepOutputs.allocate(b, 1)
-        staging = np.zeros(b, np.int32)
-        steps = max(1, min(steps, self.cfg.max_seq_len - 2, self.cfg.page_size - 2))
-        page = np.array([1], np.int32)
-        admits = [(Admit(row=r, prompt_len=1, temperature=0.0, top_p=1.0, top_k=0, seed=0), page, r) for r in range(b)]
+        staging = np.zeros(b * plen, np.int32)
+        pages = np.arange(1, 1 + -(-(plen + steps + 1) // cfg.page_size), dtype=np.int32)
+        admits = [(Admit(row=r, prompt_len=plen, temperature=0.0, top_p=1.0, top_k=0, seed=0), pages, r * plen)
+                  for r in range(b)]
+        t0 = time.perf_counter()
         self.execute(prefill_command(0, admits), staging, out, outputs)
+        prefill_s = time.perf_counter() - t0
         self.execute(Command(step=1), staging, out, outputs)
         times: list[float] = []
         deadline = time.perf_counter() + budget_s
@@ -735,7 +742,7 @@ class ChipRuntime:
         self.finish_rows(list(range(b)))
         self.state["kv_cache"].zero_()
         self.attn.invalidate()
-        return float(np.median(times))
+        return prefill_s, float(np.median(times))
 
     def _capture_graphs(self, graphs: DecodeGraphs) -> None:
         """One graph per lane bucket, the largest first (the smaller ones reuse its memory). Every

@@ -28,7 +28,10 @@ from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
-LAYOUT_STEPS, LAYOUT_BUDGET_S = 6, 0.15  # timed decode steps per layout and round, at most / about
+# The start-up layout trial (cpu_layout="auto"), per layout and round: a prefill step of up to
+# this many tokens (the step budget, if smaller), then at most this many decode steps timed, fewer
+# past this many seconds.
+LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S = 256, 4, 0.1
 
 
 @dataclass
@@ -116,7 +119,7 @@ def serve(spec: ChildSpec) -> None:
             rt = ChipRuntime(spec.runtime)
             layout = {"layout": None, "step_s": None, "trial_s": None}
             if spec.layout_cores:
-                layout = choose_cpu_layout(lambda: rt.time_decode_step(LAYOUT_STEPS, LAYOUT_BUDGET_S),
+                layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
                                            torch.get_num_threads(), spec.layout_cores)
             if spec.fault:
                 _inject_fault(rt, spec.fault)

@@ -370,7 +370,7 @@ class DistributedWorker:
             "child_threads": info.get("threads"),
             "child_cores": info.get("cores"),
             "cpu_layout": info.get("cpu_layout"),  # what cpu_layout="auto" chose; None: no trial
-            "cpu_layout_step_s": info.get("layout_step_s"),  # the decode step it timed under each
+            "cpu_layout_step_s": info.get("layout_step_s"),  # its prefill and decode steps under each
             "cpu_layout_trial_s": info.get("layout_trial_s"),  # how long that took
             "prepare_s": self._prepare_s,
             "pipeline_depth": self.pipeline_depth,

@@ -123,7 +123,8 @@ class L3Runner:
         s = self.w.stats()
         return {"child_threads": s["child_threads"], "child_cores": s["child_cores"], "pids": s["child_pids"],
                 "spin_s": self.w._doorbell.spin_s, "cpu_layout": s["cpu_layout"],
-                "cpu_layout_step_ms": {k: round(v * 1e3, 3) for k, v in (s["cpu_layout_step_s"] or {}).items()},
+                "cpu_layout_step_ms": {layout: {k: round(v * 1e3, 3) for k, v in t.items()}
+                                       for layout, t in (s["cpu_layout_step_s"] or {}).items()},
                 "cpu_layout_trial_ms": s["cpu_layout_trial_s"] and round(s["cpu_layout_trial_s"] * 1e3, 1)}
 
     def close(self) -> None:

@@ -75,7 +75,8 @@ def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: 
     with DistributedWorker(ckpt, **{**COMMON, "num_threads": None}) as w:
         s = w.stats()
         assert set(s["cpu_layout_step_s"]) == {"every_core", "spare_core"}
-        assert all(t > 0 for t in s["cpu_layout_step_s"].values()) and s["cpu_layout_trial_s"] > 0
+        assert all(t > 0 for times in s["cpu_layout_step_s"].values() for t in times.values())
+        assert s["cpu_layout_trial_s"] > 0
         (assert_every_core if s["cpu_layout"] == "every_core" else assert_spare_core)(w)
         if not any(name in os.environ for name in device.OMP_WAIT_VARIABLES):
             assert child_env(w.child_pids[0])["GOMP_SPINCOUNT"] == str(device.CHILD_GOMP_SPINCOUNT)
@@ -106,9 +107,15 @@ def test_cpu_layout_is_validated(ckpt: Path) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="sets thread affinities through /proc")
-@pytest.mark.parametrize("every_core_s, chosen", [(0.5, "every_core"), (device.EVERY_CORE_GAIN, "every_core"),
-                                                  (0.95, "spare_core"), (3.0, "spare_core")])
-def test_choose_cpu_layout_keeps_every_core_only_where_its_step_is_enough_faster(every_core_s, chosen) -> None:
+@pytest.mark.parametrize("every_core_s, chosen", [
+    ((1.0, 0.5), "every_core"),  # (prefill, decode) against 1.0 each under spare_core
+    ((1.0, device.EVERY_CORE_DECODE_GAIN), "every_core"),
+    ((device.EVERY_CORE_PREFILL_GAIN, 1.0), "every_core"),  # decode no slower, prefill enough faster
+    ((0.85, 1.0), "spare_core"),
+    ((0.5, 1.05), "spare_core"),  # decode slower: a faster prefill does not make up for it
+    ((3.0, 3.0), "spare_core"),
+])
+def test_choose_cpu_layout_keeps_every_core_only_where_its_steps_are_enough_faster(every_core_s, chosen) -> None:
     import threading
 
     import torch
@@ -121,15 +128,17 @@ def test_choose_cpu_layout_keeps_every_core_only_where_its_step_is_enough_faster
     torch.set_num_threads(1)
     seen = []
 
-    def time_step() -> float:  # every_core is the layout with a thread per core and this thread unpinned
+    def time_steps() -> tuple[float, float]:  # every_core: a thread per core, this thread unpinned
         every = torch.get_num_threads() == len(cores) and os.sched_getaffinity(me) == set(cores)
         seen.append("every_core" if every else "spare_core")
-        return every_core_s if every else 1.0
+        return every_core_s if every else (1.0, 1.0)
     try:
-        result = device.choose_cpu_layout(time_step, 1, cores)
+        result = device.choose_cpu_layout(time_steps, 1, cores)
         assert result.pop("trial_s") >= 0
-        assert result == {"layout": chosen, "step_s": {"spare_core": 1.0, "every_core": every_core_s}}
-        assert seen == ["spare_core", "every_core"] * 2  # alternated
+        prefill, decode = every_core_s
+        assert result == {"layout": chosen, "step_s": {"spare_core": {"prefill": 1.0, "decode": 1.0},
+                                                        "every_core": {"prefill": prefill, "decode": decode}}}
+        assert seen == ["spare_core", "every_core"] * 3  # alternated
         if chosen == "every_core":
             assert torch.get_num_threads() == len(cores) and os.sched_getaffinity(0) == set(cores)
         else:  # back as it was

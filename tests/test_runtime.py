@@ -217,10 +217,10 @@ def test_timing_a_decode_step_leaves_the_runtime_as_it_was(default_ckpt: Path) -
     allocation, and the same tokens afterwards as from a runtime that never timed one."""
     requests = [LocalRequest(p, 12) for p in random_prompts((3, 9, 1), 300, seed=11)]
     expected = run_tokens(make_runtime(default_ckpt, page_size=3), requests)
-    rt = make_runtime(default_ckpt, page_size=3)
-    for steps in (1, 40):  # 40: more than a page holds, capped
-        assert rt.time_decode_step(steps, budget_s=10.0) > 0
-    assert rt.time_decode_step(1000, budget_s=0.0) > 0  # out of budget: stops after one timed step
+    rt = make_runtime(default_ckpt, page_size=3)  # prompts over several pages; max_seq_len 80
+    for tokens, steps in ((1, 1), (64, 8), (10_000, 200)):  # the last capped by max_seq_len
+        assert all(t > 0 for t in rt.time_steps(tokens, steps, budget_s=10.0))
+    assert all(t > 0 for t in rt.time_steps(8, 1000, budget_s=0.0))  # out of budget: one timed step
     assert rt.pool.allocations == rt.warm_pool_allocations
     assert run_tokens(rt, requests) == expected
 
