@@ -706,8 +706,7 @@ class ChipRuntime:
             self.state[name].zero_()
         if self._pending_graphs is not None:
             self._capture_graphs(self._pending_graphs)
-        self.state["kv_cache"].zero_()
-        self.attn.invalidate()
+        self.reset()
 
     @torch.inference_mode()
     def time_steps(self, prefill_tokens: int, steps: int, budget_s: float) -> tuple[float, float]:
@@ -715,7 +714,7 @@ class ChipRuntime:
         equal lengths) and the median of the greedy decode steps that follow with every row
         active, after one untimed one: at most `steps` of them, fewer once `budget_s` is spent
         (at least one). The rows share their pages: the cache's contents do not matter here.
-        Leaves an empty batch and a zeroed cache, as warm-up does."""
+        Leaves an empty batch, and its rows' tables and K/V until reset()."""
         cfg, b = self.cfg, self.cfg.max_batch_size
         steps = max(1, min(steps, cfg.max_seq_len - 3))
         longest = min(cfg.max_seq_len - 1, (cfg.total_pages - 1) * cfg.page_size)  # positions a row may reach
@@ -740,9 +739,14 @@ class ChipRuntime:
             if t0 > deadline:
                 break
         self.finish_rows(list(range(b)))
-        self.state["kv_cache"].zero_()
-        self.attn.invalidate()
         return prefill_s, float(np.median(times))
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """With no row active: every row's tables and the KV cache zeroed, as warm-up leaves them."""
+        for name in ("block_table", "output_counts", "prompt_seen", "stop_mask", "kv_cache"):
+            self.state[name].zero_()
+        self.attn.invalidate()
 
     def _capture_graphs(self, graphs: DecodeGraphs) -> None:
         """One graph per lane bucket, the largest first (the smaller ones reuse its memory). Every

@@ -121,6 +121,7 @@ def serve(spec: ChildSpec) -> None:
             if spec.layout_cores:
                 layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
                                            torch.get_num_threads(), spec.layout_cores)
+                rt.reset()
             if spec.fault:
                 _inject_fault(rt, spec.fault)
         except Exception as exc:

