@@ -12,7 +12,8 @@ chunk. A chunk that ends its prompt hands its last hidden state to its row's lan
 sampler call serves decode rows and rows that just finished their prefill alike. A step runs
 lanes [0, n) only, n the lane bucket of its highest active row (chip_child.graphs); the rows
 above are idle and untouched. On cuda and npu the decode-only step's forward is a captured graph
-per bucket, replayed without copying anything (see chip_child.graphs: not run on hardware yet).
+per bucket, replayed without copying anything (chip_child.graphs). On cuda the elementwise
+stages between the matmuls are fused Triton kernels (chip_child.fused).
 
 Optional sampling stages (penalties, min_p, the min_tokens stop-id mask, log-probabilities) run
 only in steps where some active row uses them, decided from host facts kept between admissions:
@@ -33,7 +34,8 @@ from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device
 from chip_child.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_of, resolve_decode_graphs
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
-from chip_child.model import Qwen3Weights, final_logits, forward, rope_table, shard_config
+from chip_child.fused import resolve_fused_kernels, triton_layer_ops
+from chip_child.model import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.pool import TaskArg, TensorPool
 from chip_child.protocol import MAX_LOGPROBS, Admit, Chunk, Command, FullState, Limits, prefill_command
 from chip_child.sampling import Features, RowParams, sample, sample_with_features, seed_key, vocab_hash
@@ -61,6 +63,7 @@ class RuntimeConfig:
     copy_policy: str = "dirty"
     attention_backend: str | None = None  # None: the device's default (see chip_child.attention)
     decode_graphs: bool | None = None  # None: on for cuda and npu where the backend allows (chip_child.graphs)
+    fused_kernels: bool | None = None  # None: on for cuda where triton imports (chip_child.fused)
     num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
     tp_rank: int = 0
     tp_size: int = 1
@@ -175,6 +178,7 @@ class ChipRuntime:
         del host
         mc = self.model_cfg
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
+        self.ops = triton_layer_ops() if resolve_fused_kernels(cfg.fused_kernels, self.device.type) else TORCH_OPS
         self.limits = replace(cfg.limits(), vocab_size=mc.vocab_size)
         self.pool = TensorPool(self.device)
         # One step function; two names, so a step's kind shows in dispatch (and fault injection).
@@ -554,7 +558,7 @@ class ChipRuntime:
             # Chunk rows not ending their prompt may sit above the lanes: the full per-row state.
             self._chunk_side_effects(plan, lanes, hidden, tokens, ints[2 * plan.last_rows:], pooled["output_counts"],
                                      pooled["prompt_seen"], prompt_lp_values, prompt_lp_ids)
-            final_logits(self.weights, row_hidden, out=v["logits"])
+            final_logits(self.weights, row_hidden, out=v["logits"], ops=self.ops)
         self._sample(v, any_random, any_filter, features)
 
     def _lane_slots(self, v: dict[str, torch.Tensor], slots: str) -> None:
@@ -577,8 +581,8 @@ class ChipRuntime:
         meta = AttentionMetadata(v["lane_starts"], v["lane_seq_lens"], v["block_table"], v["slot_mapping"], 1,
                                  max_seq_len, seq_lens_host=seq_lens_host)
         hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
-                         v["positions"], self._all_reduce)
-        final_logits(self.weights, hidden, out=v["logits"])
+                         v["positions"], self._all_reduce, self.ops)
+        final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
                 features: Features | None) -> None:
@@ -622,7 +626,7 @@ class ChipRuntime:
                                  token_slots[:total], max(plan.max_query_len, 1), max_len,
                                  query_lens_host=plan.query_lens, seq_lens_host=plan.seq_lens)
         return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:total],
-                       token_positions[:total], self._all_reduce)
+                       token_positions[:total], self._all_reduce, self.ops)
 
     def _chunk_side_effects(self, plan: ChunkPlan, lanes: int, hidden, tokens, targets, output_counts, prompt_seen,
                             prompt_lp_values, prompt_lp_ids) -> None:
@@ -648,7 +652,7 @@ class ChipRuntime:
         PROMPT_LOGPROB_ROWS positions at a time."""
         for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
             z = min(a + PROMPT_LOGPROB_ROWS, len(targets))
-            logprobs = final_logits(self.weights, hidden[a:z]).log_softmax(dim=-1)
+            logprobs = final_logits(self.weights, hidden[a:z], ops=self.ops).log_softmax(dim=-1)
             values[first + a:first + z, 0] = logprobs.gather(1, targets[a:z, None]).squeeze(1)
             if top:
                 best = logprobs.topk(top, dim=-1)

@@ -136,6 +136,7 @@ def serve(spec: ChildSpec) -> None:
             "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
             "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
             "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
+            "fused_kernels": rt.ops.name,
             "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         }))
         limits = rt.limits
