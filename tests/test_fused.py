@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from chip_child.fused import resolve_fused_kernels  # noqa: E402
 from chip_child.local import LocalDriver, LocalRequest  # noqa: E402
-from chip_child.model import TORCH_OPS, Qwen3Weights, rope_table  # noqa: E402
+from chip_child.model import TORCH_OPS, rope_table  # noqa: E402
 from chip_child.runtime import ChipRuntime, RuntimeConfig  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
