@@ -177,6 +177,28 @@ class Floor:
         self.rt.graphs = self.graphs
         return step_s, tokens
 
+    def kernels_per_step(self, prompts: list[np.ndarray]) -> int:
+        """Kernels one eager decode step launches (a graph replays the same ones), counted by
+        torch.profiler; copies and fills are not counted."""
+        from torch.profiler import ProfilerActivity, profile
+
+        self.rt.graphs = None
+        admits = [Admit(row, len(p), 0.0, 1.0, 0, 0) for row, p in enumerate(prompts)]
+        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], 3, self.args.page_size,
+                                     self.free_pages, self.previous)
+        self.step += len(cmds)
+        staging = np.concatenate(prompts).astype(np.int32)
+        for cmd in cmds[:-1]:
+            self.rt.execute(cmd, staging, self.out)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.rt.execute(cmds[-1], staging, self.out)
+        for pages in owned:
+            self.free_pages += pages
+        self.previous = list(range(len(prompts)))
+        self.rt.graphs = self.graphs
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.lower().startswith(("memcpy", "memset")))
+
     def close(self) -> None:
         self.rt.close()
         del self.rt, self.graphs
@@ -266,6 +288,8 @@ def bench_model(name: str, args) -> dict:
             for r in range(args.repeats):
                 for graphs in (True, False):
                     record("floor" if graphs else "floor_eager", b, *floor.run(prompts[b, r], graphs))
+        if args.device == "cuda":
+            results["kernels_per_step"] = floor.kernels_per_step(prompts[batches[0], 0])
         floor.close()
         free_device(args.device)
         print(f"[{name}] floor done", flush=True)
@@ -274,6 +298,7 @@ def bench_model(name: str, args) -> dict:
             for b in batches:
                 for r in range(args.repeats):
                     record("floor_unfused", b, *floor.run(prompts[b, r], True))
+            results["kernels_per_step_unfused"] = floor.kernels_per_step(prompts[batches[0], 0])
             floor.close()
             free_device(args.device)
             print(f"[{name}] floor_unfused done", flush=True)
@@ -332,6 +357,10 @@ def format_table(all_results: dict) -> str:
                          f"| {ms('floor_unfused')} | {ms('l3')} | {ms('l3_eager')} | {ms('hf_static')} "
                          f"| {ratio('l3', 'floor')} | {v['l3']['x_roofline']:.2f} | {ratio('l3_eager', 'l3')} "
                          f"| {ratio('floor_unfused', 'floor')} | {ratio('hf_static', 'l3')} |")
+    for name, res in all_results["models"].items():
+        if "kernels_per_step" in res:
+            lines.append(f"{name}: kernels per decode step {res['kernels_per_step']} fused, "
+                         f"{res['kernels_per_step_unfused']} unfused ({res['shape']['num_hidden_layers']} layers)")
     return "\n".join(lines)
 
 
