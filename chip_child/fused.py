@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from chip_child.attention import _triton_importable, _triton_interpreted
+from chip_child.attention import triton_importable, triton_interpreted
 from chip_child.model import LayerOps, Qwen3Weights
 
 DEVICES = ("cuda",)
@@ -22,11 +22,11 @@ def resolve_fused_kernels(setting: bool | None, device_type: str) -> bool:
     """Whether the fused ops are used; ValueError naming `fused_kernels` where they cannot run."""
     if setting is not None and not isinstance(setting, bool):
         raise TypeError(f"fused_kernels must be a bool or None, got {type(setting).__name__}")
-    runnable = _triton_importable() and (device_type in DEVICES or (device_type == "cpu" and _triton_interpreted()))
+    runnable = triton_importable() and (device_type in DEVICES or (device_type == "cpu" and triton_interpreted()))
     if setting is None:
         return device_type in DEVICES and runnable
     if setting and not runnable:
-        why = "the triton package is not installed" if not _triton_importable() else \
+        why = "the triton package is not installed" if not triton_importable() else \
             "they run on cuda (or on the cpu under TRITON_INTERPRET=1)"
         raise ValueError(f"fused_kernels=True cannot run on {device_type}: {why}")
     return setting
