@@ -3,6 +3,7 @@ against transformers and against each other. Skipped where torch sees no CUDA de
 on a GPU machine with `python -m pytest tests/test_cuda.py`."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,9 @@ from chip_child.graphs import lane_buckets
 from chip_child.local import LocalDriver, LocalRequest
 from chip_child.runtime import ChipRuntime, RuntimeConfig
 from l3worker import DistributedWorker, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import assert_matches_transformers  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,16 +53,7 @@ def test_cuda_tokens_and_logits_match_transformers(ckpt, hf_model, backend: str,
         assert rt.graphs.lanes == lane_buckets(4)
     ps = prompts(LENS, model.config.vocab_size, seed=1)
     res = LocalDriver(rt).run([LocalRequest(p, NEW_TOKENS) for p in ps], keep_logits=True)
-    for prompt, tokens, logits in zip(ps, res.token_ids, res.logits):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False)
-            want = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
-        assert tokens == ref[0, len(prompt):].tolist(), f"greedy tokens differ for prompt length {len(prompt)}"
-        mine = torch.stack(logits).cpu()
-        rel = ((mine - want).abs().max() / want.abs().max()).item()
-        assert rel <= 1e-4, f"prompt length {len(prompt)}: relative logits error {rel:.2e}"
+    assert_matches_transformers(model, ps, res.token_ids, res.logits, NEW_TOKENS)
 
 
 def test_cuda_bfloat16_logits_track_transformers_in_bfloat16(ckpt) -> None:
