@@ -140,6 +140,18 @@ class StepResult:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose work is queued (ChipRuntime.launch) and not yet completed."""
+
+    result: StepResult
+    out: torch.Tensor
+    lanes: int
+    ids_host: torch.Tensor | None  # pinned host copy of the sampled ids, once `done` fired; None on the cpu
+    done: object | None  # the device event after that copy
+    timer: DeviceTimer
+
+
+@dataclass
 class ChunkPlan:
     """What the host knows of a step's prompt chunks: sizes for slicing the pooled buffers, the
     metadata's host lengths, and which rows start decoding after this step."""
@@ -185,7 +197,15 @@ class ChipRuntime:
         self._callables = {"prefill": self._step, "decode": self._step}
         self._h2d_copies = 0
         self._h2d_bytes = 0
-        self._timer = DeviceTimer(self.device)
+        # Two of each per-step record (timer events; on accelerators, pinned buffers for the sampled
+        # ids): a step's can still be in flight while the next step is launched (launch / complete).
+        self._timers = (DeviceTimer(self.device), DeviceTimer(self.device))
+        self._ids_host = self._ids_events = None
+        self._flip = 0
+        if self.device.type != "cpu":
+            api = getattr(torch, self.device.type)
+            self._ids_host = torch.zeros(2, cfg.max_batch_size, dtype=torch.int64, pin_memory=True)
+            self._ids_events = [api.Event(), api.Event()]
 
         b, mb, v, p = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size, cfg.prefill_capacity
         spec = AttentionSpec(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
@@ -306,7 +326,6 @@ class ChipRuntime:
         return self._callables[callable_name](**self.pool.resolve(callable_name, task_args), **scalars)
 
     # -- applying a command ----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, cmd: Command, staging: np.ndarray, out: torch.Tensor,
                 outputs: StepOutputs | None = None) -> StepResult:
         """Applies one validated command and writes the sampled id of every row into `out` [B],
@@ -314,7 +333,20 @@ class ChipRuntime:
         StepOutputs; without `outputs` none are computed). A step that raises leaves host and
         device state out of step with each other: a chip-child refuses every later command, and
         an in-process user must build a new runtime."""
+        return self.complete(self.launch(cmd, staging, out, outputs))
+
+    @torch.inference_mode()
+    def launch(self, cmd: Command, staging: np.ndarray, out: torch.Tensor,
+               outputs: StepOutputs | None = None) -> "LaunchedStep":
+        """The first half of `execute`: applies the command and queues the step's work. On the
+        cpu the step is done when this returns. On an accelerator the sampled ids are on their
+        way to a pinned host buffer, and `complete` waits for them: a chip-child launches the
+        next step before completing this one, so the device never waits for the host between
+        steps. Log-probabilities, when a row asked, are copied before this returns (the next
+        step would overwrite them on the device)."""
         t0 = time.perf_counter()
+        self._flip ^= 1
+        timer = self._timers[self._flip]
         copies0, bytes0, allocs0 = self._h2d_copies, self._h2d_bytes, self.pool.allocations
         if cmd.finished_rows:
             self.finish_rows(cmd.finished_rows)
@@ -324,15 +356,22 @@ class ChipRuntime:
             rows, blocks, pages = self._h2d(cmd.new_pages.astype(np.int64)).unbind(1)
             self.state["block_table"][rows, blocks] = pages.to(torch.int32)
             self._slot_steps = 0  # a row's current page may have changed: recompute its slot
-        self._timer.start()
+        timer.start()
         if cmd.full_state is not None:
             self._load_full_state(cmd.full_state)
         n, plan, lanes = self._run_step(cmd.chunks, staging, cmd.full_state is None, outputs is not None)
-        self._timer.stop()
+        timer.stop()
         # The sampled ids: the step's only synchronisation. Lanes [0, lanes) hold every active
         # row, the only rows the parent reads; the rest of `out` is left as it was.
         v = self._lane_views[lanes]
-        out[:lanes].copy_(v["input_ids"])
+        done = None
+        if self._ids_host is None:
+            out[:lanes].copy_(v["input_ids"])
+        else:
+            host = self._ids_host[self._flip, :lanes]
+            host.copy_(v["input_ids"], non_blocking=True)
+            done = self._ids_events[self._flip]
+            done.record()
         if n >= 0:
             outputs.logprobs[:lanes, :1 + n].copy_(v["lp_values"][:, :1 + n])
             outputs.logprob_ids[:lanes, :n].copy_(v["lp_ids"][:, :n])
@@ -342,15 +381,24 @@ class ChipRuntime:
             for first, count, offset, top in asks:
                 outputs.prompt_logprobs[offset:offset + count, :1 + top].copy_(values[first:first + count, :1 + top])
                 outputs.prompt_logprob_ids[offset:offset + count, :top].copy_(ids[first:first + count, :top])
-        return StepResult(
+        result = StepResult(
             apply_s=time.perf_counter() - t0,
-            device_s=self._timer.elapsed_s(),
+            device_s=0.0,
             h2d_copies=self._h2d_copies - copies0,
             h2d_bytes=self._h2d_bytes - bytes0,
             pool_allocs=self.pool.allocations - allocs0,
             logprobs=n,
             prompt_logprobs=bool(asks),
         )
+        return LaunchedStep(result, out, lanes, None if done is None else host, done, timer)
+
+    def complete(self, step: "LaunchedStep") -> StepResult:
+        """Waits for a launched step's sampled ids and writes them into its `out`."""
+        if step.done is not None:
+            step.done.synchronize()
+            step.out[:step.lanes].copy_(step.ids_host)
+        step.result.device_s = step.timer.elapsed_s()
+        return step.result
 
     @property
     def logits(self) -> torch.Tensor:

@@ -30,7 +30,7 @@ LIVENESS_POLL_MS = 100
 class ChildProcess:
     def __init__(self, ctx: zmq.Context, rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_dir: str,
                  wake_every_step: bool, fault: str | None = None, cpu_cores: list[int] | None = None,
-                 service_cores: list[int] | None = None):
+                 service_cores: list[int] | None = None, overlap_steps: bool | None = None):
         self.rank = rank
         self.socket_path = os.path.join(socket_dir, f"chip{rank}.sock")
         self._doorbell = buffers.doorbell.numpy()
@@ -39,7 +39,7 @@ class ChildProcess:
             "socket_dir": socket_dir, "runtime": asdict(runtime),
             "buffers": {k: v.to_json() for k, v in buffers.specs.items()},
             "wake_every_step": wake_every_step, "fault": fault, "cpu_cores": cpu_cores,
-            "service_cores": service_cores,
+            "service_cores": service_cores, "overlap_steps": overlap_steps,
         })
         env = dict(os.environ)
         package_root = str(Path(chip_child.__file__).resolve().parent.parent)

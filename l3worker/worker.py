@@ -68,6 +68,7 @@ class DistributedWorker:
         attention_backend: str | None = None,
         decode_graphs: bool | None = None,
         fused_kernels: bool | None = None,
+        overlap_steps: bool | None = None,
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
         num_threads: int | None = None,
@@ -140,6 +141,9 @@ class DistributedWorker:
         self._doorbell: Doorbell | None = None
         self._core_plan: CorePlan | None = None
         self._fault = fault_injection
+        if overlap_steps is not None and not isinstance(overlap_steps, bool):
+            raise TypeError(f"overlap_steps must be a bool or None, got {type(overlap_steps).__name__}")
+        self.overlap_steps = overlap_steps
         self._children: list[ChildProcess] = []
         self._ctx: zmq.Context | None = None
         self._socket_dir: str | None = None
@@ -182,7 +186,7 @@ class DistributedWorker:
                 self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir,
                                                    wake_every_step, self._fault,
                                                    plan.children[rank] if plan else None,
-                                                   plan.service if plan else None))
+                                                   plan.service if plan else None, self.overlap_steps))
             for child in self._children:
                 child.wait_ready(self.startup_timeout_s)
             self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget())

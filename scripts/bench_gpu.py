@@ -8,7 +8,8 @@ in one step) of:
   floor         ChipRuntime.execute in a loop in this process, decode graphs on
   floor_eager   the same runtime with its graphs set aside (every kernel launched from Python)
   floor_unfused a runtime with fused_kernels=False (the torch ops between the matmuls), graphs on
-  l3            DistributedWorker (chip-child, pipeline depth 2), graphs on (the cuda default)
+  l3            DistributedWorker (chip-child, pipeline depth 2), graphs on, overlapped steps (the cuda defaults)
+  l3_in_order   the same with overlap_steps=False: the child completes each step before launching the next
   l3_eager      DistributedWorker with decode_graphs=False
   hf_static     transformers generate with cache_implementation="static", greedy, eager
 
@@ -205,13 +206,13 @@ class Floor:
 
 
 class L3:
-    def __init__(self, model_dir: str, args, max_batch: int, graphs: bool):
+    def __init__(self, model_dir: str, args, max_batch: int, graphs: bool, overlap: bool | None = None):
         # The whole prefill in one step, as the floor sends it: the variants differ in decode alone.
         self.w = DistributedWorker(model_dir, device=args.device, dtype="bfloat16", max_batch_size=max_batch,
                                    max_seq_len=args.prompt_len + args.new_tokens, page_size=args.page_size,
                                    max_num_batched_tokens=max_batch * args.prompt_len,
                                    decode_graphs=graphs and args.device != "cpu",  # cpu: the smoke run
-                                   enable_prefix_caching=False)
+                                   overlap_steps=overlap, enable_prefix_caching=False)
         self.args = args
 
     def run(self, prompts: list[np.ndarray]) -> tuple[list[float], np.ndarray]:
@@ -281,19 +282,21 @@ def bench_model(name: str, args) -> dict:
         results["checkpoint_write_s"] = time.perf_counter() - t0
         print(f"[{name}] checkpoint written in {results['checkpoint_write_s']:.1f} s", flush=True)
 
+        want = args.variants
         t0 = time.perf_counter()
         floor = Floor(tmp, args, max_batch)
         results["floor_setup_s"] = time.perf_counter() - t0
         for b in batches:
             for r in range(args.repeats):
                 for graphs in (True, False):
-                    record("floor" if graphs else "floor_eager", b, *floor.run(prompts[b, r], graphs))
+                    if graphs or "floor_eager" in want:
+                        record("floor" if graphs else "floor_eager", b, *floor.run(prompts[b, r], graphs))
         if args.device == "cuda":
             results["kernels_per_step"] = floor.kernels_per_step(prompts[batches[0], 0])
         floor.close()
         free_device(args.device)
         print(f"[{name}] floor done", flush=True)
-        if args.device == "cuda":
+        if args.device == "cuda" and "floor_unfused" in want:
             floor = Floor(tmp, args, max_batch, fused=False)
             for b in batches:
                 for r in range(args.repeats):
@@ -303,15 +306,17 @@ def bench_model(name: str, args) -> dict:
             free_device(args.device)
             print(f"[{name}] floor_unfused done", flush=True)
 
-        for variant, graphs in (("l3", True), ("l3_eager", False)):
-            l3 = L3(tmp, args, max_batch, graphs)
+        for variant, options in L3_VARIANTS.items():
+            if variant not in want:
+                continue
+            l3 = L3(tmp, args, max_batch, **options)
             for b in batches:
                 for r in range(args.repeats):
                     record(variant, b, *l3.run(prompts[b, r]))
             l3.close()
             print(f"[{name}] {variant} done", flush=True)
 
-        if not args.no_hf:
+        if "hf_static" in want:
             hf = HFStatic(tmp, args)
             for b in batches:
                 for r in range(args.repeats):
@@ -333,34 +338,39 @@ def bench_model(name: str, args) -> dict:
                 "step_s": t, "step_s_per_repeat": times[variant, b], "tokens_sha": digest(tokens[variant, b]),
                 "x_roofline": t / roofline_s, "achieved_bytes_per_s": step_bytes / t,
                 "tokens_equal_floor": bool(np.array_equal(tokens[variant, b], tokens["floor", b])),
-                "tokens_equal_reference": bool(np.array_equal(tokens[variant, b], tokens[SAME_AS.get(variant, variant), b])),
+                "tokens_equal_reference": bool(np.array_equal(tokens[variant, b],
+                                                              tokens.get((SAME_AS.get(variant, variant), b)))),
             }
         results["batches"][b] = row
     return results
 
 
-VARIANTS = ("floor", "floor_eager", "floor_unfused", "l3", "l3_eager", "hf_static")
+VARIANTS = ("floor", "floor_eager", "floor_unfused", "l3", "l3_in_order", "l3_eager", "hf_static")
+L3_VARIANTS = {"l3": dict(graphs=True), "l3_in_order": dict(graphs=True, overlap=False), "l3_eager": dict(graphs=False)}
 # Each l3 variant runs the floor's code behind a chip-child: its tokens must be the floor's.
-SAME_AS = {"l3": "floor", "l3_eager": "floor_eager"}
+SAME_AS = {"l3": "floor", "l3_in_order": "floor", "l3_eager": "floor_eager"}
 
 
 def format_table(all_results: dict) -> str:
-    lines = ["| model | batch | roofline ms | floor ms | floor eager ms | floor unfused ms | l3 ms | l3 eager ms "
-             "| hf static ms | l3 / floor | l3 / roofline | graphs speedup (l3) | fusion speedup (floor) | hf / l3 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| model | batch | roofline ms | floor ms | floor eager ms | floor unfused ms | l3 ms | l3 in-order ms "
+             "| l3 eager ms | hf static ms | l3 / floor | in-order / floor | l3 / roofline | graphs speedup (l3) "
+             "| fusion speedup (floor) | hf / l3 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+             "| ---: |"]
     for name, res in all_results["models"].items():
         for b, row in res["batches"].items():
             v = row["variants"]
             ms = lambda k: f"{v[k]['step_s'] * 1e3:.3f}" if k in v else "-"  # noqa: E731
             ratio = lambda a, c: f"{v[a]['step_s'] / v[c]['step_s']:.3f}" if a in v and c in v else "-"  # noqa: E731
+            roof = f"{v['l3']['x_roofline']:.2f}" if "l3" in v else "-"
             lines.append(f"| {name} | {b} | {row['roofline_s'] * 1e3:.3f} | {ms('floor')} | {ms('floor_eager')} "
-                         f"| {ms('floor_unfused')} | {ms('l3')} | {ms('l3_eager')} | {ms('hf_static')} "
-                         f"| {ratio('l3', 'floor')} | {v['l3']['x_roofline']:.2f} | {ratio('l3_eager', 'l3')} "
-                         f"| {ratio('floor_unfused', 'floor')} | {ratio('hf_static', 'l3')} |")
+                         f"| {ms('floor_unfused')} | {ms('l3')} | {ms('l3_in_order')} | {ms('l3_eager')} "
+                         f"| {ms('hf_static')} | {ratio('l3', 'floor')} | {ratio('l3_in_order', 'floor')} | {roof} "
+                         f"| {ratio('l3_eager', 'l3')} | {ratio('floor_unfused', 'floor')} | {ratio('hf_static', 'l3')} |")
     for name, res in all_results["models"].items():
         if "kernels_per_step" in res:
             lines.append(f"{name}: kernels per decode step {res['kernels_per_step']} fused, "
-                         f"{res['kernels_per_step_unfused']} unfused ({res['shape']['num_hidden_layers']} layers)")
+                         f"{res.get('kernels_per_step_unfused', '-')} unfused ({res['shape']['num_hidden_layers']} layers)")
     return "\n".join(lines)
 
 
@@ -373,10 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; floor always runs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.variants = set(args.variants.split(",")) | {"floor"}
+    if args.variants - set(VARIANTS):
+        ap.error(f"--variants: unknown {sorted(args.variants - set(VARIANTS))}; choose from {VARIANTS}")
     models = args.models.split(",")
     for m in models:
         if m not in SHAPES:
@@ -394,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(format_table(result))
     bad = [(m, b, v) for m, res in result["models"].items() for b, row in res["batches"].items()
-           for v in SAME_AS if not row["variants"][v]["tokens_equal_reference"]]
+           for v in SAME_AS if v in row["variants"] and SAME_AS[v] in row["variants"]
+           and not row["variants"][v]["tokens_equal_reference"]]
     for m, b, v in bad:
         print(f"TOKENS DIFFER: {m} batch {b}: {v} vs {SAME_AS[v]}", file=sys.stderr)
     for m, res in result["models"].items():

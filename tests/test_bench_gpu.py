@@ -27,7 +27,7 @@ def test_bench_gpu_smoke_run_on_the_cpu(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["step_bytes"] > 0 and row["roofline_s"] > 0
         # floor_unfused runs on cuda only: on the cpu the fused kernels are off anyway.
-        assert set(row["variants"]) == {"floor", "floor_eager", "l3", "l3_eager", "hf_static"}
+        assert set(row["variants"]) == {"floor", "floor_eager", "l3", "l3_in_order", "l3_eager", "hf_static"}
         for v in row["variants"].values():
             assert v["step_s"] > 0 and v["x_roofline"] > 0
         assert row["variants"]["l3"]["tokens_equal_reference"] and row["variants"]["l3_eager"]["tokens_equal_reference"]
