@@ -45,6 +45,7 @@ class Qwen3Weights:
     eps: torch.Tensor
     inv_hidden: torch.Tensor
     inv_head_dim: torch.Tensor
+    eps_value: float  # rms_norm_eps as a python float, for kernels that take it as an argument
 
     @classmethod
     def from_hf(cls, state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int = 0,
@@ -88,7 +89,7 @@ class Qwen3Weights:
         return cls(embed=embed, layers=layers, norm=state["model.norm.weight"],
                    lm_head=(embed if tied else state["lm_head.weight"]).t(), tied=tied,
                    eps=scalar(cfg.rms_norm_eps), inv_hidden=scalar(1 / cfg.hidden_size),
-                   inv_head_dim=scalar(1 / hd))
+                   inv_head_dim=scalar(1 / hd), eps_value=float(cfg.rms_norm_eps))
 
     def to(self, device: torch.device) -> "Qwen3Weights":
         # Tensor.to keeps the transposed strides, so the moved projections are still [in, out] views.
@@ -97,7 +98,8 @@ class Qwen3Weights:
         embed = to(self.embed)
         return Qwen3Weights(embed=embed, layers=layers, norm=to(self.norm),
                             lm_head=embed.t() if self.tied else to(self.lm_head), tied=self.tied,
-                            eps=to(self.eps), inv_hidden=to(self.inv_hidden), inv_head_dim=to(self.inv_head_dim))
+                            eps=to(self.eps), inv_hidden=to(self.inv_hidden), inv_head_dim=to(self.inv_head_dim),
+                            eps_value=self.eps_value)
 
 
 def _shard(rank: int, world: int, size: int) -> slice:
@@ -154,25 +156,59 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + rotated * signed_sin
 
 
-def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-         sin: torch.Tensor):
+@dataclass(frozen=True)
+class LayerOps:
+    """The elementwise stages of a layer. TORCH_OPS, the reference, runs them as torch ops on
+    every device; chip_child.fused has one Triton kernel per stage for cuda.
+
+    add_rms_norm(h, delta, weight, w) -> (h + delta, rms_norm(h + delta)); delta None: (h, rms_norm(h))
+    rope_rows(rope, positions) -> what qk_norm_rope reads the step's rotations from
+    qk_norm_rope(qk, weight, rows, w) -> qk [T, heads + kv_heads, hd] normed per head and rotated
+    silu_mul(gate_up) -> silu(gate) * up
+    """
+
+    name: str
+    add_rms_norm: Callable
+    rope_rows: Callable
+    qk_norm_rope: Callable
+    silu_mul: Callable
+
+
+def _add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, w: Qwen3Weights):
+    if delta is not None:
+        h = h + delta
+    return h, rms_norm(h, weight, w.eps, w.inv_hidden)
+
+
+def _rope_rows(rope: torch.Tensor, positions: torch.Tensor):
+    return rope.index_select(0, positions).split_with_sizes((1, 1), 1)  # cos, signed sin: [T, 1, hd] each
+
+
+def _qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, rows, w: Qwen3Weights) -> torch.Tensor:
+    return apply_rope(rms_norm(qk, weight, w.eps, w.inv_head_dim), *rows)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+TORCH_OPS = LayerOps("torch", _add_rms_norm, _rope_rows, _qk_norm_rope, _silu_mul)
+
+
+def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, rows, ops: LayerOps):
     """q [T, heads, hd], k and v [T, kv_heads, hd]. q and k are normed and rotated together:
     one op sequence instead of two."""
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qk, v = linear(x, lw.qkv, lw.qkv_bias).view(-1, nh + 2 * nkv, hd).split_with_sizes((nh + nkv, nkv), 1)
-    q, k = apply_rope(rms_norm(qk, lw.qk_norm, w.eps, w.inv_head_dim), cos, sin).split_with_sizes((nh, nkv), 1)
+    q, k = ops.qk_norm_rope(qk, lw.qk_norm, rows, w).split_with_sizes((nh, nkv), 1)
     return q, k, v
 
 
-def _mlp_residual(w: Qwen3Weights, lw: LayerWeights, h: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
-    x = rms_norm(h, lw.post_norm, w.eps, w.inv_hidden)
-    gate, up = linear(x, lw.gate_up).chunk(2, -1)
-    return h + all_reduce(linear(F.silu(gate) * up, lw.down))
-
-
-def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None,
+                 ops: LayerOps = TORCH_OPS) -> torch.Tensor:
     """fp32 logits [T, vocab] of the last layer's hidden states `h`, written into `out` when given."""
-    x = rms_norm(h, w.norm, w.eps, w.inv_hidden)
+    x = ops.add_rms_norm(h, None, w.norm, w)[1]
     if out is not None and x.dtype == out.dtype:
         return torch.mm(x, w.lm_head, out=out)
     logits = linear(x, w.lm_head).float()
@@ -180,16 +216,18 @@ def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = No
 
 
 def forward(cfg: ModelConfig, w: Qwen3Weights, attn: AttentionBackend, step: StepPlan, rope: torch.Tensor,
-            tokens: torch.Tensor, positions: torch.Tensor, all_reduce: AllReduce = _no_reduce) -> torch.Tensor:
+            tokens: torch.Tensor, positions: torch.Tensor, all_reduce: AllReduce = _no_reduce,
+            ops: LayerOps = TORCH_OPS) -> torch.Tensor:
     """Every layer over the packed tokens [T] at `positions` [T]; `step` is the attention plan of
     this step's sequences (made once, shared by the layers). Leaves each token's K/V in the cache
-    and returns the last layer's hidden states [T, hidden] (see final_logits)."""
-    cos, sin = rope.index_select(0, positions).split_with_sizes((1, 1), 1)  # [T, 1, hd] each
-    h = F.embedding(tokens, w.embed)
+    and returns the last layer's hidden states [T, hidden] (see final_logits). Each residual add
+    is taken with the norm that follows it (one fused kernel under chip_child.fused)."""
+    rows = ops.rope_rows(rope, positions)
+    h, delta = F.embedding(tokens, w.embed), None
     for i, lw in enumerate(w.layers):
-        x = rms_norm(h, lw.input_norm, w.eps, w.inv_hidden)
-        q, k, v = _qkv(cfg, w, lw, x, cos, sin)
+        h, x = ops.add_rms_norm(h, delta, lw.input_norm, w)
+        q, k, v = _qkv(cfg, w, lw, x, rows, ops)
         o = attn.forward(i, q, k, v, step)
-        h = h + all_reduce(linear(o.flatten(1), lw.o_proj, lw.o_bias))
-        h = _mlp_residual(w, lw, h, all_reduce)
-    return h
+        h, x = ops.add_rms_norm(h, all_reduce(linear(o.flatten(1), lw.o_proj, lw.o_bias)), lw.post_norm, w)
+        delta = all_reduce(linear(ops.silu_mul(linear(x, lw.gate_up)), lw.down))
+    return h + delta

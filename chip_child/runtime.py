@@ -12,7 +12,8 @@ chunk. A chunk that ends its prompt hands its last hidden state to its row's lan
 sampler call serves decode rows and rows that just finished their prefill alike. A step runs
 lanes [0, n) only, n the lane bucket of its highest active row (chip_child.graphs); the rows
 above are idle and untouched. On cuda and npu the decode-only step's forward is a captured graph
-per bucket, replayed without copying anything (see chip_child.graphs: not run on hardware yet).
+per bucket, replayed without copying anything (chip_child.graphs). On cuda the elementwise
+stages between the matmuls are fused Triton kernels (chip_child.fused).
 
 Optional sampling stages (penalties, min_p, the min_tokens stop-id mask, log-probabilities) run
 only in steps where some active row uses them, decided from host facts kept between admissions:
@@ -33,7 +34,8 @@ from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device
 from chip_child.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_of, resolve_decode_graphs
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
-from chip_child.model import Qwen3Weights, final_logits, forward, rope_table, shard_config
+from chip_child.fused import resolve_fused_kernels, triton_layer_ops
+from chip_child.model import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.pool import TaskArg, TensorPool
 from chip_child.protocol import MAX_LOGPROBS, Admit, Chunk, Command, FullState, Limits, prefill_command
 from chip_child.sampling import Features, RowParams, sample, sample_with_features, seed_key, vocab_hash
@@ -61,6 +63,7 @@ class RuntimeConfig:
     copy_policy: str = "dirty"
     attention_backend: str | None = None  # None: the device's default (see chip_child.attention)
     decode_graphs: bool | None = None  # None: on for cuda and npu where the backend allows (chip_child.graphs)
+    fused_kernels: bool | None = None  # None: on for cuda where triton imports (chip_child.fused)
     num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
     tp_rank: int = 0
     tp_size: int = 1
@@ -137,6 +140,18 @@ class StepResult:
 
 
 @dataclass
+class LaunchedStep:
+    """A step whose work is queued (ChipRuntime.launch) and not yet completed."""
+
+    result: StepResult
+    out: torch.Tensor
+    lanes: int
+    ids_host: torch.Tensor | None  # pinned host copy of the sampled ids, once `done` fired; None on the cpu
+    done: object | None  # the device event after that copy
+    timer: DeviceTimer
+
+
+@dataclass
 class ChunkPlan:
     """What the host knows of a step's prompt chunks: sizes for slicing the pooled buffers, the
     metadata's host lengths, and which rows start decoding after this step."""
@@ -175,13 +190,22 @@ class ChipRuntime:
         del host
         mc = self.model_cfg
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
+        self.ops = triton_layer_ops() if resolve_fused_kernels(cfg.fused_kernels, self.device.type) else TORCH_OPS
         self.limits = replace(cfg.limits(), vocab_size=mc.vocab_size)
         self.pool = TensorPool(self.device)
         # One step function; two names, so a step's kind shows in dispatch (and fault injection).
         self._callables = {"prefill": self._step, "decode": self._step}
         self._h2d_copies = 0
         self._h2d_bytes = 0
-        self._timer = DeviceTimer(self.device)
+        # Two of each per-step record (timer events; on accelerators, pinned buffers for the sampled
+        # ids): a step's can still be in flight while the next step is launched (launch / complete).
+        self._timers = (DeviceTimer(self.device), DeviceTimer(self.device))
+        self._ids_host = self._ids_events = None
+        self._flip = 0
+        if self.device.type != "cpu":
+            api = getattr(torch, self.device.type)
+            self._ids_host = torch.zeros(2, cfg.max_batch_size, dtype=torch.int64, pin_memory=True)
+            self._ids_events = [api.Event(), api.Event()]
 
         b, mb, v, p = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size, cfg.prefill_capacity
         spec = AttentionSpec(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
@@ -302,7 +326,6 @@ class ChipRuntime:
         return self._callables[callable_name](**self.pool.resolve(callable_name, task_args), **scalars)
 
     # -- applying a command ----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, cmd: Command, staging: np.ndarray, out: torch.Tensor,
                 outputs: StepOutputs | None = None) -> StepResult:
         """Applies one validated command and writes the sampled id of every row into `out` [B],
@@ -310,7 +333,20 @@ class ChipRuntime:
         StepOutputs; without `outputs` none are computed). A step that raises leaves host and
         device state out of step with each other: a chip-child refuses every later command, and
         an in-process user must build a new runtime."""
+        return self.complete(self.launch(cmd, staging, out, outputs))
+
+    @torch.inference_mode()
+    def launch(self, cmd: Command, staging: np.ndarray, out: torch.Tensor,
+               outputs: StepOutputs | None = None) -> "LaunchedStep":
+        """The first half of `execute`: applies the command and queues the step's work. On the
+        cpu the step is done when this returns. On an accelerator the sampled ids are on their
+        way to a pinned host buffer, and `complete` waits for them: a chip-child launches the
+        next step before completing this one, so the device never waits for the host between
+        steps. Log-probabilities, when a row asked, are copied before this returns (the next
+        step would overwrite them on the device)."""
         t0 = time.perf_counter()
+        self._flip ^= 1
+        timer = self._timers[self._flip]
         copies0, bytes0, allocs0 = self._h2d_copies, self._h2d_bytes, self.pool.allocations
         if cmd.finished_rows:
             self.finish_rows(cmd.finished_rows)
@@ -320,15 +356,22 @@ class ChipRuntime:
             rows, blocks, pages = self._h2d(cmd.new_pages.astype(np.int64)).unbind(1)
             self.state["block_table"][rows, blocks] = pages.to(torch.int32)
             self._slot_steps = 0  # a row's current page may have changed: recompute its slot
-        self._timer.start()
+        timer.start()
         if cmd.full_state is not None:
             self._load_full_state(cmd.full_state)
         n, plan, lanes = self._run_step(cmd.chunks, staging, cmd.full_state is None, outputs is not None)
-        self._timer.stop()
+        timer.stop()
         # The sampled ids: the step's only synchronisation. Lanes [0, lanes) hold every active
         # row, the only rows the parent reads; the rest of `out` is left as it was.
         v = self._lane_views[lanes]
-        out[:lanes].copy_(v["input_ids"])
+        done = None
+        if self._ids_host is None:
+            out[:lanes].copy_(v["input_ids"])
+        else:
+            host = self._ids_host[self._flip, :lanes]
+            host.copy_(v["input_ids"], non_blocking=True)
+            done = self._ids_events[self._flip]
+            done.record()
         if n >= 0:
             outputs.logprobs[:lanes, :1 + n].copy_(v["lp_values"][:, :1 + n])
             outputs.logprob_ids[:lanes, :n].copy_(v["lp_ids"][:, :n])
@@ -338,15 +381,24 @@ class ChipRuntime:
             for first, count, offset, top in asks:
                 outputs.prompt_logprobs[offset:offset + count, :1 + top].copy_(values[first:first + count, :1 + top])
                 outputs.prompt_logprob_ids[offset:offset + count, :top].copy_(ids[first:first + count, :top])
-        return StepResult(
+        result = StepResult(
             apply_s=time.perf_counter() - t0,
-            device_s=self._timer.elapsed_s(),
+            device_s=0.0,
             h2d_copies=self._h2d_copies - copies0,
             h2d_bytes=self._h2d_bytes - bytes0,
             pool_allocs=self.pool.allocations - allocs0,
             logprobs=n,
             prompt_logprobs=bool(asks),
         )
+        return LaunchedStep(result, out, lanes, None if done is None else host, done, timer)
+
+    def complete(self, step: "LaunchedStep") -> StepResult:
+        """Waits for a launched step's sampled ids and writes them into its `out`."""
+        if step.done is not None:
+            step.done.synchronize()
+            step.out[:step.lanes].copy_(step.ids_host)
+        step.result.device_s = step.timer.elapsed_s()
+        return step.result
 
     @property
     def logits(self) -> torch.Tensor:
@@ -554,7 +606,7 @@ class ChipRuntime:
             # Chunk rows not ending their prompt may sit above the lanes: the full per-row state.
             self._chunk_side_effects(plan, lanes, hidden, tokens, ints[2 * plan.last_rows:], pooled["output_counts"],
                                      pooled["prompt_seen"], prompt_lp_values, prompt_lp_ids)
-            final_logits(self.weights, row_hidden, out=v["logits"])
+            final_logits(self.weights, row_hidden, out=v["logits"], ops=self.ops)
         self._sample(v, any_random, any_filter, features)
 
     def _lane_slots(self, v: dict[str, torch.Tensor], slots: str) -> None:
@@ -577,8 +629,8 @@ class ChipRuntime:
         meta = AttentionMetadata(v["lane_starts"], v["lane_seq_lens"], v["block_table"], v["slot_mapping"], 1,
                                  max_seq_len, seq_lens_host=seq_lens_host)
         hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
-                         v["positions"], self._all_reduce)
-        final_logits(self.weights, hidden, out=v["logits"])
+                         v["positions"], self._all_reduce, self.ops)
+        final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
                 features: Features | None) -> None:
@@ -622,7 +674,7 @@ class ChipRuntime:
                                  token_slots[:total], max(plan.max_query_len, 1), max_len,
                                  query_lens_host=plan.query_lens, seq_lens_host=plan.seq_lens)
         return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:total],
-                       token_positions[:total], self._all_reduce)
+                       token_positions[:total], self._all_reduce, self.ops)
 
     def _chunk_side_effects(self, plan: ChunkPlan, lanes: int, hidden, tokens, targets, output_counts, prompt_seen,
                             prompt_lp_values, prompt_lp_ids) -> None:
@@ -648,7 +700,7 @@ class ChipRuntime:
         PROMPT_LOGPROB_ROWS positions at a time."""
         for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
             z = min(a + PROMPT_LOGPROB_ROWS, len(targets))
-            logprobs = final_logits(self.weights, hidden[a:z]).log_softmax(dim=-1)
+            logprobs = final_logits(self.weights, hidden[a:z], ops=self.ops).log_softmax(dim=-1)
             values[first + a:first + z, 0] = logprobs.gather(1, targets[a:z, None]).squeeze(1)
             if top:
                 best = logprobs.topk(top, dim=-1)

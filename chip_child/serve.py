@@ -24,7 +24,7 @@ import zmq
 
 from chip_child import protocol
 from chip_child.device import choose_cpu_layout, pin_socket_threads
-from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
+from chip_child.runtime import ChipRuntime, LaunchedStep, RuntimeConfig, StepOutputs
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
@@ -47,6 +47,7 @@ class ChildSpec:
     service_cores: list[int] | None = None  # and its socket threads here
     layout_cores: list[int] | None = None  # cpu_layout="auto": the cores every_core would take; times both
     fault: str | None = None  # test-only: "raise@STEP", "hang@STEP" or "exit@STEP"
+    overlap_steps: bool | None = None  # launch a step before completing the last; None: on accelerators
 
     @classmethod
     def from_json(cls, text: str) -> "ChildSpec":
@@ -146,46 +147,81 @@ def serve(spec: ChildSpec) -> None:
             "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
             "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
             "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
+            "fused_kernels": rt.ops.name,
             "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"], "layout_trial_s": layout["trial_s"],
         }))
         limits = rt.limits
         failed: str | None = None  # after a failed step the device state is suspect: refuse the rest
+        # On an accelerator the next step is launched before the last one's ids are waited for, so
+        # the device never idles while this loop receives, publishes and launches.
+        overlap = spec.overlap_steps if spec.overlap_steps is not None else rt.device.type != "cpu"
+        pending: tuple[int, LaunchedStep] | None = None  # (step, its launch): launched, not yet published
 
         def report(step: int | None, message: str, tb: str) -> None:
             sock.send(protocol.encode_error(step, message, tb))
             doorbell[2] = 1  # after the message: a parent that sees the flag finds the message
 
+        def publish() -> None:
+            """Completes the pending step and tells the parent; steps are published in order."""
+            nonlocal pending, failed
+            step, launched = pending
+            pending = None
+            try:
+                r = rt.complete(launched)
+            except Exception as exc:
+                failed = f"step {step} failed earlier ({type(exc).__name__}: {exc})"
+                report(step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                return
+            if leader:
+                slot = step % slots
+                step_stats[slot] = (r.apply_s * 1e6, r.device_s * 1e6, r.h2d_copies, r.h2d_bytes, r.pool_allocs)
+                doorbell[0] = step + 1  # after the ids and figures: x86 keeps stores in order
+                # A socket message costs tens of microseconds to send: only a sleeping parent gets one.
+                if spec.wake_every_step or 0 <= doorbell[1] <= step:
+                    sock.send(protocol.encode_wakeup(step))
+
         while True:
             try:  # with run-ahead the next command is usually queued already: skip the poll
                 raw = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
+                if pending is not None:  # nothing to launch behind it: publish it now
+                    publish()
+                    continue
                 if not sock.poll(PARENT_CHECK_MS) and os.getppid() != spec.parent_pid:
                     return
                 continue
             try:
                 cmd = protocol.decode(raw, limits)
             except protocol.ProtocolError as exc:
+                if pending is not None:
+                    publish()
                 report(None, f"bad command: {exc}", "")
                 continue
             if isinstance(cmd, protocol.Shutdown):
+                if pending is not None:
+                    publish()
                 return
             if failed is not None:
                 report(cmd.step, f"refused: {failed}", "")
                 continue
             slot = cmd.step % slots
             try:
-                r = rt.execute(cmd, staging_rows[slot], out_rows[slot], outputs[slot])
+                launched = rt.launch(cmd, staging_rows[slot], out_rows[slot], outputs[slot])
             except Exception as exc:
+                if pending is not None:
+                    publish()
                 failed = f"step {cmd.step} failed earlier ({type(exc).__name__}: {exc})"
                 report(cmd.step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
                 continue
-            if leader:
-                step_stats[slot] = (r.apply_s * 1e6, r.device_s * 1e6, r.h2d_copies, r.h2d_bytes, r.pool_allocs)
-                doorbell[0] = cmd.step + 1  # after the ids and figures: x86 keeps stores in order
-                # A socket message costs tens of microseconds to send: only a sleeping parent gets one.
-                if spec.wake_every_step or 0 <= doorbell[1] <= cmd.step:
-                    sock.send(protocol.encode_wakeup(cmd.step))
+            if pending is not None:
+                publish()
+            if failed is not None:  # the step before it failed: this one ran on suspect state
+                report(cmd.step, f"refused: {failed}", "")
+                continue
+            pending = (cmd.step, launched)
+            if not overlap:
+                publish()
     finally:
         if rt is not None:
             rt.close()

@@ -31,7 +31,8 @@ LIVENESS_POLL_MS = 100
 class ChildProcess:
     def __init__(self, ctx: zmq.Context, rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_dir: str,
                  wake_every_step: bool, fault: str | None = None, cpu_cores: list[int] | None = None,
-                 service_cores: list[int] | None = None, layout_cores: list[int] | None = None):
+                 service_cores: list[int] | None = None, overlap_steps: bool | None = None,
+                 layout_cores: list[int] | None = None):
         self.rank = rank
         self.socket_path = os.path.join(socket_dir, f"chip{rank}.sock")
         self._doorbell = buffers.doorbell.numpy()
@@ -40,7 +41,7 @@ class ChildProcess:
             "socket_dir": socket_dir, "runtime": asdict(runtime),
             "buffers": {k: v.to_json() for k, v in buffers.specs.items()},
             "wake_every_step": wake_every_step, "fault": fault, "cpu_cores": cpu_cores,
-            "service_cores": service_cores, "layout_cores": layout_cores,
+            "service_cores": service_cores, "overlap_steps": overlap_steps, "layout_cores": layout_cores,
         })
         env = dict(os.environ)
         if device_type(runtime.device) == "cpu":

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from chip_child.attention import get_backend
 from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores, default_cpu_threads,
                                 device_type, pin_socket_threads, plan_cores)
+from chip_child.fused import resolve_fused_kernels
 from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
@@ -67,6 +68,8 @@ class DistributedWorker:
         copy_policy: str = "dirty",
         attention_backend: str | None = None,
         decode_graphs: bool | None = None,
+        fused_kernels: bool | None = None,
+        overlap_steps: bool | None = None,
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
         num_threads: int | None = None,
@@ -86,6 +89,7 @@ class DistributedWorker:
         kind = device_type(device)
         backend = get_backend(kind, attention_backend)
         resolve_decode_graphs(decode_graphs, kind, backend.decode_capturable, backend.name)
+        resolve_fused_kernels(fused_kernels, kind)
         device_ids = tuple(device_ids)
         if not device_ids:
             raise ValueError("device_ids must name at least one device")
@@ -132,7 +136,7 @@ class DistributedWorker:
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, page_size=page_size, num_pages=num_pages,
             max_prefill_tokens=max_num_batched_tokens, copy_policy=copy_policy, num_threads=num_threads,
-            attention_backend=attention_backend, decode_graphs=decode_graphs,
+            attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
         )
         self.device_ids = device_ids
         self.pipeline_depth = pipeline_depth
@@ -144,6 +148,9 @@ class DistributedWorker:
         self._doorbell: Doorbell | None = None
         self._core_plan: CorePlan | None = None
         self._fault = fault_injection
+        if overlap_steps is not None and not isinstance(overlap_steps, bool):
+            raise TypeError(f"overlap_steps must be a bool or None, got {type(overlap_steps).__name__}")
+        self.overlap_steps = overlap_steps
         self._children: list[ChildProcess] = []
         self._ctx: zmq.Context | None = None
         self._socket_dir: str | None = None
@@ -188,7 +195,7 @@ class DistributedWorker:
                 self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir,
                                                    wake_every_step, self._fault,
                                                    plan.children[rank] if plan else None,
-                                                   plan.service if plan else None, trial))
+                                                   plan.service if plan else None, self.overlap_steps, trial))
             for child in self._children:
                 child.wait_ready(self.startup_timeout_s)
             self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget())
@@ -377,6 +384,7 @@ class DistributedWorker:
             "copy_policy": self.runtime_config.copy_policy,
             "attention_backend": info.get("attention_backend"),
             "decode_graphs": info.get("decode_graphs"),  # the lane buckets captured; [] when off
+            "fused_kernels": info.get("fused_kernels"),  # "triton" or "torch" (chip_child.fused)
             "kv_pages_total": self.runtime_config.total_pages - 1,
             "kv_pages_free": self.engine.scheduler.pages.num_free if self.engine.scheduler else None,
             "generate_calls": self._generate_calls,

@@ -1,7 +1,7 @@
 """Decode lanes narrowed to a bucket, and decode graphs, on the cpu.
 
-The cuda/npu capture itself (chip_child.graphs.DeviceGraphs) has not run on hardware. What is
-checked here: the property a captured step relies on (a forward made with the bucket's bound host
+The cuda capture itself is tested on a GPU in tests/test_cuda.py; the npu capture has not run on
+hardware. What is checked here: the property a captured step relies on (a forward made with the bucket's bound host
 values gives the exact forward's logits while lengths, positions, slots and block tables change),
 the capture/replay driving with a stand-in capturer that replays the captured callable with its
 capture-time host arguments, and the options' validation."""

@@ -267,9 +267,10 @@ def _faulty_worker(fault: str, **overrides) -> tuple[DistributedWorker, list[psu
     return w, [psutil.Process(pid) for pid in w.child_pids], w.socket_dir
 
 
-def test_child_raises_gives_child_error_with_traceback() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
+def test_child_raises_gives_child_error_with_traceback(overlap: bool) -> None:
     shm_before = _shm()
-    w, children, socket_dir = _faulty_worker("raise@2")
+    w, children, socket_dir = _faulty_worker("raise@2", overlap_steps=overlap)
     with _guard(), pytest.raises(ChildError) as err:
         w.generate(PROMPTS, GREEDY)
     assert "injected fault" in str(err.value)

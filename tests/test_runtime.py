@@ -4,6 +4,7 @@ the wire protocol's validation."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import msgpack
@@ -28,6 +29,9 @@ from chip_child.protocol import (
 )
 from chip_child.pool import TaskArg, TensorPool
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepResult
+
+sys.path.insert(0, str(Path(__file__).parent))
+from parity import assert_matches_transformers  # noqa: E402
 
 NEW_TOKENS = 32
 
@@ -74,19 +78,7 @@ def test_greedy_tokens_and_logits_match_transformers(make_checkpoint, hf_model, 
     rt = make_runtime(path, page_size=page_size)
     prompts = random_prompts(lens, model.config.vocab_size, seed=len(name))
     res = LocalDriver(rt).run([LocalRequest(p, NEW_TOKENS) for p in prompts], keep_logits=True)
-
-    for prompt, tokens, logits in zip(prompts, res.token_ids, res.logits):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False)
-            full = torch.tensor([prompt + tokens[:-1]])
-            ref_logits = model(full).logits[0, len(prompt) - 1:]
-        assert tokens == ref[0, len(prompt):].tolist(), f"greedy tokens differ for prompt length {len(prompt)}"
-        assert len(logits) == NEW_TOKENS
-        for step, (mine, want) in enumerate(zip(logits, ref_logits)):
-            rel = ((mine - want).abs().max() / want.abs().max()).item()
-            assert rel <= 1e-4, f"prompt length {len(prompt)}, step {step}: relative logits error {rel:.2e}"
+    assert_matches_transformers(model, prompts, res.token_ids, res.logits, NEW_TOKENS)
 
 
 def test_bfloat16_logits_track_transformers_in_bfloat16(default_ckpt: Path) -> None:

@@ -21,21 +21,21 @@ BACKEND_NAMES = ("torch", "triton", "npu")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "AttentionSpec", "StepPlan", "WorkspaceShapes", "BACKEND_NAMES",
-           "get_backend", "backend_choices", "default_backend_name"]
+           "get_backend", "backend_choices", "default_backend_name", "triton_importable", "triton_interpreted"]
 
 
-def _triton_importable() -> bool:
+def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _triton_interpreted() -> bool:
+def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def backend_choices(device_type: str) -> tuple[str, ...]:
     """The backends that can run on `device_type` here."""
     choices = ["torch"]
-    if _triton_importable() and (device_type == "cuda" or (device_type == "cpu" and _triton_interpreted())):
+    if triton_importable() and (device_type == "cuda" or (device_type == "cpu" and triton_interpreted())):
         choices.append("triton")
     if device_type == "npu":
         choices.append("npu")
@@ -45,7 +45,7 @@ def backend_choices(device_type: str) -> tuple[str, ...]:
 def default_backend_name(device_type: str) -> str:
     if device_type == "npu":
         return "npu"
-    if device_type == "cuda" and _triton_importable():
+    if device_type == "cuda" and triton_importable():
         return "triton"
     return "torch"
 
@@ -63,7 +63,7 @@ def get_backend(device_type: str, name: str | None = None) -> type[AttentionBack
     choices = backend_choices(device_type)
     if name not in choices:
         why = ""
-        if name == "triton" and not _triton_importable():
+        if name == "triton" and not triton_importable():
             why = " (the triton package is not installed)"
         elif name == "triton" and device_type == "cpu":
             why = " (only under TRITON_INTERPRET=1)"

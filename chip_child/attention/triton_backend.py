@@ -27,7 +27,10 @@ LOG2E = 1.4426950408889634
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHARED_MEMORY_BUDGET = 160 * 1024  # bytes of pipelined K/V tiles per program, below every recent GPU's limit
 
 
 class TritonAttention(AttentionBackend):
@@ -145,8 +148,12 @@ class TritonAttention(AttentionBackend):
         step = StepPlan(meta)
         # A 128 x 128 fp32 accumulator needs more than four warps' registers.
         warps = self.num_warps if block_m * self._block_d < 128 * 128 else max(self.num_warps, 8)
+        # Software pipelining keeps num_stages K and V tiles in shared memory at once: fewer stages
+        # for large tiles (a 128-key fp32 tile at head_dim 128 needs 128 KiB a stage; an H100 has 227).
+        stage_bytes = 2 * block_n * self._block_d * s.dtype.itemsize
+        stages = next((n for n in (3, 2) if n * stage_bytes <= SHARED_MEMORY_BUDGET), 1)
         step.extra.update(grid=grid, block_m=block_m, block_q=block_q, block_n=block_n, splits=splits,
-                          query_start_loc=qsl, seq_lens=lens, block_table=table, num_warps=warps)
+                          query_start_loc=qsl, seq_lens=lens, block_table=table, num_warps=warps, num_stages=stages)
         return step
 
     def attend(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None = None,
@@ -175,7 +182,7 @@ class TritonAttention(AttentionBackend):
             PAGE_SIZE=s.page_size, BLOCK_M=x["block_m"], BLOCK_Q=x["block_q"], BLOCK_N=x["block_n"],
             NUM_SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
             DOT_FP32=self._interpreted and q.dtype == torch.bfloat16,
-            num_warps=x["num_warps"])
+            num_warps=x["num_warps"], num_stages=x["num_stages"])
         if splits > 1:
             t = step.meta.num_tokens
             block_h = self._merge_block_h
