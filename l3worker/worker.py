@@ -116,7 +116,8 @@ class DistributedWorker:
         if cpu_layout not in CPU_LAYOUTS:
             raise ValueError(f"cpu_layout must be one of {CPU_LAYOUTS}, got {cpu_layout!r}")
         if num_threads is not None and cpu_layout != "auto":
-            raise ValueError(f"cpu_layout={cpu_layout!r} and num_threads={num_threads} both set the cpu threads: give one")
+            raise ValueError(f"cpu_layout={cpu_layout!r} and num_threads={num_threads} both set the cpu threads: "
+                             "give one")
         if not isinstance(pin_cores, bool):
             raise TypeError(f"pin_cores must be a bool, got {type(pin_cores).__name__}")
         if not 0 <= spin_wait_s <= MAX_SPIN_S:
