@@ -770,6 +770,8 @@ class ChipRuntime:
         cfg, b = self.cfg, self.cfg.max_batch_size
         steps = max(1, min(steps, cfg.max_seq_len - 3))
         longest = min(cfg.max_seq_len - 1, (cfg.total_pages - 1) * cfg.page_size)  # positions a row may reach
+        if longest < 3:
+            raise ValueError("time_steps needs a cache of at least 3 positions per row")
         plen = max(1, min(prefill_tokens // b, cfg.prefill_capacity // b, longest - steps - 1))
         steps = max(1, min(steps, longest - plen - 1))
         out = torch.zeros(b, dtype=torch.int32)

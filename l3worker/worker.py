@@ -221,9 +221,11 @@ class DistributedWorker:
         chip_child.device.choose_cpu_layout): every core wins on models of a few million
         parameters on a quiet machine, and loses on tiny models and on a loaded one. Returns the
         cores every_core would take; None: no trial (tensor-parallel children step together and
-        keep spare_core)."""
-        if (self.cpu_layout != "auto" or self.runtime_config.num_threads is not None or children != 1
-                or device_type(self.runtime_config.device) != "cpu" or available_cores() < 2):
+        keep spare_core; a cache of fewer than 3 positions has no room for the timed steps)."""
+        cfg = self.runtime_config
+        room = min(cfg.max_seq_len - 1, (cfg.total_pages - 1) * cfg.page_size)
+        if (self.cpu_layout != "auto" or cfg.num_threads is not None or children != 1
+                or device_type(cfg.device) != "cpu" or available_cores() < 2 or room < 3):
             return None
         return allowed_cores()
 

@@ -189,6 +189,8 @@ def test_tensor_parallel_cpu_children_keep_a_core_spare_untimed(ckpt: Path, monk
     w = DistributedWorker(ckpt, **{**COMMON, "num_threads": None})
     assert w._layout_trial(2) is None and w._cpu_threads(2) == 3
     assert w._layout_trial(1) == list(range(8)) and w._cpu_threads(1) == 7  # starts as spare_core
+    tiny_cache = DistributedWorker(ckpt, **{**COMMON, "num_threads": None, "page_size": 1, "num_pages": 2})
+    assert tiny_cache._layout_trial(1) is None  # no room for a prompt and two decode steps
 
 
 def test_pin_cores_must_be_a_bool(ckpt: Path) -> None:

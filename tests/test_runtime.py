@@ -218,6 +218,15 @@ def test_timing_a_decode_step_leaves_the_runtime_as_it_was(default_ckpt: Path) -
     assert run_tokens(rt, requests) == expected
 
 
+def test_timing_steps_stays_within_a_small_cache(default_ckpt: Path) -> None:
+    def runtime(pages: int) -> ChipRuntime:
+        return ChipRuntime(RuntimeConfig(str(default_ckpt), device="cpu", dtype="float32", max_batch_size=2,
+                                         max_seq_len=80, page_size=2, num_pages=pages))
+    assert all(t > 0 for t in runtime(3).time_steps(256, 4, budget_s=10.0))  # 6 positions: prompt 1, 4 steps
+    with pytest.raises(ValueError, match="at least 3 positions"):
+        runtime(1).time_steps(256, 4, budget_s=10.0)
+
+
 def test_steady_decode_step_copies_nothing_to_the_device(default_ckpt: Path) -> None:
     rt = make_runtime(default_ckpt, page_size=4)
     s = Stepper(rt)
