@@ -79,7 +79,7 @@ def default_cpu_threads(children: int, layout: str = "spare_core") -> int:
 # least 20% faster. The child's steps alone are a cautious guide: with every core the parent's
 # bookkeeping and anything else on the machine land on the child's cores, and an OpenMP team
 # waits for its slowest thread. On a 2-core box (batch 16) the decode step took 0.77-0.83x the
-# time on both cores for models of 1.3M to 15M parameters, and whole generates 0.72-0.80x; models
+# time on both cores for models of 1.3M to 15M parameters, and whole generates 0.70-0.87x; models
 # of 40k and 230k parameters ran their step no faster (their ops are too small to split), and the
 # 40k one's whole generate 1.8x slower on both (the parent's work then stalls the child); with
 # one other busy process every model ran 1.7 to 5x slower on both. At batch 8 a 5M model's decode
