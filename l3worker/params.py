@@ -6,11 +6,14 @@ import numbers
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top-N log-probabilities a request may ask for, per token (OpenAI's limit)
-# Tokens per step (at least max_batch_size): decode rows plus prefill chunks. A long prompt arriving
-# delays the running rows' next token by one short chunk, not by its whole prefill: on the CI
-# machine's cpu, 256 kept their inter-token p99 at 83 ms through a 3,000-token prefill (512: 168 ms,
-# the whole prompt in one step: 649 ms) for 12% more prefill time (scripts/bench_scheduler.py).
-DEFAULT_BATCHED_TOKENS = 256
+# Tokens per step (at least max_batch_size): decode rows plus prefill chunks. Offline (the worker's
+# default) larger steps prefill faster: on the CI machine's cpu whole generates of 16 ~100-token
+# prompts took 9-13% less time than with 256 (scripts/bench_cpu.py). Serving on a cpu
+# (`l3worker serve`'s default there), a long prompt must delay the running rows' next token by one
+# short chunk only: 256 kept their inter-token p99 at 83 ms through a 3,000-token prefill (512:
+# 168 ms, the whole prompt in one step: 649 ms) for 12% more prefill time (scripts/bench_scheduler.py).
+DEFAULT_BATCHED_TOKENS = 2048
+SERVE_CPU_BATCHED_TOKENS = 256
 
 
 @dataclass(frozen=True)

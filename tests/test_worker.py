@@ -288,3 +288,14 @@ def test_builtin_model_context_manager_and_text() -> None:
     w.close()
     with pytest.raises(WorkerError):
         w.generate(prompts)
+
+
+def test_step_budget_defaults_to_the_offline_size_and_at_least_the_rows(ckpt: Path, monkeypatch) -> None:
+    from l3worker import worker as worker_module
+    from l3worker.params import DEFAULT_BATCHED_TOKENS
+
+    monkeypatch.setattr(worker_module, "ChildProcess", None)  # nothing starts before prepare()
+    assert DistributedWorker(ckpt, **COMMON).runtime_config.max_prefill_tokens == DEFAULT_BATCHED_TOKENS
+    rows = DEFAULT_BATCHED_TOKENS + 8
+    wide = DistributedWorker(ckpt, **{**COMMON, "max_batch_size": rows, "max_seq_len": 16})
+    assert wide.runtime_config.max_prefill_tokens == rows

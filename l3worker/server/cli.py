@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from l3worker.params import DEFAULT_BATCHED_TOKENS
+from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.server.runner import ServeOptions, bind, serve, served_model
 
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-depth", type=int, default=2, help="step commands in flight (default: 2)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help=f"tokens per step: decoding rows plus prefill chunks (default: the larger of "
-                        f"{DEFAULT_BATCHED_TOKENS} and --max-num-seqs)")
+                        f"--max-num-seqs and {SERVE_CPU_BATCHED_TOKENS} on a cpu, {DEFAULT_BATCHED_TOKENS} "
+                        "on an accelerator)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes seen before (default: on)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
@@ -63,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
     return parser
+
+
+def serve_batched_tokens(args: argparse.Namespace) -> int | None:
+    """--max-num-batched-tokens, or the serving default on a cpu (short chunks keep the running
+    rows' inter-token latency low); None leaves the worker's default (accelerators)."""
+    from chip_child.device import device_type
+
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    try:
+        kind = device_type(args.device)
+    except ValueError:
+        return None  # the worker names the bad device
+    return max(SERVE_CPU_BATCHED_TOKENS, args.max_num_seqs) if kind == "cpu" else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +119,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                    max_batch_size=args.max_num_seqs, max_seq_len=max_model_len,
                                    page_size=args.block_size, num_pages=args.num_gpu_blocks_override,
                                    dtype=args.dtype, pipeline_depth=args.pipeline_depth,
-                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                   max_num_batched_tokens=serve_batched_tokens(args),
                                    enable_prefix_caching=args.enable_prefix_caching)
         options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
                                api_key=args.api_key or None, chat_template=args.chat_template,
