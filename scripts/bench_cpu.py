@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from bench_models import write_random_qwen3  # scripts/, next to this file
 
 BASE_MODEL = dict(tie_word_embeddings=False, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None)
@@ -87,15 +88,7 @@ HF_VARIANTS = ("hf_static", "hf_dynamic", "hf_batch")
 
 
 def write_checkpoint(path: Path, wl: Workload) -> int:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(wl.seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**{**BASE_MODEL, **wl.model})).eval()
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
+    return write_random_qwen3(path, {**BASE_MODEL, **wl.model}, wl.seed)
 
 
 def make_prompts(wl: Workload) -> list[list[int]]:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_models import write_random_qwen3  # scripts/, next to this file
 from bench_submit import DEFAULT_SIZES, format_submission, measure_submission  # scripts/, next to this file
 
 from chip_child.device import plan_cores
@@ -81,14 +82,7 @@ WORKLOADS = {
 # -- workload ---------------------------------------------------------------------------------------
 def write_checkpoint(path: Path, wl: Workload) -> int:
     """A random Qwen3ForCausalLM saved with save_pretrained (fixed seed, no eos); returns its parameter count."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(wl.seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**{**BASE_MODEL, **wl.model})).eval()
-    model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
+    return write_random_qwen3(path, {**BASE_MODEL, **wl.model}, wl.seed)
 
 
 def make_prompts(wl: Workload) -> list[np.ndarray]:

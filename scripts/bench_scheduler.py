@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_models import write_random_qwen3  # scripts/, next to this file
 
 from l3worker import DistributedWorker, SamplingParams
 
@@ -34,10 +35,7 @@ MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden
 
 
 def write_checkpoint(path: Path) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**MODEL)).eval().save_pretrained(path)
+    write_random_qwen3(path, MODEL)
     return path
 
 
