@@ -162,17 +162,24 @@ def serve(spec: ChildSpec) -> None:
             sock.send(protocol.encode_error(step, message, tb))
             doorbell[2] = 1  # after the message: a parent that sees the flag finds the message
 
-        def publish() -> None:
-            """Completes the pending step and tells the parent; steps are published in order."""
-            nonlocal pending, failed
+        def fail(step: int, exc: Exception) -> None:
+            nonlocal failed
+            failed = f"step {step} failed earlier ({type(exc).__name__}: {exc})"
+            report(step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+        def publish() -> bool:
+            """Completes the pending step, if any, and tells the parent (steps are published in
+            order); False when none was pending."""
+            nonlocal pending
+            if pending is None:
+                return False
             step, launched = pending
             pending = None
             try:
                 r = rt.complete(launched)
             except Exception as exc:
-                failed = f"step {step} failed earlier ({type(exc).__name__}: {exc})"
-                report(step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
-                return
+                fail(step, exc)
+                return True
             if leader:
                 slot = step % slots
                 step_stats[slot] = (r.apply_s * 1e6, r.device_s * 1e6, r.h2d_copies, r.h2d_bytes, r.pool_allocs)
@@ -180,13 +187,13 @@ def serve(spec: ChildSpec) -> None:
                 # A socket message costs tens of microseconds to send: only a sleeping parent gets one.
                 if spec.wake_every_step or 0 <= doorbell[1] <= step:
                     sock.send(protocol.encode_wakeup(step))
+            return True
 
         while True:
             try:  # with run-ahead the next command is usually queued already: skip the poll
                 raw = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                if pending is not None:  # nothing to launch behind it: publish it now
-                    publish()
+                if publish():  # nothing to launch behind it: publish it now
                     continue
                 if not sock.poll(PARENT_CHECK_MS) and os.getppid() != spec.parent_pid:
                     return
@@ -194,13 +201,11 @@ def serve(spec: ChildSpec) -> None:
             try:
                 cmd = protocol.decode(raw, limits)
             except protocol.ProtocolError as exc:
-                if pending is not None:
-                    publish()
+                publish()
                 report(None, f"bad command: {exc}", "")
                 continue
             if isinstance(cmd, protocol.Shutdown):
-                if pending is not None:
-                    publish()
+                publish()
                 return
             if failed is not None:
                 report(cmd.step, f"refused: {failed}", "")
@@ -209,13 +214,10 @@ def serve(spec: ChildSpec) -> None:
             try:
                 launched = rt.launch(cmd, staging_rows[slot], out_rows[slot], outputs[slot])
             except Exception as exc:
-                if pending is not None:
-                    publish()
-                failed = f"step {cmd.step} failed earlier ({type(exc).__name__}: {exc})"
-                report(cmd.step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
-                continue
-            if pending is not None:
                 publish()
+                fail(cmd.step, exc)
+                continue
+            publish()
             if failed is not None:  # the step before it failed: this one ran on suspect state
                 report(cmd.step, f"refused: {failed}", "")
                 continue
