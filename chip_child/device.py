@@ -20,6 +20,12 @@ def _npu_available() -> bool:
     return torch.npu.is_available() and torch.npu.device_count() > 0
 
 
+def check_optional_bool(name: str, value: object) -> None:
+    """The check of a switch whose None means "the device decides"."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
+
+
 def device_type(device: str) -> str:
     """What `device` resolves to, without opening anything: `auto` picks npu (torch_npu
     importable and a device present), then cuda, then cpu."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from chip_child.attention import triton_importable, triton_interpreted
+from chip_child.device import check_optional_bool
 from chip_child.model import LayerOps, Qwen3Weights
 
 DEVICES = ("cuda",)
@@ -20,8 +21,7 @@ DEVICES = ("cuda",)
 
 def resolve_fused_kernels(setting: bool | None, device_type: str) -> bool:
     """Whether the fused ops are used; ValueError naming `fused_kernels` where they cannot run."""
-    if setting is not None and not isinstance(setting, bool):
-        raise TypeError(f"fused_kernels must be a bool or None, got {type(setting).__name__}")
+    check_optional_bool("fused_kernels", setting)
     runnable = triton_importable() and (device_type in DEVICES or (device_type == "cpu" and triton_interpreted()))
     if setting is None:
         return device_type in DEVICES and runnable
@@ -33,6 +33,8 @@ def resolve_fused_kernels(setting: bool | None, device_type: str) -> bool:
 
 
 def triton_layer_ops() -> LayerOps:
+    from triton import next_power_of_2
+
     from chip_child import fused_kernels as k
 
     def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, w: Qwen3Weights):
@@ -42,7 +44,7 @@ def triton_layer_ops() -> LayerOps:
             return (h if delta is None else h + delta), x
         h_out = h if delta is None else torch.empty_like(h)
         d = h if delta is None else delta
-        block = triton_block(n)
+        block = next_power_of_2(n)
         k.add_rms_norm_kernel[(t,)](h, d, h_out, x, weight, n, h.stride(0), d.stride(0), h_out.stride(0), x.stride(0),
                                     w.eps_value, 1.0 / n, HAS_DELTA=delta is not None, BLOCK=block,
                                     num_warps=warps_for(block))
@@ -56,10 +58,10 @@ def triton_layer_ops() -> LayerOps:
         t, heads, hd = qk.shape
         if t == 0:
             return qk
-        block_h = min(8, triton_block(heads))
+        block_h = min(8, next_power_of_2(heads))
         k.qk_norm_rope_kernel[(t, -(-heads // block_h))](
             qk, weight, rope, positions, heads, qk.stride(0), qk.stride(1), rope.stride(0), w.eps_value, 1.0 / hd,
-            HEAD_DIM=hd, BLOCK_D=triton_block(hd), BLOCK_H=block_h, num_warps=4)
+            HEAD_DIM=hd, BLOCK_D=next_power_of_2(hd), BLOCK_H=block_h, num_warps=4)
         return qk  # written in place: the projection's output is a temporary
 
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -67,18 +69,12 @@ def triton_layer_ops() -> LayerOps:
         inter = two_inter // 2
         out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
         if t:
-            block = min(1024, triton_block(inter))
+            block = min(1024, next_power_of_2(inter))
             k.silu_mul_kernel[(t, -(-inter // block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
                                                        BLOCK=block, num_warps=4)
         return out
 
     return LayerOps("triton", add_rms_norm, rope_rows, qk_norm_rope, silu_mul)
-
-
-def triton_block(n: int) -> int:
-    import triton
-
-    return triton.next_power_of_2(n)
 
 
 def warps_for(block: int) -> int:

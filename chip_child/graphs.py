@@ -23,6 +23,8 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from chip_child.device import check_optional_bool
+
 Replay = Callable[[], None]
 GRAPH_DEVICES = ("cuda", "npu")
 
@@ -47,8 +49,7 @@ def resolve_decode_graphs(setting: bool | None, device_type: str, backend_captur
                           backend_name: str) -> bool:
     """Whether decode graphs are used: None turns them on for cuda and npu where the attention
     backend's decode plan can be captured; True insists (ValueError where it cannot work)."""
-    if setting is not None and not isinstance(setting, bool):
-        raise TypeError(f"decode_graphs must be a bool or None, got {type(setting).__name__}")
+    check_optional_bool("decode_graphs", setting)
     if setting is None:
         return device_type in GRAPH_DEVICES and backend_capturable
     if setting and device_type not in GRAPH_DEVICES:

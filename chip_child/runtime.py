@@ -81,6 +81,11 @@ class RuntimeConfig:
         return self.max_batch_size * self.max_blocks_per_row + 1
 
     @property
+    def reachable_positions(self) -> int:
+        """Positions one row can take: below max_seq_len, and within the pool's pages."""
+        return min(self.max_seq_len - 1, (self.total_pages - 1) * self.page_size)
+
+    @property
     def prefill_capacity(self) -> int:
         return self.max_prefill_tokens or max(self.max_seq_len, 2048)
 
@@ -754,9 +759,7 @@ class ChipRuntime:
             self.execute(Command(step=step + 2), staging, out, outputs)
             self.finish_rows(list(range(min(b, 2))))
             step += 3
-        for name in ("block_table", "output_counts", "prompt_seen", "stop_mask"):
-            self.state[name].zero_()
-        if self._pending_graphs is not None:
+        if self._pending_graphs is not None:  # every row idle: the captures write to the scratch page only
             self._capture_graphs(self._pending_graphs)
         self.reset()
 
@@ -769,7 +772,7 @@ class ChipRuntime:
         Leaves an empty batch, and its rows' tables and K/V until reset()."""
         cfg, b = self.cfg, self.cfg.max_batch_size
         steps = max(1, min(steps, cfg.max_seq_len - 3))
-        longest = min(cfg.max_seq_len - 1, (cfg.total_pages - 1) * cfg.page_size)  # positions a row may reach
+        longest = cfg.reachable_positions
         if longest < 3:
             raise ValueError("time_steps needs a cache of at least 3 positions per row")
         plen = max(1, min(prefill_tokens // b, cfg.prefill_capacity // b, longest - steps - 1))

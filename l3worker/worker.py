@@ -21,8 +21,8 @@ import zmq
 from tqdm import tqdm
 
 from chip_child.attention import get_backend
-from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores, default_cpu_threads,
-                                device_type, pin_socket_threads, plan_cores)
+from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores,
+                                check_optional_bool, default_cpu_threads, device_type, pin_socket_threads, plan_cores)
 from chip_child.fused import resolve_fused_kernels
 from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
@@ -149,8 +149,7 @@ class DistributedWorker:
         self._doorbell: Doorbell | None = None
         self._core_plan: CorePlan | None = None
         self._fault = fault_injection
-        if overlap_steps is not None and not isinstance(overlap_steps, bool):
-            raise TypeError(f"overlap_steps must be a bool or None, got {type(overlap_steps).__name__}")
+        check_optional_bool("overlap_steps", overlap_steps)
         self.overlap_steps = overlap_steps
         self._children: list[ChildProcess] = []
         self._ctx: zmq.Context | None = None
@@ -223,9 +222,8 @@ class DistributedWorker:
         cores every_core would take; None: no trial (tensor-parallel children step together and
         keep spare_core; a cache of fewer than 3 positions has no room for the timed steps)."""
         cfg = self.runtime_config
-        room = min(cfg.max_seq_len - 1, (cfg.total_pages - 1) * cfg.page_size)
         if (self.cpu_layout != "auto" or cfg.num_threads is not None or children != 1
-                or device_type(cfg.device) != "cpu" or available_cores() < 2 or room < 3):
+                or device_type(cfg.device) != "cpu" or available_cores() < 2 or cfg.reachable_positions < 3):
             return None
         return allowed_cores()
 
