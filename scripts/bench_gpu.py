@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from chip_child.local import batch_commands
-from chip_child.protocol import Admit
+from chip_child.protocol import Admit, Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig
 from l3worker import DistributedWorker, SamplingParams
 
@@ -157,13 +157,21 @@ class Floor:
         self.step = 0
         self.previous: list[int] = []
 
+    def _commands(self, prompts: list[np.ndarray], new_tokens: int) -> tuple[list[Command], np.ndarray]:
+        """The scheduler's commands for one batch admitted at once, and its staging ids. The
+        pages go back at once: the next batch's prefill finishes these rows first."""
+        admits = [Admit(row, len(p), 0.0, 1.0, 0, 0) for row, p in enumerate(prompts)]
+        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], new_tokens, self.args.page_size,
+                                     self.free_pages, self.previous)
+        self.step += len(cmds)
+        for pages in owned:
+            self.free_pages += pages
+        self.previous = list(range(len(prompts)))
+        return cmds, np.concatenate(prompts).astype(np.int32)
+
     def run(self, prompts: list[np.ndarray], graphs: bool) -> tuple[list[float], np.ndarray]:
         self.rt.graphs = self.graphs if graphs else None  # eager: every step launches its kernels from Python
-        admits = [Admit(row, len(p), 0.0, 1.0, 0, 0) for row, p in enumerate(prompts)]
-        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], self.args.new_tokens,
-                                     self.args.page_size, self.free_pages, self.previous)
-        self.step += len(cmds)
-        staging = np.concatenate(prompts).astype(np.int32)
+        cmds, staging = self._commands(prompts, self.args.new_tokens)
         tokens = np.zeros((len(prompts), len(cmds)), np.int32)
         step_s = []
         for j, cmd in enumerate(cmds):
@@ -172,9 +180,6 @@ class Floor:
             if j:
                 step_s.append(time.perf_counter() - t0)
             tokens[:, j] = self.out.numpy()[:len(prompts)]
-        for pages in owned:
-            self.free_pages += pages
-        self.previous = list(range(len(prompts)))  # the next prefill finishes them, as the scheduler does
         self.rt.graphs = self.graphs
         return step_s, tokens
 
@@ -184,18 +189,11 @@ class Floor:
         from torch.profiler import ProfilerActivity, profile
 
         self.rt.graphs = None
-        admits = [Admit(row, len(p), 0.0, 1.0, 0, 0) for row, p in enumerate(prompts)]
-        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], 3, self.args.page_size,
-                                     self.free_pages, self.previous)
-        self.step += len(cmds)
-        staging = np.concatenate(prompts).astype(np.int32)
+        cmds, staging = self._commands(prompts, 3)
         for cmd in cmds[:-1]:
             self.rt.execute(cmd, staging, self.out)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             self.rt.execute(cmds[-1], staging, self.out)
-        for pages in owned:
-            self.free_pages += pages
-        self.previous = list(range(len(prompts)))
         self.rt.graphs = self.graphs
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.name.lower().startswith(("memcpy", "memset")))
