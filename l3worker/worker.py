@@ -32,10 +32,11 @@ from chip_child.tiny_model import ensure_tiny_model
 from l3worker.child import ChildProcess
 from l3worker.shared import StepBuffers
 from l3worker.doorbell import ORDERED_STORES, Doorbell
-from l3worker.engine import Engine, RequestState
+from l3worker.engine import Engine
 from l3worker.errors import WorkerError
 from l3worker.inputs import Prompt, as_prompt_list
 from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParams
+from l3worker.requests import RequestState
 from l3worker.stats import GenerateStats
 
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
