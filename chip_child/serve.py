@@ -10,7 +10,6 @@ applied.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import shutil
 import signal
@@ -19,12 +18,14 @@ import traceback
 from dataclasses import dataclass
 
 import msgpack
+import numpy as np
 import torch
 import zmq
 
 from chip_child import protocol
 from chip_child.device import choose_cpu_layout, pin_socket_threads
 from chip_child.runtime import ChipRuntime, LaunchedStep, RuntimeConfig, StepOutputs
+from chip_child.spec import ChildSpec
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
@@ -32,28 +33,6 @@ PARENT_CHECK_MS = 500
 # this many tokens (the step budget, if smaller), then at most this many decode steps timed, fewer
 # past this many seconds.
 LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S = 256, 4, 0.1
-
-
-@dataclass
-class ChildSpec:
-    endpoint: str
-    rank: int
-    parent_pid: int
-    socket_dir: str
-    runtime: RuntimeConfig
-    buffers: dict[str, list]  # name -> [fd, nbytes, shape, dtype]
-    wake_every_step: bool = False  # send a wake-up after every step, not only to a sleeping parent
-    cpu_cores: list[int] | None = None  # a cpu child's threads run here only
-    service_cores: list[int] | None = None  # and its socket threads here
-    layout_cores: list[int] | None = None  # cpu_layout="auto": the cores every_core would take; times both
-    fault: str | None = None  # test-only: "raise@STEP", "hang@STEP" or "exit@STEP"
-    overlap_steps: bool | None = None  # launch a step before completing the last; None: on accelerators
-
-    @classmethod
-    def from_json(cls, text: str) -> "ChildSpec":
-        raw = json.loads(text)
-        raw["runtime"] = RuntimeConfig(**raw["runtime"])
-        return cls(**raw)
 
 
 def open_shared(spec: list) -> torch.Tensor:
@@ -105,7 +84,167 @@ def _inject_fault(rt: ChipRuntime, fault: str) -> None:
     rt.register_callable(target, faulty)
 
 
+def start_runtime(spec: ChildSpec) -> tuple[ChipRuntime, dict]:
+    """Opens the device and builds the runtime (weights, KV cache, warm-up); with layout_cores,
+    times the cpu layouts first. Returns the runtime and what the trial chose."""
+    if spec.cpu_cores:
+        os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
+    rt = ChipRuntime(RuntimeConfig(**spec.runtime))
+    try:
+        layout = {"layout": None, "step_s": None, "trial_s": None}
+        if spec.layout_cores:
+            layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
+                                       torch.get_num_threads(), spec.layout_cores)
+            rt.reset()
+        if spec.fault:
+            _inject_fault(rt, spec.fault)
+    except BaseException:
+        rt.close()
+        raise
+    return rt, layout
+
+
+def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
+    """The start-up report: what the parent's stats() show of this child."""
+    return msgpack.packb({
+        "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
+        "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
+        "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
+        "fused_kernels": rt.ops.name,
+        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"], "layout_trial_s": layout["trial_s"],
+    })
+
+
+@dataclass
+class Ring:
+    """This child's views of the shared ring, per slot, made once."""
+
+    out: list[torch.Tensor]  # where a step's sampled ids go (a private buffer off rank 0)
+    staging: list[np.ndarray]  # the step's prompt ids
+    # Log-probabilities are computed and written by rank 0 alone: the other ranks get None.
+    outputs: list[StepOutputs | None]
+    step_stats: np.ndarray  # [slots, 5]
+    doorbell: np.ndarray  # see l3worker.doorbell
+
+    @property
+    def slots(self) -> int:
+        return len(self.out)
+
+
+def map_ring(spec: ChildSpec) -> Ring:
+    sampled = open_shared(spec.buffers["sampled"])
+    leader = spec.rank == 0  # tensor-parallel peers sample the same ids; rank 0 alone reports them
+    if not leader:
+        sampled = torch.zeros_like(sampled)
+    outputs: list[StepOutputs | None] = [None] * sampled.shape[0]
+    names = ("logprobs", "logprob_ids", "prompt_logprobs", "prompt_logprob_ids")
+    if leader and all(n in spec.buffers for n in names):
+        views = [open_shared(spec.buffers[n]).unbind(0) for n in names]
+        outputs = [StepOutputs(*per_slot) for per_slot in zip(*views)]
+    return Ring(out=list(sampled.unbind(0)), staging=list(open_shared(spec.buffers["staging"]).numpy()),
+                outputs=outputs, step_stats=open_shared(spec.buffers["step_stats"]).numpy(),
+                doorbell=open_shared(spec.buffers["doorbell"]).numpy())
+
+
+class StepLoop:
+    """Applies one command per message, in order, until Shutdown or the parent is gone.
+
+    A step is published (its ids and figures in its ring slot, then the doorbell) only once the
+    next command was launched behind it, or when none is waiting: on an accelerator the device
+    never idles while this loop receives, publishes and launches. After a failed step the device
+    state is suspect: every later command is refused, each with an error reply."""
+
+    def __init__(self, spec: ChildSpec, sock: zmq.Socket, rt: ChipRuntime, ring: Ring, overlap: bool):
+        self.spec = spec
+        self.sock = sock
+        self.rt = rt
+        self.ring = ring
+        self.overlap = overlap  # launch a step before completing the last
+        self.leader = spec.rank == 0
+        self.failed: str | None = None  # why later commands are refused
+        self.pending: tuple[int, LaunchedStep] | None = None  # (step, its launch): launched, not yet published
+
+    def run(self) -> None:
+        sock, limits = self.sock, self.rt.limits
+        while True:
+            try:  # with run-ahead the next command is usually queued already: skip the poll
+                raw = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if self.publish():  # nothing to launch behind it: publish it now
+                    continue
+                if not sock.poll(PARENT_CHECK_MS) and os.getppid() != self.spec.parent_pid:
+                    return
+                continue
+            try:
+                cmd = protocol.decode(raw, limits)
+            except protocol.ProtocolError as exc:
+                self.publish()
+                self.report(None, f"bad command: {exc}", "")
+                continue
+            if isinstance(cmd, protocol.Shutdown):
+                self.publish()
+                return
+            self.launch(cmd)
+
+    def launch(self, cmd: protocol.Command) -> None:
+        """Launches a step, then publishes the one before it."""
+        if self.failed is not None:
+            self.refuse(cmd.step)
+            return
+        slot = cmd.step % self.ring.slots
+        try:
+            launched = self.rt.launch(cmd, self.ring.staging[slot], self.ring.out[slot], self.ring.outputs[slot])
+        except Exception as exc:
+            self.publish()
+            self.fail(cmd.step, exc)
+            return
+        self.publish()
+        if self.failed is not None:  # the step before it failed: this one ran on suspect state
+            self.refuse(cmd.step)
+            return
+        self.pending = (cmd.step, launched)
+        if not self.overlap:
+            self.publish()
+
+    def publish(self) -> bool:
+        """Completes the pending step, if any, and tells the parent (steps are published in
+        order); False when none was pending."""
+        if self.pending is None:
+            return False
+        step, launched = self.pending
+        self.pending = None
+        try:
+            r = self.rt.complete(launched)
+        except Exception as exc:
+            self.fail(step, exc)
+            return True
+        if self.leader:
+            ring = self.ring
+            ring.step_stats[step % ring.slots] = (r.apply_s * 1e6, r.device_s * 1e6, r.h2d_copies, r.h2d_bytes,
+                                                  r.pool_allocs)
+            ring.doorbell[0] = step + 1  # after the ids and figures: x86 keeps stores in order
+            # A socket message costs tens of microseconds to send: only a sleeping parent gets one.
+            if self.spec.wake_every_step or 0 <= ring.doorbell[1] <= step:
+                self.sock.send(protocol.encode_wakeup(step))
+        return True
+
+    def fail(self, step: int, exc: Exception) -> None:
+        """A step raised: reports it, and refuses every later command."""
+        self.failed = f"step {step} failed earlier ({type(exc).__name__}: {exc})"
+        self.report(step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+    def refuse(self, step: int) -> None:
+        self.report(step, f"refused: {self.failed}", "")
+
+    def report(self, step: int | None, message: str, tb: str) -> None:
+        """An error reply to the parent."""
+        self.sock.send(protocol.encode_error(step, message, tb))
+        self.ring.doorbell[2] = 1  # after the message: a parent that sees the flag finds the message
+
+
 def serve(spec: ChildSpec) -> None:
+    """Start-up, then the step loop; every exit path closes the runtime and the socket."""
     ctx = zmq.Context()
     pin_socket_threads(ctx, spec.service_cores or [])
     sock = ctx.socket(zmq.PAIR)
@@ -115,115 +254,14 @@ def serve(spec: ChildSpec) -> None:
     rt = None
     try:
         try:
-            if spec.cpu_cores:
-                os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
-            rt = ChipRuntime(spec.runtime)
-            layout = {"layout": None, "step_s": None, "trial_s": None}
-            if spec.layout_cores:
-                layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
-                                           torch.get_num_threads(), spec.layout_cores)
-                rt.reset()
-            if spec.fault:
-                _inject_fault(rt, spec.fault)
+            rt, layout = start_runtime(spec)
         except Exception as exc:
             sock.send(protocol.encode_error(None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
             return
-        sampled = open_shared(spec.buffers["sampled"])
-        step_stats = open_shared(spec.buffers["step_stats"]).numpy()
-        doorbell = open_shared(spec.buffers["doorbell"]).numpy()
-        staging = open_shared(spec.buffers["staging"]).numpy()
-        leader = spec.rank == 0  # tensor-parallel peers sample the same ids; rank 0 alone reports them
-        if not leader:
-            sampled = torch.zeros_like(sampled)
-        slots = sampled.shape[0]
-        out_rows, staging_rows = list(sampled.unbind(0)), list(staging)  # per-slot views, made once
-        # Log-probabilities are computed and written by rank 0 alone: the other ranks pass None.
-        outputs: list[StepOutputs | None] = [None] * slots
-        names = ("logprobs", "logprob_ids", "prompt_logprobs", "prompt_logprob_ids")
-        if leader and all(n in spec.buffers for n in names):
-            views = [open_shared(spec.buffers[n]).unbind(0) for n in names]
-            outputs = [StepOutputs(*per_slot) for per_slot in zip(*views)]
-        sock.send(msgpack.packb({
-            "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
-            "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
-            "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
-            "fused_kernels": rt.ops.name,
-            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"], "layout_trial_s": layout["trial_s"],
-        }))
-        limits = rt.limits
-        failed: str | None = None  # after a failed step the device state is suspect: refuse the rest
-        # On an accelerator the next step is launched before the last one's ids are waited for, so
-        # the device never idles while this loop receives, publishes and launches.
+        ring = map_ring(spec)
+        sock.send(ready_message(rt, layout))
         overlap = spec.overlap_steps if spec.overlap_steps is not None else rt.device.type != "cpu"
-        pending: tuple[int, LaunchedStep] | None = None  # (step, its launch): launched, not yet published
-
-        def report(step: int | None, message: str, tb: str) -> None:
-            sock.send(protocol.encode_error(step, message, tb))
-            doorbell[2] = 1  # after the message: a parent that sees the flag finds the message
-
-        def fail(step: int, exc: Exception) -> None:
-            nonlocal failed
-            failed = f"step {step} failed earlier ({type(exc).__name__}: {exc})"
-            report(step, f"{type(exc).__name__}: {exc}", traceback.format_exc())
-
-        def publish() -> bool:
-            """Completes the pending step, if any, and tells the parent (steps are published in
-            order); False when none was pending."""
-            nonlocal pending
-            if pending is None:
-                return False
-            step, launched = pending
-            pending = None
-            try:
-                r = rt.complete(launched)
-            except Exception as exc:
-                fail(step, exc)
-                return True
-            if leader:
-                slot = step % slots
-                step_stats[slot] = (r.apply_s * 1e6, r.device_s * 1e6, r.h2d_copies, r.h2d_bytes, r.pool_allocs)
-                doorbell[0] = step + 1  # after the ids and figures: x86 keeps stores in order
-                # A socket message costs tens of microseconds to send: only a sleeping parent gets one.
-                if spec.wake_every_step or 0 <= doorbell[1] <= step:
-                    sock.send(protocol.encode_wakeup(step))
-            return True
-
-        while True:
-            try:  # with run-ahead the next command is usually queued already: skip the poll
-                raw = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                if publish():  # nothing to launch behind it: publish it now
-                    continue
-                if not sock.poll(PARENT_CHECK_MS) and os.getppid() != spec.parent_pid:
-                    return
-                continue
-            try:
-                cmd = protocol.decode(raw, limits)
-            except protocol.ProtocolError as exc:
-                publish()
-                report(None, f"bad command: {exc}", "")
-                continue
-            if isinstance(cmd, protocol.Shutdown):
-                publish()
-                return
-            if failed is not None:
-                report(cmd.step, f"refused: {failed}", "")
-                continue
-            slot = cmd.step % slots
-            try:
-                launched = rt.launch(cmd, staging_rows[slot], out_rows[slot], outputs[slot])
-            except Exception as exc:
-                publish()
-                fail(cmd.step, exc)
-                continue
-            publish()
-            if failed is not None:  # the step before it failed: this one ran on suspect state
-                report(cmd.step, f"refused: {failed}", "")
-                continue
-            pending = (cmd.step, launched)
-            if not overlap:
-                publish()
+        StepLoop(spec, sock, rt, ring, overlap).run()
     finally:
         if rt is not None:
             rt.close()

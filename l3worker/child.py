@@ -7,7 +7,6 @@ Ctrl-C aimed at the user's program reaches the parent, which then stops the chil
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,39 +21,38 @@ import chip_child
 from chip_child.device import child_environment, device_type
 from chip_child.protocol import Shutdown, encode
 from chip_child.runtime import RuntimeConfig
+from chip_child.spec import ChildSpec
 from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError
 from l3worker.shared import StepBuffers
 
 LIVENESS_POLL_MS = 100
 
 
+def child_spec(rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_dir: str, **options) -> ChildSpec:
+    """The spec of one rank: its runtime config and the ring it maps; `options` are ChildSpec's
+    optional fields."""
+    return ChildSpec(rank, socket_dir, asdict(runtime), {k: v.to_json() for k, v in buffers.specs.items()},
+                     **options)
+
+
 class ChildProcess:
-    def __init__(self, ctx: zmq.Context, rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_dir: str,
-                 wake_every_step: bool, fault: str | None = None, cpu_cores: list[int] | None = None,
-                 service_cores: list[int] | None = None, overlap_steps: bool | None = None,
-                 layout_cores: list[int] | None = None):
-        self.rank = rank
-        self.socket_path = os.path.join(socket_dir, f"chip{rank}.sock")
+    def __init__(self, ctx: zmq.Context, spec: ChildSpec, buffers: StepBuffers):
+        self.spec = spec
+        self.rank = spec.rank
+        self.socket_path = spec.socket_path
         self._doorbell = buffers.doorbell.numpy()
-        spec = json.dumps({
-            "endpoint": f"ipc://{self.socket_path}", "rank": rank, "parent_pid": os.getpid(),
-            "socket_dir": socket_dir, "runtime": asdict(runtime),
-            "buffers": {k: v.to_json() for k, v in buffers.specs.items()},
-            "wake_every_step": wake_every_step, "fault": fault, "cpu_cores": cpu_cores,
-            "service_cores": service_cores, "overlap_steps": overlap_steps, "layout_cores": layout_cores,
-        })
         env = dict(os.environ)
-        if device_type(runtime.device) == "cpu":
+        if device_type(spec.runtime["device"]) == "cpu":
             env = child_environment(env)
         package_root = str(Path(chip_child.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.sock = ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         try:
-            self.sock.bind(f"ipc://{self.socket_path}")
+            self.sock.bind(spec.endpoint)
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "chip_child", spec],
-                pass_fds=buffers.fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                [sys.executable, "-m", "chip_child", spec.to_json()],
+                pass_fds=spec.fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
             )
         except BaseException:
             self.sock.close(0)

@@ -29,7 +29,7 @@ from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
 from chip_child.tiny_model import ensure_tiny_model
-from l3worker.child import ChildProcess
+from l3worker.child import ChildProcess, child_spec
 from l3worker.shared import StepBuffers
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine
@@ -193,10 +193,11 @@ class DistributedWorker:
                 if threads is not None:
                     # The child's own default would count only the cores it is pinned to.
                     rc = replace(rc, num_threads=threads)
-                self._children.append(ChildProcess(self._ctx, rank, rc, self._buffers, self._socket_dir,
-                                                   wake_every_step, self._fault,
-                                                   plan.children[rank] if plan else None,
-                                                   plan.service if plan else None, self.overlap_steps, trial))
+                spec = child_spec(rank, rc, self._buffers, self._socket_dir, wake_every_step=wake_every_step,
+                                  fault=self._fault, cpu_cores=plan.children[rank] if plan else None,
+                                  service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
+                                  layout_cores=trial)
+                self._children.append(ChildProcess(self._ctx, spec, self._buffers))
             for child in self._children:
                 child.wait_ready(self.startup_timeout_s)
             self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget())

@@ -501,7 +501,7 @@ def test_logprob_limits_and_ring_shapes_agree() -> None:
 def test_chip_child_writes_logprobs_into_the_step_slot(ckpt: Path) -> None:
     import zmq
 
-    from l3worker.child import ChildProcess
+    from l3worker.child import ChildProcess, child_spec
     from l3worker.shared import StepBuffers
 
     cfg = RuntimeConfig(str(ckpt), device="cpu", dtype="float32", max_batch_size=2, max_seq_len=32, page_size=4,
@@ -513,7 +513,7 @@ def test_chip_child_writes_logprobs_into_the_step_slot(ckpt: Path) -> None:
     want = LocalDriver(make_runtime(ckpt, batch=2)).run(reqs)
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory() as socket_dir:
-        child = ChildProcess(ctx, 0, cfg, ring, socket_dir, wake_every_step=True)
+        child = ChildProcess(ctx, child_spec(0, cfg, ring, socket_dir, wake_every_step=True), ring)
         try:
             child.wait_ready(120)
             staging = np.array(reqs[0].prompt + reqs[1].prompt, np.int32)

@@ -214,6 +214,26 @@ def test_bad_construction_rejected(ckpt: Path, kwargs: dict, match: str) -> None
         DistributedWorker(ckpt, **{**COMMON, **kwargs})
 
 
+def test_child_spec_reads_back_on_the_child_side_as_built(ckpt: Path, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from chip_child.runtime import RuntimeConfig
+    from chip_child.spec import ChildSpec
+    from l3worker.child import child_spec
+    from l3worker.shared import StepBuffers
+
+    cfg = replace(RuntimeConfig(str(ckpt), device="cpu", max_batch_size=2, max_seq_len=32, page_size=4),
+                  tp_rank=1, tp_size=2)
+    ring = StepBuffers.create(slots=3, max_batch_size=2, prefill_capacity=cfg.prefill_capacity)
+    spec = child_spec(1, cfg, ring, str(tmp_path), wake_every_step=True, cpu_cores=[0, 1], fault="exit@3")
+    back = ChildSpec.from_json(spec.to_json())
+    assert back == spec
+    assert RuntimeConfig(**back.runtime) == cfg
+    assert back.parent_pid == os.getpid() and back.endpoint == f"ipc://{tmp_path}/chip1.sock"
+    assert sorted(back.fds) == sorted(ring.fds)
+    assert back.buffers["sampled"] == [ring.specs["sampled"].fd, ring.specs["sampled"].nbytes, [3, 2], "int32"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA devices")
 def test_missing_device_is_reported_by_the_child(ckpt: Path) -> None:
     # The child's start-up error reply must reach the parent before the child exits; tried a few

@@ -1,0 +1,46 @@
+"""What the parent tells one chip-child at start-up: built once per rank, read by the child.
+
+The parent passes it as the child's only argument (JSON); both sides use this one class, so a
+field is added in one place. It imports nothing heavy: the parent builds it before any child
+starts, and the runtime config travels as the fields of chip_child.runtime.RuntimeConfig.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ChildSpec:
+    rank: int
+    socket_dir: str  # the parent's socket directory: the command socket lives here
+    runtime: dict  # RuntimeConfig's fields, for this rank
+    buffers: dict[str, list]  # name -> [fd, nbytes, shape, dtype] (l3worker.shared.BufferSpec)
+    parent_pid: int = field(default_factory=os.getpid)
+    wake_every_step: bool = False  # send a wake-up after every step, not only to a sleeping parent
+    cpu_cores: list[int] | None = None  # a cpu child's threads run here only
+    service_cores: list[int] | None = None  # and its socket threads here
+    layout_cores: list[int] | None = None  # cpu_layout="auto": the cores every_core would take; times both
+    fault: str | None = None  # test-only: "[CALLABLE:]raise@STEP", "hang@STEP" or "exit@STEP"
+    overlap_steps: bool | None = None  # launch a step before completing the last; None: on accelerators
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.socket_dir, f"chip{self.rank}.sock")
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.socket_path}"
+
+    @property
+    def fds(self) -> list[int]:
+        """The shared buffers' descriptors: the child must inherit these."""
+        return [fd for fd, *_ in self.buffers.values()]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ChildSpec":
+        return cls(**json.loads(text))
