@@ -47,7 +47,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
     PR_SET_PDEATHSIG fires when the *thread* that started this child ends, which can be before
     its process is gone, or while the process lives on; so the handler checks the parent pid,
-    and the poll loop in serve() checks it too, for a signal that came too early."""
+    and the poll loop in StepLoop.run checks it too, for a signal that came too early."""
 
     def on_sigterm(signum, frame):
         if os.getppid() != parent_pid:
