@@ -41,9 +41,6 @@ import argparse
 import ast
 import json
 import logging
-import multiprocessing as mp
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -53,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from bench_common import L3, Isolated, busy_cores, cpu_seconds, hf_generate, machine_info  # scripts/, next to this
 from bench_models import write_random_qwen3  # scripts/, next to this file
 
 BASE_MODEL = dict(tie_word_embeddings=False, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
@@ -98,19 +96,14 @@ def make_prompts(wl: Workload) -> list[list[int]]:
 
 
 # -- variants, each served in a process of its own ----------------------------------------------------
-class L3Runner:
+class L3Runner(L3):
     def __init__(self, model_dir: str, wl: Workload, options: dict):
-        from l3worker import DistributedWorker
-
+        super().__init__(model_dir, device="cpu", max_batch_size=wl.batch, **options)
+        self.w.prepare()
         self.wl = wl
-        self.w = DistributedWorker(model_dir, device="cpu", max_batch_size=wl.batch, **options).prepare()
 
     def run(self, prompts: list[list[int]]) -> np.ndarray:
-        from l3worker import SamplingParams
-
-        outs = self.w.generate(prompts, SamplingParams(max_new_tokens=self.wl.new_tokens, ignore_eos=True),
-                               use_tqdm=False)
-        return np.array([o.token_ids for o in outs], np.int32)
+        return self.generate(prompts, self.wl.new_tokens)
 
     def info(self) -> dict:
         s = self.w.stats()
@@ -119,9 +112,6 @@ class L3Runner:
                 "cpu_layout_step_ms": {layout: {k: round(v * 1e3, 3) for k, v in t.items()}
                                        for layout, t in (s["cpu_layout_step_s"] or {}).items()},
                 "cpu_layout_trial_ms": s["cpu_layout_trial_s"] and round(s["cpu_layout_trial_s"] * 1e3, 1)}
-
-    def close(self) -> None:
-        self.w.close()
 
 
 class FloorRunner:
@@ -170,7 +160,6 @@ class HFRunner:
         self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def run(self, prompts: list[list[int]]) -> np.ndarray:
-        import torch
         from transformers import GenerationConfig
 
         n = self.wl.new_tokens
@@ -184,17 +173,7 @@ class HFRunner:
                 inputs=prompts, generation_config=gen,
                 continuous_batching_config=ContinuousBatchingConfig(page_size=page, num_blocks=blocks))
             return np.array([list(o.generated_tokens)[:n] for o in out.values()], np.int32)
-        width = max(map(len, prompts))
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        kwargs = {"cache_implementation": "static"} if self.kind == "hf_static" else {}
-        with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                      pad_token_id=0, eos_token_id=None, **kwargs)
-        return out[:, width:].numpy().astype(np.int32)
+        return hf_generate(self.model, prompts, n, self.kind.removeprefix("hf_"))[1]
 
     def info(self) -> dict:
         import torch
@@ -205,86 +184,20 @@ class HFRunner:
         pass
 
 
-def _serve(conn, name: str, model_dir: str, wl: Workload, options: dict, env: dict) -> None:
-    os.environ.update(env)  # before torch is imported here, and inherited by a chip-child
-    try:
-        if name in HF_VARIANTS:
-            runner = HFRunner(model_dir, wl, name)
-        elif name == "floor":
-            runner = FloorRunner(model_dir, wl)
-        else:
-            runner = L3Runner(model_dir, wl, options)
-        conn.send(("ready", runner.info()))
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    try:
-        while (prompts := conn.recv()) is not None:
-            try:
-                t0 = time.perf_counter()
-                tokens = runner.run(prompts)
-                conn.send(("ok", (time.perf_counter() - t0, tokens)))
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        runner.close()
+def make_runner(name: str, model_dir: str, wl: Workload, options: dict):
+    if name in HF_VARIANTS:
+        return HFRunner(model_dir, wl, name)
+    if name == "floor":
+        return FloorRunner(model_dir, wl)
+    return L3Runner(model_dir, wl, options)
 
 
-class Variant:
-    def __init__(self, name: str, model_dir: str, wl: Workload, options: dict | None = None,
-                 env: dict | None = None):
-        ctx = mp.get_context("spawn")
-        self.name = name
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child_conn, name, model_dir, wl, options or {}, env or {}),
-                                daemon=True)
-        self.proc.start()
-        status, self.info = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(f"{name}: {self.info}")
-        self.pids = [self.proc.pid, *self.info.pop("pids")]
-
-    def run(self, prompts: list[list[int]]) -> tuple[float, np.ndarray]:
-        self.conn.send(prompts)
-        status, payload = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(f"{self.name}: {payload}")
-        return payload
-
-    def close(self) -> None:
-        try:
-            self.conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.kill()
+def variant(name: str, model_dir: str, wl: Workload, options: dict | None = None, env: dict | None = None) -> Isolated:
+    """The variant's runner in a process of its own; `env` is set there before torch is imported."""
+    return Isolated(name, make_runner, name, model_dir, wl, options or {}, env=env)
 
 
 # -- measuring ---------------------------------------------------------------------------------------------
-def busy_cores() -> tuple[float, float] | None:
-    """(busy core-seconds of the whole machine, wall clock) from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), time.perf_counter()
-    except (OSError, ValueError):
-        return None
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system time of these processes (all their threads) so far."""
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-            total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            pass
-    return total
-
-
 def wait_quiet(max_wait_s: float, threshold: float = 0.15, window_s: float = 0.5) -> float | None:
     """Waits (at most max_wait_s) until other processes keep less than `threshold` of a core busy
     over `window_s` (nothing of this benchmark runs meanwhile); returns the last load seen."""
@@ -309,17 +222,17 @@ def bench_workload(wl: Workload, model_dir: str, params: int, l3_variants: dict[
           f"{wl.model['hidden_size']}, intermediate {wl.model['intermediate_size']}, vocab {wl.model['vocab_size']}), "
           f"batch {wl.batch}, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{wl.new_tokens} new tokens, {repeats} repeats", flush=True)
-    variants: dict[str, Variant] = {}
+    variants: dict[str, Isolated] = {}
     times: dict[str, list[float]] = {}
     tokens: dict[str, np.ndarray] = {}
     errors: dict[str, str] = {}
     t_start = time.perf_counter()
     try:
         for name, (options, env) in l3_variants.items():
-            variants[name] = Variant(name, model_dir, wl, options, env)
+            variants[name] = variant(name, model_dir, wl, options, env)
         for name in (("floor",) if floor else ()) + hf:
             try:
-                variants[name] = Variant(name, model_dir, wl)
+                variants[name] = variant(name, model_dir, wl)
             except RuntimeError as exc:
                 errors[name] = str(exc)
         for name, v in list(variants.items()):  # warm-up, off the record
@@ -454,9 +367,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
 
-    import torch
-    import transformers
-
     hf = () if args.no_hf else tuple(n for n in args.hf.split(",") if n)
     if any(n not in HF_VARIANTS for n in hf):
         ap.error(f"--hf takes names from {HF_VARIANTS}")
@@ -469,14 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only_l3_default:
         l3_variants = {"l3": ({}, {})}
     l3_variants.update(parse_l3(args.l3))
-    machine = {"cpu": platform.processor(), "cores": os.cpu_count(), "torch": torch.__version__,
-               "transformers": transformers.__version__, "loadavg_at_start": list(os.getloadavg())}
-    try:
-        with open("/proc/cpuinfo") as f:
-            machine["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                                  machine["cpu"])
-    except OSError:
-        pass
+    machine = machine_info()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
     result: dict = {"machine": machine, "l3_variants": {k: {"options": o, "env": e} for k, (o, e) in
                                                          l3_variants.items()}, "workloads": {}}

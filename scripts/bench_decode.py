@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import platform
@@ -30,20 +29,20 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from bench_common import (CpuMeter, Isolated, compute_cores, digest, hf_generate, machine_info,  # scripts/
+                          pinned, random_prompts)
+from bench_common import Floor as FloorBase
+from bench_common import L3 as L3Base
 from bench_models import write_random_qwen3  # scripts/, next to this file
 from bench_submit import DEFAULT_SIZES, format_submission, measure_submission  # scripts/, next to this file
 
-from chip_child.device import plan_cores
-from chip_child.local import batch_commands
-from chip_child.protocol import Admit, Command
+from chip_child.protocol import Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig
-from l3worker import DistributedWorker, SamplingParams
 
 VARIANTS = ("floor", "l3", "l3_depth1", "l3_always", "hf")
 L3_VARIANTS = {"l3": dict(pipeline_depth=2, copy_policy="dirty"),
@@ -86,8 +85,7 @@ def write_checkpoint(path: Path, wl: Workload) -> int:
 
 
 def make_prompts(wl: Workload) -> list[np.ndarray]:
-    rng = np.random.default_rng(wl.seed)
-    return [rng.integers(0, wl.model["vocab_size"], wl.prompt_len).astype(np.int32) for _ in range(wl.batch)]
+    return random_prompts(wl.batch, wl.prompt_len, wl.model["vocab_size"], wl.seed)
 
 
 @dataclass
@@ -103,54 +101,17 @@ class Run:
 
 
 # -- floor ----------------------------------------------------------------------------------------------
-def compute_cores(threads: int) -> list[int] | None:
-    """The cores a worker's cpu child computes on; the floor and transformers are timed there
-    too, so every variant's arithmetic runs on the same pinned cores."""
-    plan = plan_cores(1, threads)
-    return plan.children[0] if plan else None
-
-
-@contextmanager
-def pinned(cores: list[int] | None):
-    """This thread on `cores` for the block (the floor's loop runs in the benchmark's main thread)."""
-    if not cores:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-class Floor:
-    """The chip runtime's step in a loop. Commands are built before the clock starts, with page ids
-    handed out from a free list in the order the scheduler takes them (prompt pages at
-    admission, one triple per row at each page boundary); only `rt.execute` is timed, on the cores
-    a worker's child would compute on."""
+class Floor(FloorBase):
+    """The chip runtime's step in a loop (bench_common.Floor); only `rt.execute` is timed, on the
+    cores a worker's child would compute on."""
 
     def __init__(self, model_dir: str, wl: Workload, threads: int):
         self.wl = wl
         self.threads = threads
         with pinned(compute_cores(threads)):  # torch's thread pool starts here and keeps this mask
-            self.rt = ChipRuntime(RuntimeConfig(model_dir, device="cpu", max_batch_size=wl.batch,
-                                                max_seq_len=wl.max_seq_len, page_size=wl.page_size,
-                                                num_threads=threads))
-        self.out = torch.zeros(wl.batch, dtype=torch.int32)
-        self.free_pages = list(range(1, self.rt.cfg.total_pages))
-        self.step = 0
-        self.previous_rows: list[int] = []
-
-    def _commands(self, prompts: list[np.ndarray], new_tokens: int) -> tuple[list[Command], np.ndarray]:
-        admits = [Admit(row, len(p), 0.0, 1.0, 0, 0) for row, p in enumerate(prompts)]
-        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], new_tokens, self.wl.page_size,
-                                     self.free_pages, self.previous_rows)
-        self.step += len(cmds)
-        for pages in owned:
-            self.free_pages += pages
-        self.previous_rows = list(range(len(prompts)))  # the next prefill finishes them, as the scheduler does
-        return cmds, np.concatenate(prompts).astype(np.int32)
+            rt = ChipRuntime(RuntimeConfig(model_dir, device="cpu", max_batch_size=wl.batch,
+                                           max_seq_len=wl.max_seq_len, page_size=wl.page_size, num_threads=threads))
+        super().__init__(rt, wl.batch, wl.page_size)
 
     def run(self, prompts: list[np.ndarray], new_tokens: int) -> Run:
         cmds, staging = self._commands(prompts, new_tokens)
@@ -173,72 +134,51 @@ class Floor:
 
 
 # -- l3 ---------------------------------------------------------------------------------------------------
-class L3:
+class L3(L3Base):
     def __init__(self, model_dir: str, wl: Workload, threads: int, pipeline_depth: int, copy_policy: str):
         # The whole prefill in one step, as the floor sends it: the variants differ in decode alone.
-        self.w = DistributedWorker(model_dir, device="cpu", max_batch_size=wl.batch, max_seq_len=wl.max_seq_len,
-                                   page_size=wl.page_size, pipeline_depth=pipeline_depth, copy_policy=copy_policy,
-                                   max_num_batched_tokens=wl.batch * wl.prompt_len,
-                                   num_threads=threads)
+        super().__init__(model_dir, device="cpu", max_batch_size=wl.batch, max_seq_len=wl.max_seq_len,
+                         page_size=wl.page_size, pipeline_depth=pipeline_depth, copy_policy=copy_policy,
+                         max_num_batched_tokens=wl.batch * wl.prompt_len, num_threads=threads)
         self.setup_s: list[float] = []  # every generate's setup_s; the first includes prepare()
 
     def run(self, prompts: list[np.ndarray], new_tokens: int) -> Run:
-        outs = self.w.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=0))
+        tokens = self.generate(prompts, new_tokens, seed=0)
         last = self.w.stats()["last_generate"]
         self.setup_s.append(last["setup_s"])
-        decode = [r for r in self.w.step_records() if not r["prefill"]]
+        decode = self.decode_records()
         return Run(
             step_s=[r["parent_wall_s"] for r in decode],
-            tokens=np.array([o.token_ids for o in outs], np.int32),
+            tokens=tokens,
             command_bytes=[r["command_bytes"] for r in decode],
             h2d_copies=[r["h2d_copies"] for r in decode],
             pool_allocs=[r["pool_allocs"] for r in decode],
             extra={f"{k}_p50": statistics.median(r[k] for r in decode) for k in ("wait_s", "apply_s", "device_s")},
         )
 
-    def close(self) -> None:
-        self.w.close()
-
 
 # -- hf ----------------------------------------------------------------------------------------------------
-def _hf_generate(model, prompts: list[np.ndarray], new_tokens: int, cache: str) -> tuple[list[float], np.ndarray]:
-    from transformers import LogitsProcessor, LogitsProcessorList
+class HFGenerate:
+    """transformers generate, greedy, on the cores a worker's child computes on; a logits
+    processor stamps every step (bench_common.hf_generate)."""
 
-    stamps: list[float] = []
+    def __init__(self, model_dir: str, threads: int):
+        from transformers import Qwen3ForCausalLM
 
-    class Clock(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            stamps.append(time.perf_counter())
-            return scores
+        cores = compute_cores(threads)
+        if cores:
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+        self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    ids = torch.from_numpy(np.stack(prompts).astype(np.int64))
-    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
-                             logits_processor=LogitsProcessorList([Clock()]), **kwargs)
-    return list(np.diff(stamps)), out[:, ids.shape[1]:].numpy().astype(np.int32)
-
-
-def _hf_server(conn, model_dir: str, threads: int) -> None:
-    from transformers import Qwen3ForCausalLM
-
-    cores = compute_cores(threads)
-    if cores:
-        os.sched_setaffinity(0, cores)
-    torch.set_num_threads(threads)
-    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    while (request := conn.recv()) is not None:
-        try:
-            conn.send(("ok", _hf_generate(model, *request)))
-        except Exception as exc:  # a cache kind this transformers cannot do
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    def run(self, prompts: list[np.ndarray], new_tokens: int, cache: str) -> tuple[list[float], np.ndarray]:
+        return hf_generate(self.model, prompts, new_tokens, cache, timed=True)
 
 
 class HF:
-    """transformers generate, greedy, the same prompts as one [batch, prompt_len] tensor (all prompts
-    have the same length, so left padding adds nothing). A logits processor timestamps every
-    step; the differences between consecutive calls are the decode steps.
+    """HFGenerate with the same prompts as one [batch, prompt_len] tensor (all prompts have the
+    same length, so left padding adds nothing); the differences between consecutive stamps are
+    the decode steps.
 
     It runs in a process of its own: an HF generate in the benchmark's process measurably slowed
     the l3 variants measured after it (about 8% on the overhead workload), which would credit
@@ -247,31 +187,17 @@ class HF:
     CACHES = ("static", "dynamic")
 
     def __init__(self, model_dir: str, threads: int):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_hf_server, args=(child_conn, model_dir, threads), daemon=True)
-        self.proc.start()
+        self.process = Isolated("hf", HFGenerate, model_dir, threads)
 
     def run(self, prompts: list[np.ndarray], new_tokens: int, cache: str) -> Run:
-        self.conn.send((prompts, new_tokens, cache))
-        status, payload = self.conn.recv()
-        if status == "error":
-            raise RuntimeError(payload)
-        step_s, tokens = payload
+        _, (step_s, tokens) = self.process.run(prompts, new_tokens, cache)
         return Run(step_s=step_s, tokens=tokens)
 
     def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(timeout=30)
+        self.process.close()
 
 
 # -- summaries ---------------------------------------------------------------------------------------------
-def digest(tokens: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest()[:16]
-
-
 def summarize(runs: list[Run]) -> dict:
     p50s = [float(np.percentile(r.step_s, 50)) for r in runs]
     p99s = [float(np.percentile(r.step_s, 99)) for r in runs]
@@ -324,55 +250,6 @@ def format_table(variants: dict) -> str:
     return "\n".join(lines)
 
 
-def machine_info(threads: int) -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        import transformers
-        hf_version = transformers.__version__
-    except ImportError:
-        hf_version = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": hf_version,
-            "python": platform.python_version(), "threads": threads, "loadavg_at_start": list(os.getloadavg())}
-
-
-class CpuMeter:
-    """How busy the machine was while a workload ran, split into this benchmark (this process and
-    its chip-children) and everything else: timings on a shared box mean little without it."""
-
-    def __init__(self, pids: list[int]):
-        self.pids = pids
-        self.start = self._sample()
-
-    def _sample(self) -> tuple[float, float, float] | None:
-        try:
-            tick = os.sysconf("SC_CLK_TCK")
-            with open("/proc/stat") as f:
-                fields = [int(x) for x in f.readline().split()[1:]]
-            busy = (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
-            own = sum(os.times()[:2])
-            for pid in self.pids:
-                with open(f"/proc/{pid}/stat") as f:
-                    stat = f.read().rsplit(")", 1)[1].split()
-                own += (int(stat[11]) + int(stat[12])) / tick
-            return busy, own, time.perf_counter()
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def cores(self) -> dict | None:
-        end = self._sample()
-        if end is None or self.start is None:
-            return None
-        wall = end[2] - self.start[2]
-        busy, own = end[0] - self.start[0], end[1] - self.start[1]
-        return {"this_benchmark_cores": own / wall, "other_processes_cores": max(busy - own, 0.0) / wall,
-                "wall_s": wall}
-
-
 # -- one workload -----------------------------------------------------------------------------------------
 def bench_workload(wl: Workload, model_dir: str, params: int, threads: int, use_hf: bool) -> dict:
     prompts = make_prompts(wl)
@@ -389,7 +266,10 @@ def bench_workload(wl: Workload, model_dir: str, params: int, threads: int, use_
         for name, kw in L3_VARIANTS.items():
             runners[name] = L3(model_dir, wl, threads, **kw)
         if use_hf:
-            runners["hf"] = HF(model_dir, threads)
+            try:
+                runners["hf"] = HF(model_dir, threads)
+            except RuntimeError as exc:  # transformers cannot load it: every cache fails alike
+                errors.update({f"hf_{cache}": f"{type(exc).__name__}: {exc}" for cache in HF.CACHES})
         # Warm-up, off the record and short: the first generate prepares each worker (it is the
         # "first request" of the setup figures).
         warm = min(8, wl.new_tokens)
@@ -550,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             print("transformers is not installed: no hf variant")
             use_hf = False
     torch.set_num_threads(args.threads)
-    machine = machine_info(args.threads)
+    machine = machine_info(python=platform.python_version(), threads=args.threads)
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
     result: dict = {"machine": machine, "workloads": {}, "setup": {}}
     with tempfile.TemporaryDirectory(prefix="bench-decode-") as tmp:

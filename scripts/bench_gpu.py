@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import statistics
 import sys
@@ -37,11 +36,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_common import L3 as L3Base  # scripts/, next to this file
+from bench_common import Floor as FloorBase
+from bench_common import digest, hf_generate, random_prompts
 
-from chip_child.local import batch_commands
-from chip_child.protocol import Admit, Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig
-from l3worker import DistributedWorker, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -135,39 +134,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, prompt_len).astype(np.int32) for _ in range(batch)]
-
-
-def digest(tokens: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest()[:12]
-
-
 # -- variants: each returns (decode step seconds, tokens [batch, new_tokens]) ----------------------------
-class Floor:
+class Floor(FloorBase):
     def __init__(self, model_dir: str, args, max_batch: int, fused: bool | None = None):
         self.args = args
-        self.rt = ChipRuntime(RuntimeConfig(model_dir, device=args.device, dtype="bfloat16", max_batch_size=max_batch,
-                                            max_seq_len=args.prompt_len + args.new_tokens, page_size=args.page_size,
-                                            max_prefill_tokens=max_batch * args.prompt_len, fused_kernels=fused))
+        super().__init__(ChipRuntime(RuntimeConfig(model_dir, device=args.device, dtype="bfloat16",
+                                                   max_batch_size=max_batch,
+                                                   max_seq_len=args.prompt_len + args.new_tokens,
+                                                   page_size=args.page_size,
+                                                   max_prefill_tokens=max_batch * args.prompt_len,
+                                                   fused_kernels=fused)),
+                         max_batch, args.page_size)
         self.graphs = self.rt.graphs
-        self.out = torch.zeros(max_batch, dtype=torch.int32)
-        self.free_pages = list(range(1, self.rt.cfg.total_pages))
-        self.step = 0
-        self.previous: list[int] = []
-
-    def _commands(self, prompts: list[np.ndarray], new_tokens: int) -> tuple[list[Command], np.ndarray]:
-        """The scheduler's commands for one batch admitted at once, and its staging ids. The
-        pages go back at once: the next batch's prefill finishes these rows first."""
-        admits = [Admit(row, len(p), 0.0, 1.0, 0, 0) for row, p in enumerate(prompts)]
-        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], new_tokens, self.args.page_size,
-                                     self.free_pages, self.previous)
-        self.step += len(cmds)
-        for pages in owned:
-            self.free_pages += pages
-        self.previous = list(range(len(prompts)))
-        return cmds, np.concatenate(prompts).astype(np.int32)
 
     def run(self, prompts: list[np.ndarray], graphs: bool) -> tuple[list[float], np.ndarray]:
         self.rt.graphs = self.graphs if graphs else None  # eager: every step launches its kernels from Python
@@ -203,24 +181,19 @@ class Floor:
         del self.rt, self.graphs
 
 
-class L3:
+class L3(L3Base):
     def __init__(self, model_dir: str, args, max_batch: int, graphs: bool, overlap: bool | None = None):
         # The whole prefill in one step, as the floor sends it: the variants differ in decode alone.
-        self.w = DistributedWorker(model_dir, device=args.device, dtype="bfloat16", max_batch_size=max_batch,
-                                   max_seq_len=args.prompt_len + args.new_tokens, page_size=args.page_size,
-                                   max_num_batched_tokens=max_batch * args.prompt_len,
-                                   decode_graphs=graphs and args.device != "cpu",  # cpu: the smoke run
-                                   overlap_steps=overlap, enable_prefix_caching=False)
+        super().__init__(model_dir, device=args.device, dtype="bfloat16", max_batch_size=max_batch,
+                         max_seq_len=args.prompt_len + args.new_tokens, page_size=args.page_size,
+                         max_num_batched_tokens=max_batch * args.prompt_len,
+                         decode_graphs=graphs and args.device != "cpu",  # cpu: the smoke run
+                         overlap_steps=overlap, enable_prefix_caching=False)
         self.args = args
 
     def run(self, prompts: list[np.ndarray]) -> tuple[list[float], np.ndarray]:
-        outs = self.w.generate(prompts, SamplingParams(max_new_tokens=self.args.new_tokens, ignore_eos=True),
-                               use_tqdm=False)
-        decode = [r for r in self.w.step_records() if not r["prefill"]]
-        return [r["parent_wall_s"] for r in decode], np.array([o.token_ids for o in outs], np.int32)
-
-    def close(self) -> None:
-        self.w.close()
+        tokens = self.generate(prompts, self.args.new_tokens)
+        return [r["parent_wall_s"] for r in self.decode_records()], tokens
 
 
 class HFStatic:
@@ -233,22 +206,7 @@ class HFStatic:
         self.model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(args.device).eval()
 
     def run(self, prompts: list[np.ndarray]) -> tuple[list[float], np.ndarray]:
-        from transformers import LogitsProcessor, LogitsProcessorList
-
-        stamps: list[float] = []
-
-        class Clock(LogitsProcessor):
-            def __call__(self, input_ids, scores):
-                stamps.append(time.perf_counter())
-                return scores
-
-        ids = torch.from_numpy(np.stack(prompts).astype(np.int64)).to(self.args.device)
-        n = self.args.new_tokens
-        with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=0, eos_token_id=None,
-                                      cache_implementation="static", logits_processor=LogitsProcessorList([Clock()]))
-        return list(np.diff(stamps)), out[:, ids.shape[1]:].cpu().numpy().astype(np.int32)
+        return hf_generate(self.model, prompts, self.args.new_tokens, "static", timed=True, device=self.args.device)
 
     def close(self) -> None:
         del self.model
@@ -265,7 +223,7 @@ def bench_model(name: str, args) -> dict:
     batches = args.batches
     max_batch = max(batches)
     results: dict = {"shape": asdict(shape), "batches": {}}
-    prompts = {(b, r): make_prompts(b, args.prompt_len, shape.vocab_size, seed=1000 * b + r)
+    prompts = {(b, r): random_prompts(b, args.prompt_len, shape.vocab_size, seed=1000 * b + r)
                for b in batches for r in range(args.repeats)}
     times: dict[tuple[str, int], list[float]] = {}
     tokens: dict[tuple[str, int], np.ndarray] = {}
@@ -333,7 +291,7 @@ def bench_model(name: str, args) -> dict:
                 continue
             t = statistics.median(times[variant, b])
             row["variants"][variant] = {
-                "step_s": t, "step_s_per_repeat": times[variant, b], "tokens_sha": digest(tokens[variant, b]),
+                "step_s": t, "step_s_per_repeat": times[variant, b], "tokens_sha": digest(tokens[variant, b], 12),
                 "x_roofline": t / roofline_s, "achieved_bytes_per_s": step_bytes / t,
                 "tokens_equal_floor": bool(np.array_equal(tokens[variant, b], tokens["floor", b])),
                 "tokens_equal_reference": bool(np.array_equal(tokens[variant, b],

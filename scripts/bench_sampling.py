@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_decode import WORKLOADS, CpuMeter, Workload, compute_cores, make_prompts, pinned, write_checkpoint
+from bench_common import CpuMeter, compute_cores, pinned  # scripts/, next to this file
+from bench_decode import WORKLOADS, Floor, Workload, make_prompts, write_checkpoint
 
-from chip_child.local import batch_commands
 from chip_child.protocol import MAX_LOGPROBS, Admit, Command
 from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
 from chip_child.sampling import Features, RowParams, sample, sample_with_features, seed_key, vocab_hash
@@ -49,40 +49,24 @@ VARIANTS = {
 LARGER = "compute"  # bench_decode's compute-dominated model
 
 
-class Loop:
-    """One runtime; each run admits the batch in one prefill, then decodes it to new_tokens."""
+class Loop(Floor):
+    """bench_decode's floor with every row seeded at temperature 0.8 and the variant's stages on;
+    each run admits the batch in one prefill, then decodes it to new_tokens."""
 
     def __init__(self, model_dir: str, wl: Workload, threads: int):
-        self.wl = wl
-        self.threads = threads
-        with pinned(compute_cores(threads)):
-            self.rt = ChipRuntime(RuntimeConfig(model_dir, device="cpu", max_batch_size=wl.batch,
-                                                max_seq_len=wl.max_seq_len, page_size=wl.page_size,
-                                                num_threads=threads))
-        self.out = torch.zeros(wl.batch, dtype=torch.int32)
+        super().__init__(model_dir, wl, threads)
         self.outputs = StepOutputs.allocate(wl.batch, self.rt.cfg.prefill_capacity)
-        self.free_pages = list(range(1, self.rt.cfg.total_pages))
-        self.step = 0
-        self.previous_rows: list[int] = []
 
-    def _commands(self, prompts: list[np.ndarray], features: dict) -> list[Command]:
-        wl = self.wl
+    def _stage_commands(self, prompts: list[np.ndarray], features: dict) -> tuple[list[Command], np.ndarray]:
         extra = dict(features)
         if "min_tokens" in extra:
-            extra["min_tokens"] = wl.new_tokens
+            extra["min_tokens"] = self.wl.new_tokens
             extra["stop_ids"] = np.array(extra["stop_ids"], np.int32)
         admits = [Admit(row, len(p), 0.8, 1.0, 0, row, **extra) for row, p in enumerate(prompts)]
-        cmds, owned = batch_commands(self.step, admits, [len(p) for p in prompts], wl.new_tokens, wl.page_size,
-                                     self.free_pages, self.previous_rows)
-        self.step += len(cmds)
-        for pages in owned:
-            self.free_pages += pages
-        self.previous_rows = list(range(len(prompts)))
-        return cmds
+        return self._commands(prompts, self.wl.new_tokens, admits)
 
     def run(self, prompts: list[np.ndarray], features: dict) -> tuple[list[float], float, np.ndarray]:
-        cmds = self._commands(prompts, features)
-        staging = np.concatenate(prompts).astype(np.int32)
+        cmds, staging = self._stage_commands(prompts, features)
         steps, tokens = [], np.zeros((len(prompts), len(cmds)), np.int32)
         with pinned(compute_cores(self.threads)):
             for j, cmd in enumerate(cmds):

@@ -398,6 +398,23 @@ def test_client_gone_mid_stream_aborts_the_request(http) -> None:
     wait_until(lambda: metric(http, "l3worker:kv_cache_usage_perc") == 0, what="KV pages free")
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["Hello", [72, 105]], "n": 2}),  # four engine streams, merged
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+], ids=["completions-two-prompts-n2", "chat"])
+def test_client_gone_mid_stream_aborts_every_request(http, path, body) -> None:
+    aborted = metric(http, "l3worker:request_success_total", 'finished_reason="abort"')
+    body = body | {"max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with http.stream("POST", path, json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    requests = 2 if "prompt" in body else 1  # an engine request per prompt; its n samples are in it
+    wait_until(lambda: metric(http, "l3worker:num_requests_running") == 0, what="no request running")
+    wait_until(lambda: metric(http, "l3worker:request_success_total", 'finished_reason="abort"')
+               == aborted + requests, what="every request aborted")
+    wait_until(lambda: metric(http, "l3worker:kv_cache_usage_perc") == 0, what="KV pages free")
+
+
 def test_client_gone_before_the_answer_aborts_the_request(server, http) -> None:
     aborted = metric(http, "l3worker:request_success_total", 'finished_reason="abort"')
     body = json.dumps({"prompt": "Hello", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}).encode()

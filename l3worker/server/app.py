@@ -9,7 +9,8 @@ from starlette.responses import JSONResponse, Response
 
 from l3worker.server.chat_completions import create_chat_completion
 from l3worker.server.completions import create_completion
-from l3worker.server.engine_client import ClientDisconnected, EngineClient
+from l3worker.server.endpoint import ClientDisconnected
+from l3worker.server.engine_client import EngineClient
 from l3worker.server.errors import APIError, bad_request
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, RequestLog
 from l3worker.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,

@@ -1,12 +1,12 @@
-"""The server's one door to the engine: engine.generate with API errors, in-flight tracking and
-abort on every way out (client gone, handler cancelled, server stopping)."""
+"""The server's one door to the engine: engine.generate with API errors and in-flight tracking.
+Leaving a request's stream early, for any reason, closes the engine's stream, and the engine's
+front (AsyncEngine.generate) aborts a request whose stream closes unfinished: the one place a
+request is aborted, except `abort_all` at shutdown."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Awaitable, TypeVar
-
-from starlette.requests import Request
+from typing import AsyncIterator, TypeVar
 
 from l3worker.errors import WorkerError
 from l3worker.params import RequestOutput, SamplingParams
@@ -16,16 +16,11 @@ log = logging.getLogger("l3worker.server")
 T = TypeVar("T")
 
 
-class ClientDisconnected(Exception):
-    """The client went away before the response was complete; its requests were aborted."""
-
-
 class EngineClient:
     def __init__(self, engine):
         self.engine = engine
         self.inflight: set[str] = set()
         self.stopping = False
-        self._background: set[asyncio.Task] = set()
 
     @property
     def dead(self) -> bool:
@@ -40,7 +35,6 @@ class EngineClient:
         if self.dead:
             raise unavailable(f"the engine is dead: {self.engine.error!r}")
         self.inflight.add(request_id)
-        finished = False
         started = False
         outputs = self.engine.generate(prompt, params, request_id)
         try:
@@ -56,27 +50,11 @@ class EngineClient:
                 except WorkerError as e:
                     raise unavailable(f"the engine failed: {e}") from None
                 started = True
-                finished = finished or out.finished
                 yield out
         finally:
             self.inflight.discard(request_id)
-            if not finished:
-                self._in_background(self._abort(outputs, request_id))
-
-    async def _abort(self, outputs, request_id: str) -> None:
-        try:
-            close = getattr(outputs, "aclose", None)
-            if close is not None:
-                await close()
-            if not self.dead:
-                await self.engine.abort(request_id)
-        except Exception:  # an abort that fails leaves nothing to clean up on this side
-            log.debug("abort of %s failed", request_id, exc_info=True)
-
-    def _in_background(self, coro: Awaitable) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            # Now, not when the collector finds it: the engine aborts the request if it is unfinished.
+            await outputs.aclose()
 
     async def abort_all(self) -> None:
         """Stops taking requests and aborts every one in flight (server shutdown)."""
@@ -124,24 +102,3 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
     finally:
         for t in tasks:
             t.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
-    """`awaitable`'s result, or ClientDisconnected (after cancelling it, which aborts its requests)
-    if the client closes the connection first. Needs the body to have been read already."""
-    work = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-    if work.done() and not work.cancelled():
-        return work.result()
-    raise ClientDisconnected()

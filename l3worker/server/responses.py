@@ -2,16 +2,12 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
-from typing import AsyncIterator, Callable, Iterable
+from typing import Iterable
 
 from l3worker.params import TokenLogprob
-from l3worker.server.errors import APIError, internal
 from l3worker.server.tokens import Tokens, token_text_without_tokenizer
-
-log = logging.getLogger("l3worker.server")
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM's stand-in for an impossible token
 
@@ -36,25 +32,6 @@ def sse(obj: dict) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
-
-
-async def sse_stream(frames: AsyncIterator[str], outputs, usage_chunk: Callable[[], dict] | None,
-                     request_id: str) -> AsyncIterator[str]:
-    """A stream's events: its frames, then the usage chunk when asked for, or an error event if
-    it fails; always [DONE] last, with the engine's outputs closed (aborting what still runs)."""
-    try:
-        async for frame in frames:
-            yield frame
-        if usage_chunk is not None:
-            yield sse(usage_chunk())
-    except APIError as e:
-        yield sse(e.body())
-    except Exception:
-        log.exception("%s failed while streaming", request_id)
-        yield sse(internal().body())
-    finally:
-        await outputs.aclose()
-    yield SSE_DONE
 
 
 def _lp(value: float | None) -> float | None:
