@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.server.runner import ServeOptions, bind, serve, served_model
@@ -25,6 +26,7 @@ def _device_ids(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="l3worker", description="l3worker: an LLM decode runtime")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(commands)
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                             description="Serve a Qwen3 checkpoint (or, without MODEL_DIR, the built-in tiny model) "
                                         "over an OpenAI-compatible HTTP API.")
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve_command(args)
+    if args.command == "bench":
+        return bench_command(args)
     return 2
 
 
