@@ -18,7 +18,8 @@ from l3worker.server.runner import ServeOptions, ServerThread
 SERVE_FIELDS = {"date", "backend", "label", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
                 "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
                 "output_throughput", "total_token_throughput",
-                *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99"))}
+                *(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
+                  for stat in ("mean", "median", "std", "p99"))}
 ENGINE = ["--max-model-len", "64", "--block-size", "16", "--max-num-seqs", "4"]
 
 
@@ -115,8 +116,8 @@ def test_throughput_in_process(tmp_path) -> None:
     assert run("throughput", "--num-prompts", "6", "--input-len", "10", "--output-len", "5", "--n", "2",
                "--disable-tqdm", "--output-json", str(out), *ENGINE) == 0
     result = json.loads(out.read_text())
-    assert (result["num_requests"], result["total_num_tokens"], result["total_output_tokens"]) == (6, 6 * 10 + 12 * 5,
-                                                                                                   60)
+    # 6 prompts of 10 tokens, each with 2 samples of 5 tokens
+    assert (result["num_requests"], result["total_num_tokens"], result["total_output_tokens"]) == (6, 120, 60)
     assert result["requests_per_second"] == pytest.approx(6 / result["elapsed_time"])
     assert result["tokens_per_second"] == pytest.approx(120 / result["elapsed_time"])
 

@@ -8,12 +8,13 @@ from pathlib import Path
 MISSING = "--plot needs matplotlib, an optional extra: pip install 'l3worker[plot]' (or pip install matplotlib)"
 
 
-def require_matplotlib() -> None:
-    """Raises RuntimeError naming the extra; called before any request is sent."""
+def require_matplotlib():
+    """matplotlib, or a RuntimeError naming the extra (checked before any request is sent)."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
     except ImportError:
         raise RuntimeError(MISSING) from None
+    return matplotlib
 
 
 def _x(results: list[dict]) -> tuple[list[float], list[str]]:
@@ -26,15 +27,14 @@ def _x(results: list[dict]) -> tuple[list[float], list[str]]:
 
 def _latency_keys(result: dict, metric: str) -> list[tuple[str, str]]:
     """(label, key) of the median and every saved percentile of a metric, as vLLM names them."""
-    found = [(f"p{m.group(1)}", k) for k in result if (m := re.fullmatch(rf"p([\d.]+)_{metric}_ms", k))]
+    found = [(f"p{m.group(1)}", k) for k in result
+             if (m := re.fullmatch(rf"p([\d.]+)_{metric}_ms", k)) and float(m.group(1)) != 50]  # p50 = median
     return [("p50", f"median_{metric}_ms"), *sorted(found, key=lambda lk: float(lk[0][1:]))]
 
 
 def plot_sweep(results: list[dict], path: str | Path, title: str = "") -> Path:
     """One figure, three panels, the rates on a log axis; returns the PNG's path."""
-    require_matplotlib()
-    import matplotlib
-
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
