@@ -15,6 +15,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import replace
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import zmq
@@ -28,12 +29,13 @@ from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.runtime import COPY_POLICIES, RuntimeConfig
-from chip_child.tiny_model import ensure_tiny_model
+from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.child import ChildProcess, child_spec
 from l3worker.shared import StepBuffers
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine
 from l3worker.errors import WorkerError
+from l3worker.hub import resolve_model
 from l3worker.inputs import Prompt, as_prompt_list
 from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParams
 from l3worker.requests import RequestState
@@ -56,6 +58,8 @@ class DistributedWorker:
         self,
         model_dir: str | os.PathLike | None = None,
         *,
+        revision: str | None = None,
+        download_dir: str | None = None,
         device_ids: Sequence[int] = (0,),
         device: str = "auto",
         max_batch_size: int = 16,
@@ -126,7 +130,12 @@ class DistributedWorker:
         for name, value in (("step_timeout_s", step_timeout_s), ("startup_timeout_s", startup_timeout_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
-        self.model_dir = str(model_dir) if model_dir is not None else str(ensure_tiny_model())
+        # A Hub id is served under that id; a directory under its name.
+        self.model_name = str(model_dir) if model_dir is not None else TINY_MODEL_SERVED_NAME
+        self.model_dir = resolve_model(model_dir, revision, download_dir, "model_dir") if model_dir is not None \
+            else str(ensure_tiny_model())
+        if model_dir is not None and Path(model_dir).expanduser().is_dir():
+            self.model_name = Path(self.model_dir).name
         self.model_config = load_config(self.model_dir)
         resolve_dtype(dtype, "cpu", self.model_config)  # rejects unknown names before any child starts
         if max_seq_len > self.model_config.max_position_embeddings:

@@ -22,7 +22,6 @@ from l3worker.server.tokens import Tokens
 from l3worker.server.translate import GenerationDefaults, ServedModel
 
 log = logging.getLogger("l3worker.server")
-TINY_MODEL_SERVED_NAME = "l3worker-tiny"
 
 
 @dataclass
@@ -41,7 +40,7 @@ class ServeOptions:
 def served_model(worker, options: ServeOptions, builtin: bool) -> ServedModel:
     """What the API serves, from the worker's model; raises ValueError for a bad chat template."""
     model_dir = worker.model_dir
-    names = tuple(options.served_model_names) or (TINY_MODEL_SERVED_NAME if builtin else Path(model_dir).name,)
+    names = tuple(options.served_model_names) or (worker.model_name,)
     defaults = GenerationDefaults.from_model_dir(model_dir) if options.generation_config == "auto" \
         else GenerationDefaults()
     return ServedModel(
