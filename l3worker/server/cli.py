@@ -133,7 +133,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                api_key=args.api_key or None, chat_template=args.chat_template,
                                generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
                                uvicorn_log_level=args.uvicorn_log_level)
-        model = served_model(worker, options, builtin)
+        model = served_model(worker, options)
     except (ValueError, TypeError, OSError) as e:
         print(f"l3worker serve: {e}", file=sys.stderr)
         return 2
