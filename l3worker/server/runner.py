@@ -10,7 +10,6 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import uvicorn
