@@ -49,7 +49,7 @@ def extract(text: str, prompt_opened_think: bool = False) -> tuple[str | None, s
     return reasoning or None, (content or None) if sep else None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -97,7 +97,7 @@ class ReasoningStream:
                 reasoning.append(before)
                 self._state, text = self._CONTENT, after
             else:
-                keep = _partial_suffix(text, THINK_END)
+                keep = partial_suffix(text, THINK_END)
                 reasoning.append(text[:len(text) - keep])
                 self._held, text = text[len(text) - keep:], ""
         if self._state == self._CONTENT:

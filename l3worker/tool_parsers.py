@@ -30,6 +30,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
+from l3worker.reasoning import partial_suffix
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
@@ -123,17 +125,9 @@ def _call_of(block: str) -> ToolCall | None:
     return ToolCall(head.name, arguments)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 def _unclosed_block(rest: str) -> str:
     """An unclosed block's text: what follows <tool_call>, less a trailing piece of </tool_call>."""
-    return rest[:len(rest) - _partial_suffix(rest, TOOL_CALL_END)]
+    return rest[:len(rest) - partial_suffix(rest, TOOL_CALL_END)]
 
 
 def parse_tool_calls(text: str) -> ParsedToolCalls:
@@ -233,7 +227,7 @@ class ToolCallStream:
             if self._block is None:
                 start = text.find(TOOL_CALL_START)
                 if start < 0:
-                    keep = _partial_suffix(text, TOOL_CALL_START)
+                    keep = partial_suffix(text, TOOL_CALL_START)
                     self._content(out, text[:len(text) - keep])
                     self._held = text[len(text) - keep:]
                     break
@@ -244,7 +238,7 @@ class ToolCallStream:
                 self._block += text
                 end = self._block.find(TOOL_CALL_END)
                 if end < 0:
-                    visible = self._block[:len(self._block) - _partial_suffix(self._block, TOOL_CALL_END)]
+                    visible = self._block[:len(self._block) - partial_suffix(self._block, TOOL_CALL_END)]
                     self._advance(out, visible)
                     break
                 block, text = self._block[:end], self._block[end + len(TOOL_CALL_END):]
