@@ -195,7 +195,8 @@ class ChipRuntime:
         host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu")
         self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size).to(self.device)
         del host
-        if resolve_cpu_prepack(cfg.cpu_prepack, self.device.type, self.dtype):
+        self.cpu_prepack = resolve_cpu_prepack(cfg.cpu_prepack, self.device.type, self.dtype)
+        if self.cpu_prepack:
             self.weights.prepack()
         mc = self.model_cfg
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
