@@ -166,3 +166,11 @@ def test_worker_prepacked_and_plain_give_the_same_tokens(make_checkpoint) -> Non
             flags[on] = w.stats()["cpu_prepack"]
     assert flags == {None: True, False: False}
     assert tokens[None] == tokens[False]
+
+
+def test_serve_flag_parses_to_the_option() -> None:
+    from l3worker.server.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert [parse(["serve", *flag]).cpu_prepack for flag in ([], ["--cpu-prepack"], ["--no-cpu-prepack"])] == \
+        [None, True, False]
