@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from chip_child.attention import AttentionBackend, StepPlan
 from chip_child.loader import ModelConfig
-from chip_child.prepack import PackedLinear
+from chip_child.prepack import PackedLinear, prepacked
 
 Weight = torch.Tensor | PackedLinear  # a plain [in, out] view, or the same matrix prepacked
 
@@ -110,13 +110,14 @@ class Qwen3Weights:
 
 
     def prepack(self) -> None:
-        """Replaces every projection and the lm_head by its oneDNN-prepacked copy (chip_child.prepack),
-        in place and one matrix at a time, so loading peaks at one plain matrix above the packed
-        model. A tied lm_head's packed copy is extra memory: the embedding keeps the plain one."""
+        """Replaces the projections and the lm_head by their oneDNN-prepacked copies (small ones
+        stay plain: chip_child.prepack), in place and one matrix at a time, so loading peaks at one
+        plain matrix above the packed model. A tied lm_head's packed copy is extra memory: the
+        embedding keeps the plain one."""
         for lw in self.layers:
             for name in PROJECTIONS:
-                setattr(lw, name, PackedLinear(getattr(lw, name)))
-        self.lm_head = PackedLinear(self.lm_head)
+                setattr(lw, name, prepacked(getattr(lw, name)))
+        self.lm_head = prepacked(self.lm_head)
 
 
 def _shard(rank: int, world: int, size: int) -> slice:

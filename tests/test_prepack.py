@@ -12,6 +12,7 @@ import torch
 
 from chip_child.local import LocalDriver, LocalRequest
 from chip_child.model import PROJECTIONS
+from chip_child import prepack
 from chip_child.prepack import PackedLinear, resolve_cpu_prepack
 from chip_child.protocol import Admit, Command, prefill_command
 from chip_child.runtime import ChipRuntime, RuntimeConfig
@@ -28,6 +29,15 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 LOGITS_REL_TOL = 1e-5
 # Tied embeddings with a bias, and untied without: both lm_head cases and both linear kinds.
 CHECKPOINTS = {"default": {}, "tied-bias": dict(tie_word_embeddings=True, attention_bias=True, num_key_value_heads=1)}
+# Big enough that some matrices are packed by the default size rule and others are not: qkv,
+# gate_up and down at 2^17 elements or more; o_proj (256 x 256) and the lm_head (300 x 256) below.
+SIZED = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+@pytest.fixture
+def pack_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every matrix of the tiny test checkpoints packed (in this process), not only the large ones."""
+    monkeypatch.setattr(prepack, "MIN_PACKED_ELEMENTS", 0)
 
 
 def runtime(path: Path, cpu_prepack: bool | None, batch: int = 4) -> ChipRuntime:
@@ -102,7 +112,18 @@ def test_packed_linear_takes_a_noncontiguous_input() -> None:
 
 
 # -- through the runtime and the worker ----------------------------------------------------------------
-def test_weights_are_replaced_not_duplicated(make_checkpoint) -> None:
+def test_small_matrices_stay_plain(make_checkpoint) -> None:
+    rt = runtime(make_checkpoint("sized", **SIZED), cpu_prepack=None)
+    try:
+        kinds = {p: {type(getattr(lw, p)) for lw in rt.weights.layers} for p in PROJECTIONS}
+        assert kinds == {"qkv": {PackedLinear}, "o_proj": {torch.Tensor}, "gate_up": {PackedLinear},
+                         "down": {PackedLinear}}
+        assert type(rt.weights.lm_head) is torch.Tensor
+    finally:
+        rt.close()
+
+
+def test_weights_are_replaced_not_duplicated(make_checkpoint, pack_all) -> None:
     """Every projection and the lm_head is packed, no plain copy kept beside it (a tied model's
     embedding stays: the token lookup reads it)."""
     for name, overrides in CHECKPOINTS.items():
@@ -117,7 +138,7 @@ def test_weights_are_replaced_not_duplicated(make_checkpoint) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
-def test_prepacked_and_plain_give_the_same_tokens(make_checkpoint, hf_model, name: str) -> None:
+def test_prepacked_and_plain_give_the_same_tokens(make_checkpoint, hf_model, pack_all, name: str) -> None:
     path = make_checkpoint(name, **CHECKPOINTS[name])
     vocab = hf_model(path).config.vocab_size
     requests = [LocalRequest(p, 24) for p in prompts(vocab)]
@@ -134,11 +155,11 @@ def test_prepacked_and_plain_give_the_same_tokens(make_checkpoint, hf_model, nam
     for mine, theirs in zip(packed.logits, plain.logits):
         for a, b in zip(mine, theirs):
             assert ((a - b).abs().max() / b.abs().max()).item() <= LOGITS_REL_TOL
-    # The plain path, the switch and the benchmark baseline, stays matched to transformers too.
-    assert_matches_transformers(hf_model(path), prompts(vocab), plain.token_ids, plain.logits, 24)
+    for result in (packed, plain):  # the plain path: the switch and the benchmark's baseline
+        assert_matches_transformers(hf_model(path), prompts(vocab), result.token_ids, result.logits, 24)
 
 
-def test_steady_prepacked_decode_step_allocates_and_copies_nothing(make_checkpoint) -> None:
+def test_steady_prepacked_decode_step_allocates_and_copies_nothing(make_checkpoint, pack_all) -> None:
     rt = runtime(make_checkpoint("default"), cpu_prepack=True, batch=3)
     try:
         out, staging = torch.zeros(3, dtype=torch.int32), np.arange(15, dtype=np.int32)
@@ -155,7 +176,7 @@ def test_steady_prepacked_decode_step_allocates_and_copies_nothing(make_checkpoi
 
 
 def test_worker_prepacked_and_plain_give_the_same_tokens(make_checkpoint) -> None:
-    ckpt = make_checkpoint("default")
+    ckpt = make_checkpoint("sized", **SIZED)  # the child packs by the default size rule
     rng = np.random.default_rng(3)
     batch = [rng.integers(0, 300, n).tolist() for n in (4, 11, 2, 19)]
     tokens, flags = {}, {}
