@@ -108,7 +108,6 @@ class Qwen3Weights:
                             eps=to(self.eps), inv_hidden=to(self.inv_hidden), inv_head_dim=to(self.inv_head_dim),
                             eps_value=self.eps_value)
 
-
     def prepack(self) -> None:
         """Replaces the projections and the lm_head by their oneDNN-prepacked copies (small ones
         stay plain: chip_child.prepack), in place and one matrix at a time, so loading peaks at one
