@@ -37,6 +37,7 @@ from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dt
 from chip_child.fused import resolve_fused_kernels, triton_layer_ops
 from chip_child.model import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.pool import TaskArg, TensorPool
+from chip_child.prepack import resolve_cpu_prepack
 from chip_child.protocol import MAX_LOGPROBS, Admit, Chunk, Command, FullState, Limits, prefill_command
 from chip_child.sampling import Features, RowParams, sample, sample_with_features, seed_key, vocab_hash
 
@@ -64,6 +65,7 @@ class RuntimeConfig:
     attention_backend: str | None = None  # None: the device's default (see chip_child.attention)
     decode_graphs: bool | None = None  # None: on for cuda and npu where the backend allows (chip_child.graphs)
     fused_kernels: bool | None = None  # None: on for cuda where triton imports (chip_child.fused)
+    cpu_prepack: bool | None = None  # None: on for the cpu where oneDNN runs the dtype (chip_child.prepack)
     num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
     tp_rank: int = 0
     tp_size: int = 1
@@ -193,6 +195,9 @@ class ChipRuntime:
         host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu")
         self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size).to(self.device)
         del host
+        self.cpu_prepack = resolve_cpu_prepack(cfg.cpu_prepack, self.device.type, self.dtype)
+        if self.cpu_prepack:
+            self.weights.prepack()
         mc = self.model_cfg
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
         self.ops = triton_layer_ops() if resolve_fused_kernels(cfg.fused_kernels, self.device.type) else TORCH_OPS

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on an accelerator)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes seen before (default: on)")
+    p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=None,
+                   help="cpu linear layers on oneDNN with weights prepacked at load (default: on where it runs)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $L3WORKER_API_KEY; none: no key)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
@@ -128,7 +130,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                    page_size=args.block_size, num_pages=args.num_gpu_blocks_override,
                                    dtype=args.dtype, pipeline_depth=args.pipeline_depth,
                                    max_num_batched_tokens=serve_batched_tokens(args),
-                                   enable_prefix_caching=args.enable_prefix_caching)
+                                   enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack)
         options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(names),
                                api_key=args.api_key or None, chat_template=args.chat_template,
                                generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
