@@ -20,8 +20,8 @@ from functools import cached_property
 import numpy as np
 
 from chip_child import protocol
+from chip_child.config import RuntimeConfig
 from chip_child.loader import ModelConfig
-from chip_child.runtime import RuntimeConfig
 from l3worker.child import ChildProcess
 from l3worker.detokenizer import SampleText
 from l3worker.doorbell import Doorbell

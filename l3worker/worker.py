@@ -21,13 +21,13 @@ import zmq
 from tqdm import tqdm
 
 from chip_child.attention import get_backend
+from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores,
                                 check_optional_bool, default_cpu_threads, device_type, pin_socket_threads, plan_cores)
 from chip_child.fused import resolve_fused_kernels
 from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
-from chip_child.runtime import COPY_POLICIES, RuntimeConfig
 from chip_child.tiny_model import ensure_tiny_model
 from l3worker.child import ChildProcess
 from l3worker.shared import StepBuffers

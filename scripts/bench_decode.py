@@ -39,10 +39,11 @@ import torch
 from bench_models import write_random_qwen3  # scripts/, next to this file
 from bench_submit import DEFAULT_SIZES, format_submission, measure_submission  # scripts/, next to this file
 
+from chip_child.config import RuntimeConfig
 from chip_child.device import plan_cores
 from chip_child.local import batch_commands
 from chip_child.protocol import Admit, Command
-from chip_child.runtime import ChipRuntime, RuntimeConfig
+from chip_child.runtime import ChipRuntime
 from l3worker import DistributedWorker, SamplingParams
 
 VARIANTS = ("floor", "l3", "l3_depth1", "l3_always", "hf")

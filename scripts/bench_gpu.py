@@ -38,9 +38,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from chip_child.config import RuntimeConfig
 from chip_child.local import batch_commands
 from chip_child.protocol import Admit, Command
-from chip_child.runtime import ChipRuntime, RuntimeConfig
+from chip_child.runtime import ChipRuntime
 from l3worker import DistributedWorker, SamplingParams
 
 

@@ -32,9 +32,11 @@ import numpy as np
 import torch
 from bench_decode import WORKLOADS, CpuMeter, Workload, compute_cores, make_prompts, pinned, write_checkpoint
 
+from chip_child.config import RuntimeConfig
 from chip_child.local import batch_commands
-from chip_child.protocol import MAX_LOGPROBS, Admit, Command
-from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
+from chip_child.protocol import Admit, Command
+from chip_child.row_fields import MAX_LOGPROBS
+from chip_child.runtime import ChipRuntime, StepOutputs
 from chip_child.sampling import Features, RowParams, sample, sample_with_features, seed_key, vocab_hash
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
