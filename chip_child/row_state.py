@@ -89,6 +89,8 @@ class RowState:
         self.positions = np.zeros(b, np.int64)  # each row's input position of the next step
         self.active = np.zeros(b, bool)
         self.host = {f.array: np.full(b, f.neutral, f.dtype) for f in SCALAR_FIELDS}  # the fields' host copies
+        for f in DEVICE_FIELDS:  # every row starts idle, with neutral values here as on the host
+            state[f.array].fill_(f.neutral)
         self.penalized = np.zeros(b, bool)
         self.min_pos = np.zeros(b, np.int64)
         self._facts: BatchFacts | None = None
