@@ -104,36 +104,12 @@ class ChipRuntime:
         # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
         options = {"decode_mirror": False} if graphs and backend.name == "torch" else {}
         self.attn = backend(spec, self.device, **options)
-        i32, i64, f32 = torch.int32, torch.int64, torch.float32
-        state = lambda slot, shape, dtype, role: TaskArg(slot, shape, dtype, role, owner=STATE)  # noqa: E731
-        shared = (
-            state("kv_cache", self.attn.kv_cache_shape, self.dtype, "inout"),
-            *(state(f"attn_{name}", shape, dtype, "inout") for name, (shape, dtype) in
-              self.attn.workspace_shapes.items()),
-            state("input_ids", (b,), i64, "inout"),
-            *(state(*spec) for spec in row_slots(b, v, mb)),
-            state("lane_seq_lens", (b,), i32, "inout"),
-            state("lane_starts", (b + 1,), i32, "in"),
-            state("vocab_keys", (v,), i64, "in"),
-            state("logits", (b, v), f32, "out"),
-            state("lp_values", (b, 1 + MAX_LOGPROBS), f32, "out"),
-            state("lp_ids", (b, MAX_LOGPROBS), i64, "out"),
-        )
-        self.decode_args = shared
-        self.prefill_args = shared + (
-            # [lanes | chunk tokens] on the packed axis; the host fills the chunk part in one copy.
-            TaskArg("tokens", (b + p,), i64, "in"),
-            TaskArg("token_positions", (b + p,), i64, "in"),
-            TaskArg("token_slots", (b + p,), i64, "inout"),
-            TaskArg("chunk_ints", (ChunkLayout.capacity(b, p),), i64, "in"),
-            TaskArg("prompt_lp_values", (p, 1 + MAX_LOGPROBS), f32, "out"),
-            TaskArg("prompt_lp_ids", (p, MAX_LOGPROBS), i64, "out"),
-        )
+        self.decode_args, self.prefill_args = self._task_args(b, mb, v, p)
         self.state = self.pool.resolve("decode", self.decode_args)  # the step's shared tensors, by slot
         self.prefill_state = self.pool.resolve("prefill", self.prefill_args)
         self.attn.bind(self.state["kv_cache"], {name: self.state[f"attn_{name}"] for name in self.attn.workspace_shapes})
         self.state["vocab_keys"].copy_(vocab_hash(v, self.device))
-        self.state["lane_starts"].copy_(torch.arange(b + 1, dtype=i32))
+        self.state["lane_starts"].copy_(torch.arange(b + 1, dtype=torch.int32))
         buckets = bucket_of(b).tolist()  # highest active row + 1 -> the lanes a step runs
         self.rows = RowState(self.state, self._h2d, buckets)
         # Each bucket's views of the pooled tensors, made once: fixed addresses a graph can read.
@@ -150,6 +126,34 @@ class ChipRuntime:
         self.reset()
         self.warm_pool_allocations = self.pool.allocations
         self.setup_s = time.perf_counter() - t0
+
+    def _task_args(self, b: int, mb: int, v: int, p: int) -> tuple[tuple[TaskArg, ...], tuple[TaskArg, ...]]:
+        """The decode step's and the prefill step's pooled tensors (the prefill's: the decode's
+        and the packed axis's), for `b` rows of `mb` blocks, vocabulary `v`, `p` chunk tokens."""
+        i32, i64, f32 = torch.int32, torch.int64, torch.float32
+        state = lambda slot, shape, dtype, role: TaskArg(slot, shape, dtype, role, owner=STATE)  # noqa: E731
+        shared = (
+            state("kv_cache", self.attn.kv_cache_shape, self.dtype, "inout"),
+            *(state(f"attn_{name}", shape, dtype, "inout") for name, (shape, dtype) in
+              self.attn.workspace_shapes.items()),
+            state("input_ids", (b,), i64, "inout"),
+            *(state(*spec) for spec in row_slots(b, v, mb)),
+            state("lane_seq_lens", (b,), i32, "inout"),
+            state("lane_starts", (b + 1,), i32, "in"),
+            state("vocab_keys", (v,), i64, "in"),
+            state("logits", (b, v), f32, "out"),
+            state("lp_values", (b, 1 + MAX_LOGPROBS), f32, "out"),
+            state("lp_ids", (b, MAX_LOGPROBS), i64, "out"),
+        )
+        return shared, shared + (
+            # [lanes | chunk tokens] on the packed axis; the host fills the chunk part in one copy.
+            TaskArg("tokens", (b + p,), i64, "in"),
+            TaskArg("token_positions", (b + p,), i64, "in"),
+            TaskArg("token_slots", (b + p,), i64, "inout"),
+            TaskArg("chunk_ints", (ChunkLayout.capacity(b, p),), i64, "in"),
+            TaskArg("prompt_lp_values", (p, 1 + MAX_LOGPROBS), f32, "out"),
+            TaskArg("prompt_lp_ids", (p, MAX_LOGPROBS), i64, "out"),
+        )
 
     def _init_tensor_parallel(self):
         import torch.distributed as dist
