@@ -140,7 +140,8 @@ class LocalDriver:
             if i not in finished:
                 active[i] = True
                 pos[i] = positions[i]
-        slots = np.where(active, table[np.arange(b), pos // self.page].astype(np.int64) * self.page + pos % self.page, 0)
+        page = self.page
+        slots = np.where(active, table[np.arange(b), pos // page].astype(np.int64) * page + pos % page, 0)
         return FullState.from_rows(pos, active, table, slots, ((i, _row_values(r)) for i, r in enumerate(requests)))
 
 

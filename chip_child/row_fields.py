@@ -64,9 +64,10 @@ class RowField:
         return value if self.key is None else self.key(value)
 
     def bounds(self, limits: Limits) -> tuple[float, float]:
-        low = -math.inf if self.low is None else getattr(limits, self.low) if isinstance(self.low, str) else self.low
-        high = math.inf if self.high is None else getattr(limits, self.high) if isinstance(self.high, str) else self.high
-        return low, high
+        def resolve(bound: Bound, unbounded: float) -> float:
+            return unbounded if bound is None else getattr(limits, bound) if isinstance(bound, str) else bound
+
+        return resolve(self.low, -math.inf), resolve(self.high, math.inf)
 
     def contains(self, value: Any, limits: Limits) -> Any:
         """Whether `value` (a number, or an array elementwise) lies within the limits."""
