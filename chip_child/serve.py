@@ -23,8 +23,9 @@ import torch
 import zmq
 
 from chip_child import protocol
+from chip_child.config import RuntimeConfig
 from chip_child.device import choose_cpu_layout, pin_socket_threads
-from chip_child.runtime import ChipRuntime, LaunchedStep, RuntimeConfig, StepOutputs
+from chip_child.runtime import ChipRuntime, LaunchedStep, StepOutputs
 from chip_child.spec import ChildSpec
 
 PR_SET_PDEATHSIG = 1

@@ -22,6 +22,7 @@ import zmq
 from tqdm import tqdm
 
 from chip_child.attention import get_backend
+from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores,
                                 check_optional_bool, default_cpu_threads, device_type, pin_socket_threads, plan_cores)
 from chip_child.fused import resolve_fused_kernels
@@ -29,7 +30,6 @@ from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.prepack import resolve_cpu_prepack
-from chip_child.runtime import COPY_POLICIES, RuntimeConfig
 from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.child import ChildProcess, child_spec
 from l3worker.shared import StepBuffers
