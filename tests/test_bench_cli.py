@@ -26,7 +26,7 @@ ENGINE = ["--max-model-len", "64", "--block-size", "16", "--max-num-seqs", "4"]
 @pytest.fixture(scope="module")
 def server():
     worker = DistributedWorker(None, max_batch_size=4, max_seq_len=128, page_size=16)
-    with ServerThread(worker, options=ServeOptions(port=0), builtin=True) as srv:
+    with ServerThread(worker, options=ServeOptions(port=0)) as srv:
         pids, socket_dir = worker.child_pids, worker.socket_dir
         assert pids and socket_dir
         yield srv

@@ -101,7 +101,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser, prefix_caching: bool) -> None:
     g = p.add_argument_group("the worker (as `l3worker serve`'s flags)")
-    g.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    g.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face Hub id (default: the built-in tiny model)")
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--max-num-seqs", type=int, default=None, help="batch rows")

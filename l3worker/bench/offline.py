@@ -16,14 +16,17 @@ LATENCY_TOKEN_IDS = 10000  # vLLM's latency prompts: ids below this (and below t
 
 
 def make_worker(args: argparse.Namespace, max_batch_size: int):
-    """The worker the engine flags describe; the built-in tiny model without --model."""
+    """The worker the engine flags describe: --model a directory or a Hub id, as `l3worker serve`
+    takes it; the built-in tiny model without one."""
     from chip_child.loader import load_config
     from chip_child.tiny_model import ensure_tiny_model
     from l3worker import DistributedWorker
+    from l3worker.hub import resolve_model
 
-    model_dir = args.model or str(ensure_tiny_model())
+    model_dir = resolve_model(args.model, what="--model") if args.model else str(ensure_tiny_model())
     max_model_len = args.max_model_len or min(4096, load_config(model_dir).max_position_embeddings)
-    return DistributedWorker(model_dir, device=args.device, dtype=args.dtype, max_batch_size=max_batch_size,
+    return DistributedWorker(args.model and model_dir, device=args.device, dtype=args.dtype,
+                             max_batch_size=max_batch_size,
                              max_seq_len=max_model_len, page_size=args.block_size,
                              max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=args.enable_prefix_caching)
