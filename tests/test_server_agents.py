@@ -12,6 +12,7 @@ import pytest
 
 from l3worker import DistributedWorker, SamplingParams
 from l3worker.server.chat import ChatTemplate
+from l3worker.server.chat_reply import ChatParsing
 from l3worker.server.runner import ServeOptions, ServerThread
 from scripted_model import (CALL, CALL_ARGUMENTS, EOS_TOKEN, NO_THINK_END, PROBE, PROBE_NEXT, PROBE_TWIN,
                             REASONING, REPLY_NO_THINK, REPLY_OPENED, REPLY_TOOL, THINK_OPEN, THINK_OPEN_TEMPLATE,
@@ -150,7 +151,7 @@ def test_tool_choice_none_parses_nothing(oai) -> None:
 
 def test_tools_without_auto_tool_choice_are_refused(server, http) -> None:
     saved = server.model.parsing
-    server.model.parsing = type(saved)(reasoning_parser="qwen3")  # as a server without --enable-auto-tool-choice
+    server.model.parsing = ChatParsing(reasoning_parser="qwen3")  # as a server without --enable-auto-tool-choice
     try:
         r = http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS})
         none = http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": "none",
