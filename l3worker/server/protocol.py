@@ -43,6 +43,7 @@ class _Sampling(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"; None: the server's
 
 
 def _check_prompt(value: Any) -> Any:
@@ -86,7 +87,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None  # the older name of max_completion_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # shown to the template; calls in the output are not parsed
+    tools: list[dict[str, Any]] | None = None  # shown to the template; calls parsed with tool_choice "auto"
     tool_choice: Literal["none", "auto"] | None = None
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
     # vLLM's extras
