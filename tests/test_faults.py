@@ -263,7 +263,8 @@ def test_ctrl_c_to_example_exits_130(tmp_path: Path, reaper: list) -> None:
 
 # -- a child fails inside a step ---------------------------------------------------------------------
 def _faulty_worker(fault: str, **overrides) -> tuple[DistributedWorker, list[psutil.Process], str]:
-    w = DistributedWorker(**{**SMALL, **overrides}, fault_injection=fault).prepare()
+    """No restarts: the failure reaches the caller, as it did before restarts existed."""
+    w = DistributedWorker(**{**SMALL, "max_restarts": 0, **overrides}, fault_injection=fault).prepare()
     return w, [psutil.Process(pid) for pid in w.child_pids], w.socket_dir
 
 
