@@ -230,6 +230,10 @@ class DistributedWorker:
             self._children.append(ChildProcess(self._ctx, spec, self._buffers))
         for child in self._children:
             child.wait_ready(self.startup_timeout_s, self.engine.stopping)
+        if self._layout_cores and self._children[0].info.get("cpu_layout") == "spare_core":
+            # Restarts keep the layout the trial chose, and skip the trial (seconds on a loaded
+            # machine): spare_core is a child's set-up without one.
+            self._layout_cores = None
         self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget(),
                                   self.engine.stopping)
 
