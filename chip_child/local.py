@@ -2,32 +2,25 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
 import numpy as np
 import torch
 
 from chip_child.protocol import Admit, Command, FullState, prefill_command
+from chip_child.row_fields import dataclass_fields, row_values
 from chip_child.runtime import ChipRuntime, StepOutputs
-from chip_child.sampling import seed_key
 
 
-@dataclass
-class LocalRequest:
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens tokens were generated
-    logprobs: int = -1  # -1: none; N: the sampled token's log-probability and the top N
-    prompt_logprobs: int = -1
+LocalRequest = make_dataclass(
+    "LocalRequest", [("prompt", list[int]), ("max_new_tokens", int),
+                     *(spec for spec in dataclass_fields(required=False) if spec[0] != "prompt_len")],
+    namespace={"__module__": __name__, "__doc__": """A prompt, how many tokens to generate, and any per-row
+    field of chip_child.row_fields by its Admit name (neutral by default: greedy, no options)."""})
+
+
+def _row_values(r: LocalRequest) -> dict:
+    return row_values(r, prompt_len=len(r.prompt))
 
 
 @dataclass
@@ -76,9 +69,7 @@ class LocalDriver:
             for i, r in enumerate(requests):
                 if blk < math.ceil(len(r.prompt) / page):
                     pages[i].append(self._take_page())
-        admits = [(Admit(i, len(r.prompt), r.temperature, r.top_p, r.top_k, r.seed, r.min_p, r.presence_penalty,
-                         r.frequency_penalty, r.repetition_penalty, r.min_tokens, np.array(r.stop_ids, np.int32),
-                         r.logprobs, r.prompt_logprobs), np.array(pages[i], np.int32), int(offsets[i]))
+        admits = [(Admit(i, **_row_values(r)), np.array(pages[i], np.int32), int(offsets[i]))
                   for i, r in enumerate(requests)]
         result = LocalResult(token_ids=[[] for _ in requests], logits=[[] for _ in requests],
                              logprobs=[[] if r.logprobs >= 0 else None for r in requests],
@@ -144,25 +135,14 @@ class LocalDriver:
         table = np.zeros((b, cfg.max_blocks_per_row), np.int32)
         pos = np.zeros(b, np.int64)
         active = np.zeros(b, bool)
-        temp, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
-        top_k, keys = np.zeros(b, np.int64), np.zeros(b, np.int64)
-        fs = FullState(pos, active, table, np.zeros(b, np.int64), temp, top_p, top_k, keys,
-                       stop_ids=np.full((b, max([len(r.stop_ids) for r in requests] + [0])), -1, np.int32))
         for i, r in enumerate(requests):
             table[i, :len(pages[i])] = pages[i]
             if i not in finished:
                 active[i] = True
                 pos[i] = positions[i]
-            temp[i], top_p[i], top_k[i], keys[i] = r.temperature, r.top_p, r.top_k, seed_key(r.seed)
-            fs.min_p[i], fs.presence_penalty[i], fs.frequency_penalty[i] = r.min_p, r.presence_penalty, \
-                r.frequency_penalty
-            fs.repetition_penalty[i], fs.min_tokens[i], fs.prompt_lens[i] = r.repetition_penalty, r.min_tokens, \
-                len(r.prompt)
-            fs.logprobs[i] = r.logprobs
-            fs.stop_ids[i, :len(r.stop_ids)] = r.stop_ids
-        fs.slot_mapping[:] = np.where(active, table[np.arange(b), pos // self.page].astype(np.int64) * self.page
-                                      + pos % self.page, 0)
-        return fs
+        page = self.page
+        slots = np.where(active, table[np.arange(b), pos // page].astype(np.int64) * page + pos % page, 0)
+        return FullState.from_rows(pos, active, table, slots, ((i, _row_values(r)) for i, r in enumerate(requests)))
 
 
 def batch_commands(step: int, admits: list[Admit], prompt_lens: list[int], new_tokens: int, page_size: int,

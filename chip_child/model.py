@@ -4,7 +4,8 @@ Weights are fused once at load (q/k/v into one matrix, gate/up into another) so 
 matmuls. One forward serves every step: decode rows (one token each) and prefill chunks sit side
 by side on the token axis, and attention over the paged KV cache is the attention backend's
 (chip_child.attention): K/V written by slot mapping, read through the block table, no dense
-mask built on the host.
+mask built on the host. On the cpu the projections and the lm_head can be prepacked for oneDNN
+at load (chip_child.prepack); `linear` takes either kind of weight.
 """
 from __future__ import annotations
 
@@ -16,22 +17,28 @@ import torch.nn.functional as F
 
 from chip_child.attention import AttentionBackend, StepPlan
 from chip_child.loader import ModelConfig
+from chip_child.prepack import PackedLinear, prepacked
+
+Weight = torch.Tensor | PackedLinear  # a plain [in, out] view, or the same matrix prepacked
 
 
 @dataclass
 class LayerWeights:
     """One layer's tensors. Projections are stored transposed ([in, out] views of the checkpoint's
-    [out, in] tensors), so each is a single mm with no per-step transpose."""
+    [out, in] tensors), so each is a single mm with no per-step transpose; or prepacked."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm per query head, then k_norm per kv head
-    o_proj: torch.Tensor
+    o_proj: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
+
+
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 
 
 @dataclass
@@ -39,7 +46,7 @@ class Qwen3Weights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor  # [hidden, vocab]; a view of embed when the embeddings are tied
+    lm_head: Weight  # [hidden, vocab]; a view of embed when the embeddings are tied
     tied: bool
     # 0-dim constants of the norms: a python float would be wrapped into a tensor on every op.
     eps: torch.Tensor
@@ -101,6 +108,16 @@ class Qwen3Weights:
                             eps=to(self.eps), inv_hidden=to(self.inv_hidden), inv_head_dim=to(self.inv_head_dim),
                             eps_value=self.eps_value)
 
+    def prepack(self) -> None:
+        """Replaces the projections and the lm_head by their oneDNN-prepacked copies (small ones
+        stay plain: chip_child.prepack), in place and one matrix at a time, so loading peaks at one
+        plain matrix above the packed model. A tied lm_head's packed copy is extra memory: the
+        embedding keeps the plain one."""
+        for lw in self.layers:
+            for name in PROJECTIONS:
+                setattr(lw, name, prepacked(getattr(lw, name)))
+        self.lm_head = prepacked(self.lm_head)
+
 
 def _shard(rank: int, world: int, size: int) -> slice:
     step = size // world
@@ -132,8 +149,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, inv_dim: 
     return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
 
-def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight_t [in, out] (+ bias): one mm."""
+def linear(x: torch.Tensor, weight_t: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight_t [in, out] (+ bias): one mm, or one call of the prepacked op."""
+    if type(weight_t) is PackedLinear:
+        return weight_t(x, bias)
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
@@ -209,7 +228,7 @@ def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = No
                  ops: LayerOps = TORCH_OPS) -> torch.Tensor:
     """fp32 logits [T, vocab] of the last layer's hidden states `h`, written into `out` when given."""
     x = ops.add_rms_norm(h, None, w.norm, w)[1]
-    if out is not None and x.dtype == out.dtype:
+    if out is not None and x.dtype == out.dtype and type(w.lm_head) is not PackedLinear:
         return torch.mm(x, w.lm_head, out=out)
     logits = linear(x, w.lm_head).float()
     return logits if out is None else out.copy_(logits)

@@ -5,78 +5,32 @@ A steady decode command is `[0, step, [], b""]` (6 to 10 bytes as the step grows
 triples and chunks travel as raw int32 bytes, never as per-element lists.
 
 A step with admissions or prompt chunks is `[1, step, finished_rows, triples, admits, chunks]`.
-An admit sets a row up: `[row, prompt_len, temperature, top_p, top_k, seed, min_p,
-presence_penalty, frequency_penalty, repetition_penalty, min_tokens, stop_ids, logprobs,
-prompt_logprobs]`, stop_ids as int32 bytes; its first six fields alone are an admit that uses
-none of the optional sampling features. Chunks are int32 bytes of (row, start, length,
+An admit sets a row up: `[row, *per-row fields]` in the order of chip_child.row_fields.ROW_FIELDS,
+token ids as int32 bytes; the row and the required fields alone are an admit that uses none of
+the optional sampling features. Chunks are int32 bytes of (row, start, length,
 staging_offset, last) quintuples: positions [start, start + length) of the row's sequence, ids at
 staging_offset in the step's staging slot; the last chunk of a prompt samples the row's next token.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
+from chip_child.config import Limits
+from chip_child.row_fields import BASIC_FIELDS, FULL_STATE_FIELDS, ROW_FIELDS, Admit, FullState, RowField
+
 OP_DECODE, OP_PREFILL, OP_SHUTDOWN = 0, 1, 2
 MAX_STEP = 2**62  # step numbers stay well inside int64 wherever they are stored
-MAX_LOGPROBS = 20  # top-N log-probabilities per token; l3worker.params.MAX_LOGPROBS (a test keeps them equal)
-
 
 _NO_PAGES = np.zeros((0, 3), np.int32)
 _NO_PAGES.flags.writeable = False
-_NO_IDS = np.zeros(0, np.int32)
-_NO_IDS.flags.writeable = False
 
 
 class ProtocolError(ValueError):
     """A command that is malformed or names something outside the runtime's limits."""
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_batch_size: int
-    max_blocks_per_row: int
-    num_pages: int
-    max_seq_len: int
-    max_prefill_tokens: int
-    page_size: int
-    vocab_size: int = 0  # 0: unknown, token ids are only checked to be non-negative
-
-
-@dataclass
-class Admit:
-    """A sequence taking `row`: its sampling parameters. Its pages arrive as triples and its
-    prompt as chunks, in this command and later ones; the row decodes once its last chunk ran.
-    Generated tokens start at `prompt_len` (a resumed sequence prefills some of them again): the
-    last chunk's sampled token is generated token (its end - prompt_len), and a decode step
-    whose input sits at position p samples generated token p - prompt_len + 1. While that index is
-    below `min_tokens` the `stop_ids` (eos and stop token ids, as the parent decides) cannot be
-    sampled. Penalties, min_p and log-probabilities follow l3worker.params.SamplingParams; the
-    penalties count the row's chunk tokens (prompt below prompt_len, output from there), so a
-    penalized sequence's chunks must cover it from position 0. `logprobs` and `prompt_logprobs`
-    are -1 for none, else the number of top entries (0..MAX_LOGPROBS)."""
-
-    row: int
-    prompt_len: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # int32
-    logprobs: int = -1
-    prompt_logprobs: int = -1
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass
@@ -89,50 +43,6 @@ class Chunk:
     length: int
     staging_offset: int
     last: bool
-
-
-@dataclass
-class FullState:
-    """copy_policy="always": every decode input the parent owns, rebuilt and sent each step.
-
-    The sampling parameters of Admit are re-sent too (the output token counts are not: like the
-    KV cache they are state the device builds). Fields left None get the values of a row that
-    uses none of those features, so a sender that knows only the first eight fields still works."""
-
-    positions: np.ndarray  # int64 [B]
-    active: np.ndarray  # bool [B]
-    block_table: np.ndarray  # int32 [B, max_blocks]
-    slot_mapping: np.ndarray  # int64 [B]
-    temperature: np.ndarray  # float32 [B]
-    top_p: np.ndarray  # float32 [B]
-    top_k: np.ndarray  # int64 [B]
-    seed_keys: np.ndarray  # int64 [B]
-    min_p: np.ndarray | None = None  # float32 [B]
-    presence_penalty: np.ndarray | None = None  # float32 [B]
-    frequency_penalty: np.ndarray | None = None  # float32 [B]
-    repetition_penalty: np.ndarray | None = None  # float32 [B]
-    min_tokens: np.ndarray | None = None  # int64 [B]
-    prompt_lens: np.ndarray | None = None  # int64 [B] (min_tokens counts from the prompt's end)
-    logprobs: np.ndarray | None = None  # int64 [B], -1: none
-    stop_ids: np.ndarray | None = None  # int32 [B, S], each row's stop ids padded with -1
-
-    _FIELDS = (("positions", np.int64), ("active", np.bool_), ("block_table", np.int32),
-               ("slot_mapping", np.int64), ("temperature", np.float32), ("top_p", np.float32),
-               ("top_k", np.int64), ("seed_keys", np.int64), ("min_p", np.float32),
-               ("presence_penalty", np.float32), ("frequency_penalty", np.float32),
-               ("repetition_penalty", np.float32), ("min_tokens", np.int64), ("prompt_lens", np.int64),
-               ("logprobs", np.int64), ("stop_ids", np.int32))
-    _NEUTRAL = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                "min_tokens": 0, "prompt_lens": 0, "logprobs": -1}
-
-    def __post_init__(self) -> None:
-        b = len(self.positions)
-        dtypes = dict(self._FIELDS)
-        for name, value in self._NEUTRAL.items():
-            if getattr(self, name) is None:
-                setattr(self, name, np.full(b, value, dtypes[name]))
-        if self.stop_ids is None:
-            self.stop_ids = np.zeros((b, 0), np.int32)
 
 
 @dataclass
@@ -171,10 +81,7 @@ def encode(cmd: Command | Shutdown) -> bytes:
         return msgpack.packb([OP_SHUTDOWN])
     pages = cmd.new_pages.astype(np.int32, copy=False).tobytes()
     if cmd.admits or cmd.chunks:
-        admits = [[a.row, a.prompt_len, a.temperature, a.top_p, a.top_k, a.seed, float(a.min_p),
-                   float(a.presence_penalty), float(a.frequency_penalty), float(a.repetition_penalty),
-                   int(a.min_tokens), np.asarray(a.stop_ids, np.int32).tobytes(), int(a.logprobs),
-                   int(a.prompt_logprobs)] for a in cmd.admits]
+        admits = [[a.row, *(_to_wire(f, getattr(a, f.name)) for f in ROW_FIELDS)] for a in cmd.admits]
         chunks = np.array([(c.row, c.start, c.length, c.staging_offset, int(c.last)) for c in cmd.chunks],
                           np.int32).tobytes()
         return msgpack.packb([OP_PREFILL, cmd.step, cmd.finished_rows, pages, admits, chunks])
@@ -183,6 +90,10 @@ def encode(cmd: Command | Shutdown) -> bytes:
         fs = cmd.full_state
         body.append([np.ascontiguousarray(getattr(fs, n), dtype=t).tobytes() for n, t in FullState._FIELDS])
     return msgpack.packb(body)
+
+
+def _to_wire(f: RowField, value: object) -> object:
+    return np.asarray(value, np.int32).tobytes() if f.kind == "ids" else f.coerce(value)
 
 
 def _int_array(raw: object, what: str) -> np.ndarray:
@@ -285,45 +196,33 @@ def _decode_chunks(raw: object, limits: Limits) -> list[Chunk]:
     return chunks
 
 
-_ADMIT_FIELDS = tuple(f.name for f in fields(Admit))
-_ADMIT_BASIC = 6  # row .. seed
-_ADMIT_NEUTRAL = [0.0, 0.0, 0.0, 1.0, 0, b"", -1, -1]  # min_p .. prompt_logprobs of an admit without them
+_ADMIT_NAMES = ("row", *(f.name for f in ROW_FIELDS))
+_ADMIT_BASIC = 1 + len(BASIC_FIELDS)
+_ADMIT_NEUTRAL = [_to_wire(f, f.neutral) for f in ROW_FIELDS[len(BASIC_FIELDS):]]  # an admit without options
 
 
 def _decode_admit(raw: object, limits: Limits) -> Admit:
-    if not isinstance(raw, list) or len(raw) not in (_ADMIT_BASIC, len(_ADMIT_FIELDS)):
-        raise ProtocolError(f"admit must be [{', '.join(_ADMIT_FIELDS)}] or its first {_ADMIT_BASIC} fields")
+    if not isinstance(raw, list) or len(raw) not in (_ADMIT_BASIC, len(_ADMIT_NAMES)):
+        raise ProtocolError(f"admit must be [{', '.join(_ADMIT_NAMES)}] or its first {_ADMIT_BASIC} fields")
     if len(raw) == _ADMIT_BASIC:
         raw = raw + _ADMIT_NEUTRAL
-    (row, plen, temperature, top_p, top_k, seed, min_p, presence, frequency, repetition,
-     min_tokens, stop_ids, logprobs, prompt_logprobs) = raw
-    _check_row(row, limits, "admit")
-    if not _is_int(plen) or not 1 <= plen < limits.max_seq_len:
-        raise ProtocolError(f"admit: prompt_len {plen!r} outside [1, {limits.max_seq_len})")
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ProtocolError(f"admit: {name} {value!r} is not a finite number")
-    if not isinstance(top_k, int) or not 0 <= top_k < 2**31:
-        raise ProtocolError(f"admit: top_k {top_k!r} outside [0, 2**31)")
-    if not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ProtocolError(f"admit: seed {seed!r} outside [0, 2**64)")
-    for name, value in (("min_p", min_p), ("presence_penalty", presence), ("frequency_penalty", frequency),
-                        ("repetition_penalty", repetition)):
-        if not _is_number(value) or not math.isfinite(value):
-            raise ProtocolError(f"admit: {name} {value!r} is not a finite number")
-    if not 0 <= min_p <= 1:
-        raise ProtocolError(f"admit: min_p {min_p!r} outside [0, 1]")
-    if not repetition > 0:
-        raise ProtocolError(f"admit: repetition_penalty {repetition!r} must be > 0")
-    if not _is_int(min_tokens) or not 0 <= min_tokens <= limits.max_seq_len:
-        raise ProtocolError(f"admit: min_tokens {min_tokens!r} outside [0, {limits.max_seq_len}]")
-    stop_ids = _int_array(stop_ids, "admit stop_ids")
-    _check_token_ids(stop_ids, limits, "admit stop_ids")
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if not _is_int(value) or not -1 <= value <= MAX_LOGPROBS:
-            raise ProtocolError(f"admit: {name} {value!r} outside [-1, {MAX_LOGPROBS}]")
-    return Admit(row, plen, float(temperature), float(top_p), top_k, seed, float(min_p), float(presence),
-                 float(frequency), float(repetition), min_tokens, stop_ids, logprobs, prompt_logprobs)
+    row = _check_row(raw[0], limits, "admit")
+    return Admit(row, *(_check_admit_value(f, value, limits) for f, value in zip(ROW_FIELDS, raw[1:])))
+
+
+def _check_admit_value(f: RowField, value: object, limits: Limits) -> object:
+    """The wire value of one admit field, checked against its limits, as Admit holds it."""
+    if f.kind == "ids":
+        ids = _int_array(value, f"admit {f.name}")
+        _check_token_ids(ids, limits, f"admit {f.name}")
+        return ids
+    if f.kind == "int" and not _is_int(value):
+        raise ProtocolError(f"admit: {f.name} {value!r} is not an int")
+    if f.kind == "float" and not (_is_number(value) and math.isfinite(value)):
+        raise ProtocolError(f"admit: {f.name} {value!r} is not a finite number")
+    if not f.contains(value, limits):
+        raise ProtocolError(f"admit: {f.name} {value!r} outside {f.interval(limits)}")
+    return f.coerce(value)
 
 
 def _is_number(value: object) -> bool:
@@ -345,20 +244,21 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
     if not isinstance(raw, list) or len(raw) != len(FullState._FIELDS):
         raise ProtocolError("full_state: wrong number of fields")
     b = limits.max_batch_size
+    ids = {f.array for f in FULL_STATE_FIELDS if f.kind == "ids"}
     arrays = {}
     for blob, (name, dtype) in zip(raw, FullState._FIELDS):
         want = b * limits.max_blocks_per_row if name == "block_table" else b
         # A writable copy: torch refuses to wrap read-only memory without a warning.
         ok = isinstance(blob, bytes) and len(blob) % np.dtype(dtype).itemsize == 0
         arr = np.frombuffer(blob, dtype=dtype).copy() if ok else None
-        if name == "stop_ids":  # [B, S] for any S
+        if name in ids:  # [B, S] for any S
             if arr is None or arr.size % b:
-                raise ProtocolError(f"full_state.stop_ids: expected a multiple of {b} values of int32")
+                raise ProtocolError(f"full_state.{name}: expected a multiple of {b} values of {np.dtype(dtype).name}")
+            arr = arr.reshape(b, -1)
         elif arr is None or arr.size != want:
             raise ProtocolError(f"full_state.{name}: expected {want} values of {np.dtype(dtype).name}")
         arrays[name] = arr
     arrays["block_table"] = arrays["block_table"].reshape(b, limits.max_blocks_per_row)
-    arrays["stop_ids"] = arrays["stop_ids"].reshape(b, -1)
     if arrays["active"].view(np.uint8).max() > 1:
         raise ProtocolError("full_state.active: values must be 0 or 1")
     positions = arrays["positions"]
@@ -370,19 +270,23 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
     slots = arrays["slot_mapping"]
     if slots.min() < 0 or slots.max() >= limits.num_pages * limits.page_size:
         raise ProtocolError("full_state.slot_mapping: slot outside the KV cache")
-    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if not np.isfinite(arrays[name]).all():
-            raise ProtocolError(f"full_state.{name}: values must be finite")
-    if arrays["min_p"].min() < 0 or arrays["min_p"].max() > 1:
-        raise ProtocolError("full_state.min_p: values outside [0, 1]")
-    if arrays["repetition_penalty"].min() <= 0:
-        raise ProtocolError("full_state.repetition_penalty: values must be > 0")
-    for name, low, high in (("min_tokens", 0, limits.max_seq_len), ("prompt_lens", 0, limits.max_seq_len - 1),
-                            ("logprobs", -1, MAX_LOGPROBS)):
-        if arrays[name].min() < low or arrays[name].max() > high:
-            raise ProtocolError(f"full_state.{name}: values outside [{low}, {high}]")
-    _check_token_ids(arrays["stop_ids"], limits, "full_state.stop_ids", allow_pad=True)
+    for f in FULL_STATE_FIELDS:
+        _check_full_state_array(f, arrays[f.array], limits)
     return FullState(**arrays)
+
+
+def _check_full_state_array(f: RowField, values: np.ndarray, limits: Limits) -> None:
+    """A per-row field's array: every row's value within the field's limits, or the neutral
+    value (an idle row's). Arrays of keys (seed_keys) are the child's own values: any will do."""
+    what = f"full_state.{f.array}"
+    if f.kind == "ids":
+        _check_token_ids(values, limits, what, allow_pad=True)
+    elif f.key is None:
+        if f.kind == "float" and not np.isfinite(values).all():
+            raise ProtocolError(f"{what}: values must be finite")
+        if not (f.contains(values, limits) | (values == f.neutral)).all():
+            idle = "" if f.contains(f.neutral, limits) else f" or {f.neutral} (an idle row)"
+            raise ProtocolError(f"{what}: values outside {f.interval(limits)}{idle}")
 
 
 # Replies from the child: a wake-up is the bare step number; errors and the ready report are maps.

@@ -12,25 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-_M32 = 0xFFFFFFFF
-
-
-def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer on int64 tensors holding values in [0, 2**32).
-
-    Both multipliers are below 2**31, so no product overflows int64 on any backend."""
-    x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & _M32
-    return x ^ (x >> 15)
-
-
-def seed_key(seed: int) -> int:
-    """Folds a user seed of any size into the 32-bit row key the device hashes with."""
-    lo = torch.tensor([seed & _M32], dtype=torch.int64)
-    hi = torch.tensor([(seed >> 32) & _M32], dtype=torch.int64)
-    return int(hash32(lo ^ hash32(hi + 0x9E3779B9 & _M32))[0])
+from chip_child.seeds import M32, hash32, seed_key  # noqa: F401  seed_key: the keys this noise is drawn with
 
 
 def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -39,7 +21,7 @@ def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
 
 def uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
     """[N, V] floats in (0, 1), a pure function of (key, counter, token id)."""
-    row = hash32(keys ^ (counters & _M32))
+    row = hash32(keys ^ (counters & M32))
     bits = hash32(row[:, None] ^ vocab_keys[None, :]) >> 8  # 24 bits: exact in fp32
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
 

@@ -23,8 +23,9 @@ import torch
 import zmq
 
 from chip_child import protocol
+from chip_child.config import RuntimeConfig
 from chip_child.device import choose_cpu_layout, pin_socket_threads
-from chip_child.runtime import ChipRuntime, LaunchedStep, RuntimeConfig, StepOutputs
+from chip_child.runtime import ChipRuntime, LaunchedStep, StepOutputs
 from chip_child.spec import ChildSpec
 
 PR_SET_PDEATHSIG = 1
@@ -122,7 +123,7 @@ def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
         "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
         "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
         "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
-        "fused_kernels": rt.ops.name,
+        "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack,
         "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"], "layout_trial_s": layout["trial_s"],
     })

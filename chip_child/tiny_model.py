@@ -23,6 +23,7 @@ from tokenizers.models import BPE
 from chip_child.loader import ModelConfig, expected_tensor_shapes, load_config
 
 TINY_MODEL_NAME = "tiny-qwen3-v2"  # v2: ChatML special tokens and a chat template
+TINY_MODEL_SERVED_NAME = "l3worker-tiny"  # what the worker and the server call it
 _SEED = 20240601
 _NUM_BYTES = 256
 _EOS_ID = 256  # <|endoftext|>, also bos

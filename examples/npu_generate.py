@@ -1,6 +1,6 @@
 """Offline generation with one long-lived DistributedWorker, printing what each request cost.
 
-    python examples/npu_generate.py                                  # built-in tiny model
+    python examples/npu_generate.py                                  # built-in story model
     python examples/npu_generate.py --model-dir /path/to/Qwen3-0.6B --device npu --prompt "Hello"
     python examples/npu_generate.py --requests 3 --profile           # later requests skip setup
     python examples/npu_generate.py --stream                         # text as it is generated
@@ -12,17 +12,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from chip_child.story_model import story_model_dir
 from l3worker import DistributedWorker, SamplingParams, WorkerError
 
-DEFAULT_PROMPTS = (
-    "Hello, my name is",
-    "The capital of France is",
-    "In a distant galaxy, a small robot discovered",
-    "Write a haiku about the sea:",
-    "def fibonacci(n):",
-    "The three most important ideas in physics are",
+DEFAULT_PROMPTS = (  # story openings: what the built-in model knows, and fine for any other
     "Once upon a time",
-    "Translate to German: good morning, how are you today?",
+    "One day, a little fox named Max",
+    "Lily was a shy bird who",
+    "But one day, Tom",
+    "The brave rabbit went to the forest.",
+    "Then a kind owl named Zoe came by.",
+    "Sam loved to play with a red kite.",
+    "From that day on,",
 )
 PROFILE_ROWS = (  # (label, key in decode_step, scale to print)
     ("parent wall (ms)", "parent_wall_s", 1e3), ("parent wait (ms)", "wait_s", 1e3),
@@ -41,7 +42,8 @@ def device_ids(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", help="Hugging Face Qwen3 checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--model-dir", help="Hugging Face Qwen3 checkpoint directory or Hub id (default: the built-in "
+                   "story model, about 0.6M parameters trained on generated children's stories)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable). Text when the model has a "
                    "tokenizer.json; without one, comma-separated token ids, e.g. '12,7,99'")
     p.add_argument("--num-prompts", type=int, default=4, help="without --prompt: how many default prompts "
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     w = None
     try:
         w = DistributedWorker(
-            args.model_dir, device_ids=args.device_ids, device=args.device, max_batch_size=args.max_num_seqs,
+            args.model_dir or story_model_dir(), device_ids=args.device_ids, device=args.device, max_batch_size=args.max_num_seqs,
             max_seq_len=args.max_seq_len, page_size=args.block_size, dtype=args.dtype,
             pipeline_depth=args.pipeline_depth, copy_policy=args.copy_policy,
             max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching)
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.requests > 1:
                 print(f"=== request {i}/{args.requests} ===")
             for out in outputs:
+                if out.prompt is not None:
+                    print(f"prompt: {out.prompt!r}")
                 print(f"text: {out.text!r}")
                 print(f"token_ids: {out.token_ids}")
                 print(f"finish_reason: {out.finish_reason}")

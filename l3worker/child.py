@@ -19,9 +19,9 @@ import msgpack
 import zmq
 
 import chip_child
+from chip_child.config import RuntimeConfig
 from chip_child.device import child_environment, device_type
 from chip_child.protocol import Shutdown, encode
-from chip_child.runtime import RuntimeConfig
 from chip_child.spec import ChildSpec
 from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError, StoppingError
 from l3worker.shared import StepBuffers

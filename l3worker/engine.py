@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from chip_child import protocol
+from chip_child.config import RuntimeConfig
 from chip_child.loader import ModelConfig
-from chip_child.runtime import RuntimeConfig
 from l3worker.child import ChildProcess
 from l3worker.doorbell import Doorbell
 from l3worker.errors import ChildFailure, EngineBusyError, WorkerError

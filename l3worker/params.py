@@ -5,7 +5,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20  # top-N log-probabilities a request may ask for, per token (OpenAI's limit)
+from chip_child.row_fields import MAX_LOGPROBS, uses_penalties
 # Tokens per step (at least max_batch_size): decode rows plus prefill chunks. Offline (the worker's
 # default) larger steps prefill faster: on the CI machine's cpu whole generates of 16 ~100-token
 # prompts took 9-13% less time than with 256 (scripts/bench_cpu.py). Serving on a cpu
@@ -115,7 +115,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return bool(uses_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty))
 
 
 def _int(name: str, value: object) -> None:

@@ -18,12 +18,12 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from chip_child.protocol import Admit, Chunk, Command, FullState
-from chip_child.sampling import seed_key
+from chip_child.row_fields import row_values
 from l3worker.page_pool import CacheCursor, PagePool, PrefixHit
 from l3worker.params import SamplingParams
 
@@ -86,9 +86,11 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.fed < self.prefill_end
 
-    @cached_property
-    def seed_key(self) -> int:
-        return seed_key(self.seed)
+    def row_values(self) -> dict[str, Any]:
+        """Its per-row fields, as its admit and a full state carry them."""
+        scores = self.want_prompt_logprobs and self.preemptions == 0
+        return row_values(self.params, prompt_len=self.prompt_len, seed=self.seed, stop_ids=sorted(self.stop_ids),
+                          prompt_logprobs=self.params.prompt_logprobs if scores else None)
 
     def pages_needed(self, page_size: int) -> int:
         # The last sampled token is never fed back, so the cache holds prompt + steps - 1.
@@ -324,7 +326,7 @@ class Scheduler:
                 seq.admitted_at = time.perf_counter()
             seq.admit_order = next(self._admissions)
             self.rows[seq.row] = seq
-            admits.append(_admit_command(seq))
+            admits.append(Admit(seq.row, **seq.row_values()))
             used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples, first_block=0)
         return admits
 
@@ -351,36 +353,13 @@ class Scheduler:
     def _full_state(self, producers: list[tuple[int, Sequence]]) -> FullState:
         """copy_policy="always": rebuild every decode input from scratch, as older systems did."""
         b, page = len(self.rows), self.page_size
-        st = FullState(
-            positions=np.zeros(b, np.int64), active=np.zeros(b, bool),
-            block_table=np.zeros((b, self.max_blocks), np.int32), slot_mapping=np.zeros(b, np.int64),
-            temperature=np.zeros(b, np.float32), top_p=np.ones(b, np.float32), top_k=np.zeros(b, np.int64),
-            seed_keys=np.zeros(b, np.int64),
-        )
-        width = max((len(seq.stop_ids) for _, seq in producers), default=0)
-        st.stop_ids = np.full((b, width), -1, np.int32)
+        positions, active = np.zeros(b, np.int64), np.zeros(b, bool)
+        block_table, slot_mapping = np.zeros((b, self.max_blocks), np.int32), np.zeros(b, np.int64)
         for row, seq in producers:
-            p = seq.params
             pos = seq.fed - 1  # this step's input position (fed was advanced when scheduling)
-            st.positions[row] = pos
-            st.active[row] = True
-            st.block_table[row, :len(seq.pages)] = seq.pages
-            st.slot_mapping[row] = seq.pages[pos // page] * page + pos % page
-            st.temperature[row], st.top_p[row], st.top_k[row] = p.temperature, p.top_p, p.top_k
-            st.seed_keys[row] = seq.seed_key
-            st.min_p[row], st.presence_penalty[row] = p.min_p, p.presence_penalty
-            st.frequency_penalty[row], st.repetition_penalty[row] = p.frequency_penalty, p.repetition_penalty
-            st.min_tokens[row], st.prompt_lens[row] = p.min_tokens, seq.prompt_len
-            st.logprobs[row] = -1 if p.logprobs is None else p.logprobs
-            st.stop_ids[row, :len(seq.stop_ids)] = sorted(seq.stop_ids)
-        return st
-
-
-def _admit_command(seq: Sequence) -> Admit:
-    p = seq.params
-    return Admit(seq.row, seq.prompt_len, float(p.temperature), float(p.top_p), int(p.top_k), int(seq.seed),
-                 min_p=float(p.min_p), presence_penalty=float(p.presence_penalty),
-                 frequency_penalty=float(p.frequency_penalty), repetition_penalty=float(p.repetition_penalty),
-                 min_tokens=int(p.min_tokens), stop_ids=np.array(sorted(seq.stop_ids), np.int32),
-                 logprobs=-1 if p.logprobs is None else int(p.logprobs),
-                 prompt_logprobs=int(p.prompt_logprobs) if seq.want_prompt_logprobs and seq.preemptions == 0 else -1)
+            positions[row] = pos
+            active[row] = True
+            block_table[row, :len(seq.pages)] = seq.pages
+            slot_mapping[row] = seq.pages[pos // page] * page + pos % page
+        return FullState.from_rows(positions, active, block_table, slot_mapping,
+                                   ((row, seq.row_values()) for row, seq in producers))

@@ -16,25 +16,28 @@ import tempfile
 import time
 import weakref
 from dataclasses import replace
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import zmq
 from tqdm import tqdm
 
 from chip_child.attention import get_backend
+from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores,
                                 check_optional_bool, default_cpu_threads, device_type, pin_socket_threads, plan_cores)
 from chip_child.fused import resolve_fused_kernels
 from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
-from chip_child.runtime import COPY_POLICIES, RuntimeConfig
-from chip_child.tiny_model import ensure_tiny_model
+from chip_child.prepack import resolve_cpu_prepack
+from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.child import ChildProcess, child_spec
 from l3worker.shared import StepBuffers
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine
 from l3worker.errors import ChildFailure, WorkerError
+from l3worker.hub import resolve_model
 from l3worker.inputs import Prompt, as_prompt_list
 from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParams
 from l3worker.recovery import RestartPolicy
@@ -58,6 +61,8 @@ class DistributedWorker:
         self,
         model_dir: str | os.PathLike | None = None,
         *,
+        revision: str | None = None,
+        download_dir: str | None = None,
         device_ids: Sequence[int] = (0,),
         device: str = "auto",
         max_batch_size: int = 16,
@@ -72,6 +77,7 @@ class DistributedWorker:
         attention_backend: str | None = None,
         decode_graphs: bool | None = None,
         fused_kernels: bool | None = None,
+        cpu_prepack: bool | None = None,
         overlap_steps: bool | None = None,
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
@@ -137,9 +143,15 @@ class DistributedWorker:
         restart_policy.validate()
         if max_waiting_requests is not None:
             _positive_int("max_waiting_requests", max_waiting_requests)
-        self.model_dir = str(model_dir) if model_dir is not None else str(ensure_tiny_model())
+        # A Hub id is served under that id; a directory under its name.
+        self.model_name = str(model_dir) if model_dir is not None else TINY_MODEL_SERVED_NAME
+        self.model_dir = resolve_model(model_dir, revision, download_dir, "model_dir") if model_dir is not None \
+            else str(ensure_tiny_model())
+        if model_dir is not None and Path(model_dir).expanduser().is_dir():
+            self.model_name = Path(self.model_dir).name
         self.model_config = load_config(self.model_dir)
         resolve_dtype(dtype, "cpu", self.model_config)  # rejects unknown names before any child starts
+        resolve_cpu_prepack(cpu_prepack, kind, resolve_dtype(dtype, kind, self.model_config))
         if max_seq_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{self.model_config.max_position_embeddings}")
@@ -150,6 +162,7 @@ class DistributedWorker:
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, page_size=page_size, num_pages=num_pages,
             max_prefill_tokens=max_num_batched_tokens, copy_policy=copy_policy, num_threads=num_threads,
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
+            cpu_prepack=cpu_prepack,
         )
         self.device_ids = device_ids
         self.pipeline_depth = pipeline_depth
@@ -438,6 +451,7 @@ class DistributedWorker:
             "attention_backend": info.get("attention_backend"),
             "decode_graphs": info.get("decode_graphs"),  # the lane buckets captured; [] when off
             "fused_kernels": info.get("fused_kernels"),  # "triton" or "torch" (chip_child.fused)
+            "cpu_prepack": info.get("cpu_prepack"),  # linear layers prepacked for oneDNN (chip_child.prepack)
             "kv_pages_total": self.runtime_config.total_pages - 1,
             "kv_pages_free": self.engine.scheduler.pages.num_free if self.engine.scheduler else None,
             "generate_calls": self._generate_calls,

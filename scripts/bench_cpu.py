@@ -122,9 +122,10 @@ class FloorRunner:
     def __init__(self, model_dir: str, wl: Workload):
         import torch
 
+        from chip_child.config import RuntimeConfig
         from chip_child.device import available_cores
         from chip_child.local import LocalDriver
-        from chip_child.runtime import ChipRuntime, RuntimeConfig
+        from chip_child.runtime import ChipRuntime
 
         self.wl = wl
         capacity = wl.batch * (wl.prompt_len + wl.prompt_spread)

@@ -41,8 +41,9 @@ from bench_common import L3 as L3Base
 from bench_models import write_random_qwen3  # scripts/, next to this file
 from bench_submit import DEFAULT_SIZES, format_submission, measure_submission  # scripts/, next to this file
 
+from chip_child.config import RuntimeConfig
 from chip_child.protocol import Command
-from chip_child.runtime import ChipRuntime, RuntimeConfig
+from chip_child.runtime import ChipRuntime
 
 VARIANTS = ("floor", "l3", "l3_depth1", "l3_always", "hf")
 L3_VARIANTS = {"l3": dict(pipeline_depth=2, copy_policy="dirty"),

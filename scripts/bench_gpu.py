@@ -40,7 +40,8 @@ from bench_common import L3 as L3Base  # scripts/, next to this file
 from bench_common import Floor as FloorBase
 from bench_common import digest, hf_generate, random_prompts
 
-from chip_child.runtime import ChipRuntime, RuntimeConfig
+from chip_child.config import RuntimeConfig
+from chip_child.runtime import ChipRuntime
 
 
 @dataclass(frozen=True)

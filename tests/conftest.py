@@ -66,8 +66,8 @@ def served(tmp_path: Path):
 
     started: list[Served] = []
 
-    def start(*args: str) -> Served:
-        s = Served(tmp_path / str(len(started)), *args)
+    def start(*args: str, env: dict[str, str] | None = None) -> Served:
+        s = Served(tmp_path / str(len(started)), *args, env=env)
         started.append(s)
         return s
 

@@ -62,10 +62,10 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str
 class Served:
     """A `l3worker serve` subprocess with a private TMPDIR; its stdout lines go to a queue."""
 
-    def __init__(self, tmp_path: Path, *args: str):
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
         self.tmpdir = tmp_path / "tmp"
         self.tmpdir.mkdir(parents=True)
-        env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT))
+        env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT), **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "l3worker", "serve", "--port", "0", *args], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()

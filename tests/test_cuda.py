@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from chip_child.config import RuntimeConfig
 from chip_child.graphs import lane_buckets
 from chip_child.local import LocalDriver, LocalRequest
-from chip_child.runtime import ChipRuntime, RuntimeConfig
+from chip_child.runtime import ChipRuntime
 from l3worker import DistributedWorker, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))

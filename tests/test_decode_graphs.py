@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from chip_child.config import RuntimeConfig
 from chip_child.graphs import bucket_of, lane_buckets, resolve_decode_graphs
-from chip_child.runtime import LANE_SLOTS, ChipRuntime, RuntimeConfig
+from chip_child.runtime import LANE_SLOTS, ChipRuntime
 from l3worker import DistributedWorker, SamplingParams
 from l3worker.scheduler import Scheduler, Sequence
 
@@ -129,7 +130,7 @@ def test_steps_run_only_their_bucket_and_leave_the_lanes_above_untouched(ckpt, e
 
     def on_step(s: dict) -> None:
         lanes = s["lanes"]
-        active = np.flatnonzero(rt._active)
+        active = np.flatnonzero(rt.rows.active)
         if s["before"]:
             assert lanes == bucket_of(BATCH)[active[-1] + 1 if active.size else 0]
             seen[s["name"]].add(lanes)

@@ -12,10 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
+from chip_child.config import RuntimeConfig  # noqa: E402
 from chip_child.fused import resolve_fused_kernels  # noqa: E402
 from chip_child.local import LocalDriver, LocalRequest  # noqa: E402
 from chip_child.model import TORCH_OPS, rope_table  # noqa: E402
-from chip_child.runtime import ChipRuntime, RuntimeConfig  # noqa: E402
+from chip_child.runtime import ChipRuntime  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from chip_child.config import RuntimeConfig
 from chip_child.protocol import Admit, Chunk, Command
-from chip_child.runtime import ChipRuntime, RuntimeConfig
+from chip_child.runtime import ChipRuntime
 from l3worker import DistributedWorker, SamplingParams
 from l3worker import page_pool
 

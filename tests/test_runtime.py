@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from chip_child.config import RuntimeConfig
 from chip_child.local import LocalDriver, LocalRequest
 from chip_child.protocol import (
     OP_DECODE,
@@ -28,7 +29,7 @@ from chip_child.protocol import (
     prefill_command,
 )
 from chip_child.pool import TaskArg, TensorPool
-from chip_child.runtime import ChipRuntime, RuntimeConfig, StepResult
+from chip_child.runtime import ChipRuntime, StepResult
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity import assert_matches_transformers  # noqa: E402

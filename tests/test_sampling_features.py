@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import chip_child.runtime as runtime_module
-from chip_child import protocol
+from chip_child import row_fields
+from chip_child.config import RuntimeConfig
 from chip_child.local import LocalDriver, LocalRequest, LocalResult
 from chip_child.protocol import Admit, Command, FullState, Limits, ProtocolError, decode, encode, prefill_command
-from chip_child.runtime import ChipRuntime, RuntimeConfig, StepOutputs
+from chip_child.runtime import ChipRuntime, StepOutputs
 from chip_child.sampling import seed_key, uniform_noise, vocab_hash
 
 VOCAB = 300
@@ -483,7 +484,7 @@ def test_logprob_limits_and_ring_shapes_agree() -> None:
     from l3worker.params import MAX_LOGPROBS
     from l3worker.shared import StepBuffers
 
-    assert protocol.MAX_LOGPROBS == runtime_module.MAX_LOGPROBS == MAX_LOGPROBS == 20
+    assert row_fields.MAX_LOGPROBS == runtime_module.MAX_LOGPROBS == MAX_LOGPROBS == 20
     ring = StepBuffers.create(slots=3, max_batch_size=5, prefill_capacity=40)
     expected = {"logprobs": ((3, 5, 21), torch.float32), "logprob_ids": ((3, 5, 20), torch.int32),
                 "prompt_logprobs": ((3, 40, 21), torch.float32), "prompt_logprob_ids": ((3, 40, 20), torch.int32)}

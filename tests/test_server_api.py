@@ -24,7 +24,7 @@ METRICS = ("l3worker:num_requests_running", "l3worker:num_requests_waiting", "l3
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerThread(DistributedWorker(None, **WORKER), options=ServeOptions(port=0, api_key=KEY), builtin=True)
+    srv = ServerThread(DistributedWorker(None, **WORKER), options=ServeOptions(port=0, api_key=KEY))
     with srv:
         yield srv
 

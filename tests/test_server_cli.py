@@ -101,3 +101,17 @@ def test_serving_keeps_short_steps_on_a_cpu_and_the_worker_default_elsewhere() -
     assert serve_batched_tokens(parse(["serve", "--device", "cpu", "--max-num-seqs", "300"])) == 300
     assert serve_batched_tokens(parse(["serve", "--device", "cuda"])) is None  # the worker's default
     assert serve_batched_tokens(parse(["serve", "--device", "cpu", "--max-num-batched-tokens", "64"])) == 64
+
+
+def test_a_hub_id_is_served_under_that_id_from_the_offline_cache(served, tmp_path) -> None:
+    from test_hub import REPO, lay_out_hub_cache
+
+    hf_home = tmp_path / "hf"
+    lay_out_hub_cache(hf_home / "hub")
+    s = served(REPO, "--max-model-len", "256", "--block-size", "16", env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    url, name = s.ready().groups()
+    assert name == REPO
+    client = httpx.Client(base_url=url, timeout=60)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [REPO]
+    done = client.post("/v1/completions", json={"model": REPO, "prompt": "Hi", "max_tokens": 3}).json()
+    assert done["model"] == REPO and done["usage"]["completion_tokens"] == 3

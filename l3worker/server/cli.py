@@ -29,9 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                             description="Serve a Qwen3 checkpoint (or, without MODEL_DIR, the built-in tiny model) "
                                         "over an OpenAI-compatible HTTP API.")
-    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json); "
+    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory (config.json, *.safetensors, tokenizer.json) or Hugging Face Hub id "
+                        "(org/name, fetched into the hub cache; HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply); "
                         "omitted: the built-in tiny model")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of MODEL")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="hub cache to download MODEL into (default: huggingface_hub's, under HF_HOME)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -62,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "every request resumes (default: %(default)s; 0: a failure stops the engine)")
     p.add_argument("--restart-window-s", type=float, default=600.0, metavar="S",
                    help="the window --max-restarts counts in (default: %(default)s)")
+    p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=None,
+                   help="cpu linear layers on oneDNN with weights prepacked at load (default: on where it runs)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $L3WORKER_API_KEY; none: no key)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
@@ -116,26 +122,30 @@ def serve_command(args: argparse.Namespace) -> int:
     from l3worker import DistributedWorker  # heavy imports after the arguments are known good
     from chip_child.loader import load_config
     from chip_child.tiny_model import ensure_tiny_model
+    from l3worker.hub import resolve_model
 
     builtin = args.model_dir is None
     try:
-        model_dir = str(ensure_tiny_model()) if builtin else args.model_dir
+        model_dir = str(ensure_tiny_model()) if builtin else \
+            resolve_model(args.model_dir, args.revision, args.download_dir)
         max_model_len = args.max_model_len
         if max_model_len is None:
             max_model_len = min(4096, load_config(model_dir).max_position_embeddings)
-        worker = DistributedWorker(model_dir, device=args.device, device_ids=args.device_ids,
+        # A Hub id is served under that id (vLLM's habit), a directory under its name.
+        names = args.served_model_name or ([args.model_dir] if not builtin and not os.path.isdir(args.model_dir) else [])
+        worker = DistributedWorker(None if builtin else model_dir, device=args.device, device_ids=args.device_ids,
                                    max_batch_size=args.max_num_seqs, max_seq_len=max_model_len,
                                    page_size=args.block_size, num_pages=args.num_gpu_blocks_override,
                                    dtype=args.dtype, pipeline_depth=args.pipeline_depth,
                                    max_num_batched_tokens=serve_batched_tokens(args),
-                                   enable_prefix_caching=args.enable_prefix_caching,
+                                   enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
                                    max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
                                    max_waiting_requests=args.max_waiting_requests)
-        options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
+        options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(names),
                                api_key=args.api_key or None, chat_template=args.chat_template,
                                generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
                                uvicorn_log_level=args.uvicorn_log_level)
-        model = served_model(worker, options, builtin)
+        model = served_model(worker, options)
     except (ValueError, TypeError, OSError) as e:
         print(f"l3worker serve: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,6 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import uvicorn
@@ -22,7 +21,6 @@ from l3worker.server.tokens import Tokens
 from l3worker.server.translate import GenerationDefaults, ServedModel
 
 log = logging.getLogger("l3worker.server")
-TINY_MODEL_SERVED_NAME = "l3worker-tiny"
 
 
 @dataclass
@@ -38,10 +36,10 @@ class ServeOptions:
     graceful_timeout_s: float = 10.0  # after aborting, how long connections may take to close
 
 
-def served_model(worker, options: ServeOptions, builtin: bool) -> ServedModel:
+def served_model(worker, options: ServeOptions) -> ServedModel:
     """What the API serves, from the worker's model; raises ValueError for a bad chat template."""
     model_dir = worker.model_dir
-    names = tuple(options.served_model_names) or (TINY_MODEL_SERVED_NAME if builtin else Path(model_dir).name,)
+    names = tuple(options.served_model_names) or (worker.model_name,)
     defaults = GenerationDefaults.from_model_dir(model_dir) if options.generation_config == "auto" \
         else GenerationDefaults()
     return ServedModel(
@@ -114,10 +112,9 @@ async def serve(worker, model: ServedModel, options: ServeOptions, sock: socket.
 class ServerThread:
     """The server on a loopback port in a background thread of this process (tests, notebooks)."""
 
-    def __init__(self, worker, model: ServedModel | None = None, options: ServeOptions | None = None,
-                 builtin: bool = False):
+    def __init__(self, worker, model: ServedModel | None = None, options: ServeOptions | None = None):
         self.options = options or ServeOptions(host="127.0.0.1", port=0)
-        self.model = model or served_model(worker, self.options, builtin)
+        self.model = model or served_model(worker, self.options)
         self.worker = worker
         self.running: Running | None = None
         self.error: BaseException | None = None

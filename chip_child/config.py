@@ -1,0 +1,68 @@
+"""What a chip runtime is built with: its config and the limits commands are checked against.
+
+Torch-free: the parent builds a RuntimeConfig and reads its limits without loading the child's
+runtime (a test keeps this module and chip_child.protocol off torch).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+COPY_POLICIES = ("dirty", "always")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_size: int
+    max_blocks_per_row: int
+    num_pages: int
+    max_seq_len: int
+    max_prefill_tokens: int
+    page_size: int
+    vocab_size: int = 0  # 0: unknown, token ids are only checked to be non-negative
+
+
+@dataclass
+class RuntimeConfig:
+    model_dir: str
+    device: str = "auto"
+    device_id: int = 0
+    dtype: str = "auto"
+    max_batch_size: int = 16
+    max_seq_len: int = 4096
+    page_size: int = 128
+    num_pages: int | None = None  # None: every row can reach max_seq_len
+    max_prefill_tokens: int | None = None  # chunk tokens per step; None: max(max_seq_len, 2048)
+    copy_policy: str = "dirty"
+    attention_backend: str | None = None  # None: the device's default (see chip_child.attention)
+    decode_graphs: bool | None = None  # None: on for cuda and npu where the backend allows (chip_child.graphs)
+    fused_kernels: bool | None = None  # None: on for cuda where triton imports (chip_child.fused)
+    cpu_prepack: bool | None = None  # None: on for the cpu where oneDNN runs the dtype (chip_child.prepack)
+    num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
+    tp_rank: int = 0
+    tp_size: int = 1
+    dist_init: str | None = None  # torch.distributed init_method when tp_size > 1
+
+    @property
+    def max_blocks_per_row(self) -> int:
+        return math.ceil(self.max_seq_len / self.page_size)
+
+    @property
+    def total_pages(self) -> int:
+        """Pages in the cache, counting page 0, the scratch page idle rows write to."""
+        if self.num_pages is not None:
+            return self.num_pages + 1
+        return self.max_batch_size * self.max_blocks_per_row + 1
+
+    @property
+    def reachable_positions(self) -> int:
+        """Positions one row can take: below max_seq_len, and within the pool's pages."""
+        return min(self.max_seq_len - 1, (self.total_pages - 1) * self.page_size)
+
+    @property
+    def prefill_capacity(self) -> int:
+        return self.max_prefill_tokens or max(self.max_seq_len, 2048)
+
+    def limits(self) -> Limits:
+        return Limits(self.max_batch_size, self.max_blocks_per_row, self.total_pages,
+                      self.max_seq_len, self.prefill_capacity, self.page_size)

@@ -1,0 +1,73 @@
+"""CPU linear layers on oneDNN with their weights reordered once at load.
+
+For a few rows (a decode step, the k + 1 tokens of a verification) MKL's sgemm repacks the
+weight matrix on every call, so 16 rows cost several times one although both read the same
+weights. oneDNN's inner-product primitive, given a weight already in its blocked layout, packs
+nothing per call: this is the op torch's own CPU inference freezing (inductor's mkldnn fusion)
+emits, `mkldnn._reorder_linear_weight` once and `mkldnn._linear_pointwise` per call. It works for
+any row count with one packed copy (no per-bucket graphs or recompiles, unlike torch.compile), so
+prefill chunks take it too. The packed copy replaces the plain one, except for a tied lm_head,
+whose plain matrix the embedding still reads. A oneDNN call costs about 12 us more than MKL's
+(measured here, one thread), more than packing saves on a small matrix: those stay on torch.mm.
+
+`cpu_prepack=None` in RuntimeConfig turns it on for the cpu where oneDNN supports the dtype;
+True elsewhere is a ValueError naming the field; False keeps torch.mm (the benchmark baseline).
+"""
+from __future__ import annotations
+
+import torch
+
+from chip_child.device import check_optional_bool
+
+# Weight elements below which a matrix stays plain: at 256 x 256 torch.mm is faster at 1 to 16
+# rows; from 512 x 256 up the packed op is as fast at 16 rows and 2-3x faster at 5 and at 64.
+MIN_PACKED_ELEMENTS = 1 << 17
+
+
+def _dtype_supported(dtype: torch.dtype) -> bool:
+    """What oneDNN can run here without trying an op (an op in the parent would start its thread pool)."""
+    if dtype == torch.float32:
+        return True
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    return probe is not None and bool(getattr(torch.ops.mkldnn, probe)())
+
+
+def resolve_cpu_prepack(setting: bool | None, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the cpu path's linear layers are prepacked; ValueError naming `cpu_prepack` where
+    they cannot be."""
+    check_optional_bool("cpu_prepack", setting)
+    mkldnn = torch.backends.mkldnn.is_available()
+    runnable = device_type == "cpu" and mkldnn and _dtype_supported(dtype)
+    if setting is None:
+        return runnable
+    if setting and not runnable:
+        why = (f"it is for the cpu device, got {device_type}" if device_type != "cpu" else
+               "this torch is built without oneDNN (mkldnn)" if not mkldnn else
+               f"oneDNN does not support {dtype} on this cpu")
+        raise ValueError(f"cpu_prepack=True cannot be used: {why}")
+    return setting
+
+
+def prepacked(weight_t: torch.Tensor) -> "torch.Tensor | PackedLinear":
+    """The [in, out] weight view prepacked, or as it is when smaller than MIN_PACKED_ELEMENTS."""
+    return PackedLinear(weight_t) if weight_t.numel() >= MIN_PACKED_ELEMENTS else weight_t
+
+
+class PackedLinear:
+    """y = x @ W^T (+ bias) with W [out, in] in oneDNN's blocked layout, reordered once here.
+    Called like model.linear's weight: `packed(x, bias)`."""
+
+    __slots__ = ("weight", "out_features", "in_features", "_op")
+
+    def __init__(self, weight_t: torch.Tensor):
+        """`weight_t`: the [in, out] view model.LayerWeights keeps (a transposed [out, in] matrix)."""
+        self.in_features, self.out_features = weight_t.shape
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), None)
+        # The overload itself: calling the op's packet would match its schemas on every call.
+        self._op = torch.ops.mkldnn._linear_pointwise.default
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._op(x, self.weight, bias, "none", [], "")
+
+    def __repr__(self) -> str:
+        return f"PackedLinear({self.in_features} -> {self.out_features}, {self.weight.dtype})"
