@@ -20,7 +20,7 @@ OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/mode
 @pytest.fixture(scope="module")
 def server():
     worker = DistributedWorker(None, device="cpu", max_batch_size=4, max_seq_len=64, page_size=16, num_threads=1)
-    with ServerThread(worker, builtin=True) as srv:
+    with ServerThread(worker) as srv:
         yield srv
 
 

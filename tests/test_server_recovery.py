@@ -27,7 +27,7 @@ def server():
     shm_before = shm_entries()
     worker = DistributedWorker(None, device="cpu", max_batch_size=2, max_seq_len=256, page_size=16, num_threads=1,
                                max_waiting_requests=2, step_timeout_s=30.0)
-    srv = ServerThread(worker, builtin=True).start()
+    srv = ServerThread(worker).start()
     socket_dir, children = worker.socket_dir, []
     yield srv, children
     children += [psutil.Process(pid) for pid in worker.child_pids]
@@ -69,7 +69,7 @@ def test_streams_open_across_a_death_end_as_undisturbed_ones() -> None:
     shm_before = shm_entries()
     worker = DistributedWorker(None, device="cpu", max_batch_size=2, max_seq_len=256, page_size=16, num_threads=1,
                                fault_injection=["exit@20", "exit@20"])
-    with ServerThread(worker, builtin=True) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+    with ServerThread(worker) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         socket_dir, children = worker.socket_dir, [psutil.Process(pid) for pid in worker.child_pids]
         streamed = []
         for body in (GREEDY, SEEDED):
@@ -133,20 +133,23 @@ def _nothing_left(s, children: list[psutil.Process]) -> None:
 
 
 def test_sigterm_ends_every_open_stream_with_done(served) -> None:
-    s = served("--max-num-seqs", "2", "--max-model-len", "512", "--block-size", "16")
+    s = served("--max-num-seqs", "2", "--max-model-len", "4096", "--block-size", "16")
     url, _ = s.ready().groups()
     children = psutil.Process(s.proc.pid).children(recursive=True)
-    body = {"prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    # Long enough that none can finish before the signal, whatever the machine's speed.
+    body = {"prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
     streams = [([], threading.Event()) for _ in range(3)]  # two running, one waiting for a row
     readers = [_stream_into(url, body, raw, started) for raw, started in streams]
-    assert all(started.wait(60) for _, started in streams[:2])
+    with httpx.Client(base_url=url, timeout=60) as http:
+        wait_until(lambda: metric(http, "l3worker:num_requests_running") == 2
+                   and metric(http, "l3worker:num_requests_waiting") == 1, 60, "two running, one waiting")
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     for t in readers:
         t.join(30)
-    for raw, _ in streams:
+    for k, (raw, _) in enumerate(streams):
         events = sse_events(b"".join(raw))
-        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort", (k, events[-2])
     _nothing_left(s, children)
 
 
