@@ -62,24 +62,36 @@ def _exit_when_orphaned(parent_pid: int) -> None:
         pass
 
 
+def _parse_fault(fault: str) -> tuple[str, str, int]:
+    target, _, rule = fault.rpartition(":")
+    kind, at = rule.split("@")
+    return target or "decode", kind, int(at)
+
+
+def _fault(kind: str, where: str) -> None:
+    if kind == "raise":
+        raise RuntimeError(f"injected fault in {where}")
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "exit":
+        os._exit(3)
+
+
 def _inject_fault(rt: ChipRuntime, fault: str) -> None:
     """Test-only: "[CALLABLE:]KIND@N" makes the registered callable (default decode) raise, hang or
-    exit on every call after its N-th real one (warm-up calls do not count)."""
-    target, _, rule = fault.rpartition(":")
-    target = target or "decode"
-    kind, at = rule.split("@")
+    exit on every call after its N-th real one (warm-up calls do not count). The target
+    "startup" faults once the runtime is built and warmed up, before the ready report."""
+    target, kind, at = _parse_fault(fault)
+    if target == "startup":
+        _fault(kind, "start-up")
+        return
     original = rt._callables[target]
     calls = {"n": 0}
 
     def faulty(**kwargs):
         calls["n"] += 1
-        if calls["n"] > int(at):
-            if kind == "raise":
-                raise RuntimeError(f"injected fault in {target} call {calls['n']}")
-            if kind == "hang":
-                time.sleep(3600)
-            if kind == "exit":
-                os._exit(3)
+        if calls["n"] > at:
+            _fault(kind, f"{target} call {calls['n']}")
         return original(**kwargs)
 
     rt.register_callable(target, faulty)

@@ -22,12 +22,16 @@ class ChildSpec:
     cpu_cores: list[int] | None = None  # a cpu child's threads run here only
     service_cores: list[int] | None = None  # and its socket threads here
     layout_cores: list[int] | None = None  # cpu_layout="auto": the cores every_core would take; times both
-    fault: str | None = None  # test-only: "[CALLABLE:]raise@STEP", "hang@STEP" or "exit@STEP"
+    fault: str | None = None  # test-only: "[CALLABLE:]raise@N", "hang@N" or "exit@N"; CALLABLE "startup": at start-up
     overlap_steps: bool | None = None  # launch a step before completing the last; None: on accelerators
+    generation: int = 0  # how many times the parent restarted its children before this start
 
     @property
     def socket_path(self) -> str:
-        return os.path.join(self.socket_dir, f"chip{self.rank}.sock")
+        # A restarted child gets a path of its own: the old socket's file is unlinked as it closes,
+        # which must not remove the new one's.
+        suffix = f"-{self.generation}" if self.generation else ""
+        return os.path.join(self.socket_dir, f"chip{self.rank}{suffix}.sock")
 
     @property
     def endpoint(self) -> str:

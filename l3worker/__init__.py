@@ -1,10 +1,11 @@
 """l3worker: an LLM decode runtime whose generated tokens pay for the model and nothing else."""
 from l3worker.async_engine import AsyncEngine
 from l3worker.engine import Engine, EngineDeadError
-from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError, WorkerError
+from l3worker.errors import (ChildDiedError, ChildError, ChildFailure, EngineBusyError, RequestFailedError,
+                             StepTimeoutError, WorkerError)
 from l3worker.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
 from l3worker.worker import DistributedWorker
 
 __all__ = ["DistributedWorker", "Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
            "TokenLogprob", "RequestMetrics", "WorkerError", "EngineDeadError", "ChildDiedError", "ChildError",
-           "StepTimeoutError"]
+           "StepTimeoutError", "ChildFailure", "EngineBusyError", "RequestFailedError"]

@@ -2,7 +2,9 @@
 
 Coroutines add requests at any moment and read their outputs from an asyncio queue; the loop
 thread hands each step's outputs to the event loop in one call. Closing or cancelling a request's
-iterator (a client gone) aborts it. With nothing to do the loop thread sleeps on an event.
+iterator (a client gone) aborts it. With nothing to do the loop thread sleeps on an event, and
+wakes every WATCH_S to check its children: a death is noticed, and the children restarted, even
+when no request runs.
 """
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ import threading
 from typing import AsyncIterator
 
 from l3worker.engine import EngineDeadError
+from l3worker.errors import RequestFailedError
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.worker import DistributedWorker
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
+
+WATCH_S = 0.25
 
 
 class AsyncEngine:
@@ -39,6 +44,11 @@ class AsyncEngine:
     def error(self) -> BaseException | None:
         return self.engine.error
 
+    @property
+    def healthy(self) -> bool:
+        """Serving now: false once the engine stopped, and while its children restart."""
+        return self._thread is not None and not self._stopping and self.engine.healthy
+
     async def start(self) -> None:
         """Prepares the worker (starts the chip-children) and starts the loop thread."""
         if self._thread is not None:
@@ -52,7 +62,8 @@ class AsyncEngine:
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they arrive: deltas, then the final one. Bad input raises
-        ValueError/TypeError before anything is yielded; a dead engine raises EngineDeadError."""
+        ValueError/TypeError before anything is yielded; a dead engine raises EngineDeadError, a full
+        queue EngineBusyError, and a request the engine gave up on RequestFailedError."""
         if self._thread is None or self._stopping:
             raise EngineDeadError("the engine is not running")
         state = self.engine.make_request(prompt, params, request_id, True, "prompt")
@@ -66,6 +77,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if finished:
                     return
@@ -83,7 +96,7 @@ class AsyncEngine:
             return
         self._closed = True
         self._stopping = True
-        self.engine.wake()
+        self.engine.request_stop()  # a wait on a hung child or a restart gives up
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._fail_waiters(EngineDeadError("the server is shutting down"))
@@ -95,9 +108,10 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 if not engine.has_unfinished():
-                    engine.wait_for_work()
-                    continue
-                outputs = engine.step()
+                    engine.wait_for_work(WATCH_S)
+                    outputs = engine.watch()
+                else:
+                    outputs = engine.step()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as exc:  # a child died, raised or hung: every open stream ends with it

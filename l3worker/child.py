@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +23,7 @@ from chip_child.config import RuntimeConfig
 from chip_child.device import child_environment, device_type
 from chip_child.protocol import Shutdown, encode
 from chip_child.spec import ChildSpec
-from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError
+from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError, StoppingError
 from l3worker.shared import StepBuffers
 
 LIVENESS_POLL_MS = 100
@@ -33,6 +34,11 @@ def child_spec(rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_d
     optional fields."""
     return ChildSpec(rank, socket_dir, asdict(runtime), {k: v.to_json() for k, v in buffers.specs.items()},
                      **options)
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise StoppingError("the engine is stopping")
 
 
 class ChildProcess:
@@ -63,8 +69,27 @@ class ChildProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def send(self, payload: bytes) -> None:
-        self.sock.send(payload, copy=False)
+    def send(self, payload: bytes, timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
+        """Queues a command. Never blocks on a dead or wedged child: a PAIR socket whose peer is
+        gone takes no message, so a send that cannot go out at once waits in short polls that check
+        the child is alive, `cancel`, and `timeout_s`."""
+        try:
+            self.sock.send(payload, zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            pass
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self.sock.poll(LIVENESS_POLL_MS, zmq.POLLOUT):
+                try:
+                    self.sock.send(payload, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    continue
+            self.check_alive("a command to be taken")
+            check_cancel(cancel)
+            if deadline is not None and time.monotonic() > deadline:
+                raise StepTimeoutError(f"chip-child {self.rank} (pid {self.pid}) took no command within {timeout_s:g}s")
 
     def check_alive(self, what: str) -> None:
         code = self.proc.poll()
@@ -72,13 +97,14 @@ class ChildProcess:
             raise ChildDiedError(f"chip-child {self.rank} (pid {self.pid}) exited with code {code} "
                                  f"while the parent waited for {what}")
 
-    def recv(self, timeout_s: float | None, what: str) -> dict:
+    def recv(self, timeout_s: float | None, what: str, cancel: threading.Event | None = None) -> dict:
         """The next report (ready, or an error, which raises), skipping wake-ups; raises if the
-        child dies or `timeout_s` passes first."""
+        child dies, `cancel` is set or `timeout_s` passes first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             while not self.sock.poll(LIVENESS_POLL_MS):
                 self.check_alive(what)
+                check_cancel(cancel)
                 if deadline is not None and time.monotonic() > deadline:
                     raise StepTimeoutError(f"chip-child {self.rank} (pid {self.pid}) gave no reply to {what} "
                                            f"within {timeout_s:g}s")
@@ -105,12 +131,16 @@ class ChildProcess:
             raise ChildError(f"chip-child {self.rank} failed on {where}: {reply['error']}" + (f"\n{tb}" if tb else ""))
         return reply
 
-    def wait_ready(self, timeout_s: float | None) -> dict:
-        self.info = self.recv(timeout_s, "start-up (device, weights, KV cache, warm-up)")
+    def wait_ready(self, timeout_s: float | None, cancel: threading.Event | None = None) -> dict:
+        self.info = self.recv(timeout_s, "start-up (device, weights, KV cache, warm-up)", cancel)
         return self.info
 
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def stop(self, grace_s: float = 5.0) -> None:
-        """Asks the child to exit, then kills it. Safe to call on a dead child."""
+        """Asks the child to exit, then kills it after `grace_s`. A dead child costs no wait."""
         if self.proc.poll() is None:
             try:
                 self.sock.send(encode(Shutdown()), zmq.NOBLOCK)

@@ -6,7 +6,8 @@ ZeroMQ message costs the sender tens of microseconds, a few percent of a small m
 one that would wait longer stores the step it sleeps on, and the child then also sends a wake-up
 message. A wake-up lost to the race between those two stores is recovered by the liveness poll.
 A child that sent an error reply raises the third word, so a parent never reads a later step's
-completion past a failed or refused one.
+completion past a failed or refused one. When fresh children replace failed ones, the engine
+resets the words before their first step (see Engine._recover).
 
 Spinning reads the ring after the doorbell without a fence, which x86's ordered stores make
 safe; elsewhere the children send a wake-up after every step and the parent never spins.
@@ -14,12 +15,13 @@ safe; elsewhere the children send a wake-up after every step and the parent neve
 from __future__ import annotations
 
 import platform
+import threading
 import time
 
 import numpy as np
 import zmq
 
-from l3worker.child import LIVENESS_POLL_MS, ChildProcess
+from l3worker.child import LIVENESS_POLL_MS, ChildProcess, check_cancel
 from l3worker.errors import StepTimeoutError
 
 NAP_MARGIN_S = 0.0003
@@ -27,9 +29,11 @@ ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686
 
 
 class Doorbell:
-    def __init__(self, word: np.ndarray, children: list[ChildProcess], spin_s: float):
+    def __init__(self, word: np.ndarray, children: list[ChildProcess], spin_s: float,
+                 cancel: threading.Event | None = None):
         self.word = word  # [steps completed, step the parent sleeps on or -1, error reply pending]
         self.children = children
+        self.cancel = cancel  # set: the engine is stopping, so a sleeping wait gives up
         self.spin_s = spin_s if ORDERED_STORES else 0.0
         self._expected_s = 0.0  # running mean of how long a wait lasted
         self.poller = zmq.Poller()
@@ -68,5 +72,6 @@ class Doorbell:
             if not events:
                 for child in self.children:
                     child.check_alive(f"step {step}")
+                check_cancel(self.cancel)
                 if deadline is not None and time.monotonic() > deadline:
                     raise StepTimeoutError(f"no chip-child completed step {step} within {timeout_s:g}s")

@@ -7,27 +7,39 @@ commands in flight, reads one step's sampled ids from the shared ring, and hands
 processing (l3worker/outputs.py: text, stops, deltas, final outputs). This loop is the only part
 of the parent that talks to the children. One thread at a time drives `step`: the caller's
 (DistributedWorker.generate / stream) or an AsyncEngine's loop thread (see async_engine.py).
+
+A child that dies, raises or hangs does not end the requests: the loop drops the commands in
+flight, has the worker start fresh children (`relaunch`, the code prepare() uses) and resumes
+every live request as a preempted one, within the budget of l3worker/recovery.py.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from chip_child import protocol
 from chip_child.config import RuntimeConfig
 from chip_child.loader import ModelConfig
 from l3worker.child import ChildProcess
 from l3worker.doorbell import Doorbell
-from l3worker.errors import WorkerError
+from l3worker.errors import ChildFailure, EngineBusyError, WorkerError
 from l3worker.metrics import EngineMetrics
 from l3worker.outputs import OutputProcessor, SlotLogprobs
 from l3worker.params import RequestOutput, SamplingParams
+from l3worker.recovery import RestartBudget, RestartPolicy, blame
 from l3worker.requests import InputProcessor, RequestState
 from l3worker.scheduler import Scheduled, Scheduler
 from l3worker.shared import StepBuffers
 from l3worker.stats import GenerateStats, StepRecord
+
+log = logging.getLogger("l3worker.engine")
+# Starts fresh children: stops the old ones (every rank), then returns the new ones, ready, and
+# their doorbell. Raises ChildFailure when one of them fails to start.
+Relaunch = Callable[[], "tuple[list[ChildProcess], Doorbell]"]
 
 
 class EngineDeadError(WorkerError):
@@ -43,7 +55,8 @@ class _InFlight:
 class Engine:
     def __init__(self, model_config: ModelConfig, runtime_config: RuntimeConfig, tokenizer, model_dir: str,
                  pipeline_depth: int, step_timeout_s: float | None, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool):
+                 enable_prefix_caching: bool, restart_policy: RestartPolicy = RestartPolicy(0),
+                 max_waiting_requests: int | None = None):
         self.model_config = model_config
         self.runtime_config = runtime_config
         self.tokenizer = tokenizer
@@ -52,6 +65,10 @@ class Engine:
         self.step_timeout_s = step_timeout_s
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_waiting_requests = max_waiting_requests  # None: no limit
+        self.restarts = RestartBudget(restart_policy)
+        self.restarting = False  # fresh children are starting: requests queue meanwhile
+        self.stopping = threading.Event()  # set by request_stop(): waits on children give up
         self.scheduler: Scheduler | None = None
         self.metrics = EngineMetrics(running=self._num_running, waiting=self._num_waiting, kv_usage=self._kv_usage)
         self.input_processor = InputProcessor(model_config, runtime_config, tokenizer, model_dir)
@@ -62,6 +79,7 @@ class Engine:
         self._children: list[ChildProcess] = []
         self._buffers: StepBuffers | None = None
         self._doorbell: Doorbell | None = None
+        self._relaunch: Relaunch | None = None
         self._slot_logprobs: list[SlotLogprobs] = []
         self._inflight: deque[_InFlight] = deque()
         self._inbox: deque[tuple[str, object]] = deque()  # ("add", RequestState) / ("abort", request_id)
@@ -71,10 +89,13 @@ class Engine:
         self._ids_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def bind(self, children: list[ChildProcess], buffers: StepBuffers, doorbell: Doorbell) -> None:
-        """Attaches the started children; requests queued before this are admitted at the first step."""
+    def bind(self, children: list[ChildProcess], buffers: StepBuffers, doorbell: Doorbell,
+             relaunch: Relaunch | None = None) -> None:
+        """Attaches the started children; requests queued before this are admitted at the first step.
+        `relaunch` replaces failed children (None: a failure stops the engine)."""
         cfg = self.runtime_config
         self._children, self._buffers, self._doorbell = children, buffers, doorbell
+        self._relaunch = relaunch
         self.scheduler = Scheduler(
             max_batch_size=cfg.max_batch_size, page_size=cfg.page_size, max_blocks_per_row=cfg.max_blocks_per_row,
             num_pages=cfg.total_pages - 1, max_num_batched_tokens=self.max_num_batched_tokens,
@@ -91,9 +112,22 @@ class Engine:
         if self.error is None:
             self.error = exc
         self._children, self._buffers, self._doorbell = [], None, None
+        self._relaunch = None
+        self.restarting = False
         self._slot_logprobs = []
         self._inflight.clear()
         self._work.set()  # a loop thread asleep on the inbox must see it
+
+    def request_stop(self) -> None:
+        """Shutdown: a wait on the children (a step, a restart's start-up) gives up at its next
+        liveness poll, and no restart begins."""
+        self.stopping.set()
+        self._work.set()
+
+    @property
+    def healthy(self) -> bool:
+        """Serving: not stopped by a failure, and not between a failure and its fresh children."""
+        return self.error is None and not self.restarting
 
     def dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine stopped: {self.error}")
@@ -132,6 +166,9 @@ class Engine:
         """Queues a request made by make_request. Raises if its id is taken by a live request."""
         if self.error is not None:
             raise self.dead_error()
+        limit = self.max_waiting_requests
+        if limit is not None and self._num_queued() >= limit:
+            raise EngineBusyError(f"{limit} requests are waiting already (max_waiting_requests); try again later")
         with self._ids_lock:
             if state.request_id in self._live_ids:
                 raise ValueError(f"request_id {state.request_id!r} is already in use by a running request")
@@ -158,6 +195,21 @@ class Engine:
         self._work.clear()
         return got
 
+    def watch(self) -> list[RequestOutput]:
+        """Between steps (an idle loop calls it every fraction of a second): a child that died
+        is handled as a failed step would be. Returns the outputs that produced (requests failed
+        alone); raises as step() does once the engine stops."""
+        if self.error is not None:
+            raise self.dead_error()
+        outputs: list[RequestOutput] = []
+        try:
+            for child in self._children:
+                child.check_alive("its next command (idle)")
+        except ChildFailure as exc:
+            self._recover(exc, outputs)
+        self._forget_finished(outputs)
+        return outputs
+
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: apply queued adds and aborts, top up the commands in flight, complete the
@@ -173,14 +225,49 @@ class Engine:
             self._count_scheduling()
             if self._inflight:
                 self._complete(self._inflight.popleft(), outputs)
-            for out in outputs:
-                if out.finished:
-                    self._forget(out.request_id)  # its id may be used again
+        except ChildFailure as exc:
+            self._recover(exc, outputs)
         except BaseException as exc:
             # The children may hold commands the parent no longer tracks: nothing can go on.
             self.fail(exc)
             raise
+        self._forget_finished(outputs)
         return outputs
+
+    def _recover(self, cause: ChildFailure, outputs: list[RequestOutput]) -> None:
+        """Replaces the children after `cause` and resumes every live request as a preempted one;
+        past the restart budget, while stopping, or without `relaunch`, stops the engine and
+        raises `cause`. Requests running at this failure and the one before end here, alone."""
+        try:
+            self._inflight.clear()  # their tokens are lost with the children: the epochs drop late ones
+            for state in blame(self.requests.values()):
+                state.error = (f"the request was running at {state.failures} consecutive chip-child failures, "
+                               f"the last: {cause}")
+                for seq in state.seqs:
+                    self.scheduler.finish(seq, "abort")
+                self.output_processor.report(state, outputs)
+                log.error("request %s failed alone: %s", state.request_id, state.error.splitlines()[0])
+            self._count_scheduling()
+            self.scheduler.requeue([seq for state in self.requests.values() for seq in state.seqs])
+            self._counted = (0, 0, self.scheduler.num_preemptions)  # a new pool counts from 0
+            while True:
+                if self._relaunch is None or self.stopping.is_set() or not self.restarts.take():
+                    raise cause
+                self.restarting = True
+                self.metrics.engine_restarts.inc()
+                log.warning("chip-child failure, restarting the children (%s, %d requests to resume): %s",
+                            self.restarts.describe(), len(self.requests), str(cause).splitlines()[0])
+                try:
+                    self._children, self._doorbell = self._relaunch()
+                    break
+                except ChildFailure as exc:
+                    cause = exc
+            # The new children have completed nothing: steps go on from the scheduler's count.
+            self._doorbell.word[:] = (self.scheduler.step, -1, 0)
+            self.restarting = False
+        except BaseException as exc:
+            self.fail(exc)
+            raise
 
     def _apply_inbox(self, outputs: list[RequestOutput]) -> None:
         while self._inbox:
@@ -202,7 +289,7 @@ class Engine:
             staging[offset:offset + len(ids)] = ids
         payload = protocol.encode(s.command)
         for child in self._children:
-            child.send(payload)
+            child.send(payload, self.step_timeout_s, self.stopping)
         return _InFlight(s, len(payload))
 
     def _complete(self, entry: _InFlight, outputs: list[RequestOutput]) -> None:
@@ -219,9 +306,12 @@ class Engine:
             self._record(entry, slot, now, t_wait)
         self._last_done = now
 
-    def _forget(self, request_id: str) -> None:
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        """The ids of finished requests may be used again."""
         with self._ids_lock:
-            self._live_ids.discard(request_id)
+            for out in outputs:
+                if out.finished:
+                    self._live_ids.discard(out.request_id)
 
     def _record(self, entry: _InFlight, slot: int, now: float, t_wait: float) -> None:
         apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs = self._buffers.step_stats[slot].tolist()
@@ -239,6 +329,11 @@ class Engine:
     def _num_waiting(self) -> int:
         return sum(1 for s in self.requests.values() if all(q.row < 0 and not q.finished for q in s.seqs)) + \
             sum(1 for kind, _ in list(self._inbox) if kind == "add")
+
+    def _num_queued(self) -> int:
+        """Samples waiting for a row, cheaply (submit checks it under load)."""
+        waiting = len(self.scheduler.waiting) if self.scheduler is not None else 0
+        return waiting + sum(1 for kind, _ in list(self._inbox) if kind == "add")
 
     def _kv_usage(self) -> float:
         return self.scheduler.pages.usage if self.scheduler is not None else 0.0

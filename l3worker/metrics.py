@@ -38,6 +38,8 @@ class EngineMetrics:
                                          registry=r)
         self.preemptions = Counter("l3worker:num_preemptions", "Sequences preempted when KV pages ran out",
                                    registry=r)
+        self.engine_restarts = Counter("l3worker:engine_restarts", "Restarts of the chip-children after one died, "
+                                       "raised or hung", registry=r)
         self.ttft = Histogram("l3worker:time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("l3worker:inter_token_latency_seconds", "Between two tokens of a sample",

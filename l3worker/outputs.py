@@ -156,7 +156,7 @@ class OutputProcessor:
             outputs.append(RequestOutput(
                 state.request_id, state.prompt, state.prompt_token_ids, samples, finished=done,
                 prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.seqs[0].num_cached_tokens,
-                metrics=request_metrics(state) if done else None))
+                metrics=request_metrics(state) if done else None, error=state.error if done else None))
 
     def _finish_request(self, state: RequestState) -> None:
         del self.requests[state.request_id]

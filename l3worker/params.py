@@ -178,6 +178,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Set when the engine gave up on the request (running at two consecutive chip-child failures):
+    # its samples end with finish_reason "abort" and what they had produced.
+    error: str | None = None
 
     # The first sample's fields, for the common n=1 case.
     @property

@@ -43,6 +43,8 @@ class RequestState:
     reported: list[int] = field(default_factory=list)  # per sample: tokens already in a delta
     first_token_seen: bool = False
     finished: bool = False
+    failures: int = 0  # consecutive chip-child failures it was running at (l3worker.recovery)
+    error: str | None = None  # why the engine gave up on it, if it did
 
     @cached_property
     def prompt_token_ids(self) -> list[int]:

@@ -115,7 +115,8 @@ class Scheduler:
         self.max_blocks = max_blocks_per_row
         self.budget = max_num_batched_tokens
         self.full_state = full_state  # copy_policy="always"
-        self.pages = PagePool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching)
+        self._pool_args = (num_pages, page_size, enable_prefix_caching)
+        self.pages = self._new_pool()
         self.rows: list[Sequence | None] = [None] * max_batch_size
         self.waiting: deque[Sequence] = deque()
         self.pending_finish: list[int] = []
@@ -201,6 +202,18 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
 
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """The children restarted with an empty KV cache and no rows: every unfinished sequence
+        that ran goes back to waiting as a preempted one does (oldest first, ahead of those that
+        were waiting), the pool and its prefix cache start empty, and no finished row is pending.
+        A sequence with no token yet restarts as new, so that its prompt logprobs, lost with the
+        commands in flight, are computed again."""
+        ran = [s for s in seqs if not s.finished and (s.row >= 0 or s.fed > 0)]
+        for seq in sorted(ran, key=lambda s: s.admit_order, reverse=True):
+            self._preempt(seq, resumed=bool(seq.tokens))
+        self.pages = self._new_pool()
+        self.pending_finish = []
+
     @property
     def idle(self) -> bool:
         return not self.waiting and all(r is None for r in self.rows)
@@ -233,14 +246,22 @@ class Scheduler:
         return True
 
     def _preempt_newest(self) -> None:
-        victim = max((s for s in self.rows if s is not None), key=lambda s: s.admit_order)
+        self._preempt(max((s for s in self.rows if s is not None), key=lambda s: s.admit_order))
+        self.num_preemptions += 1
+
+    def _preempt(self, victim: Sequence, resumed: bool = True) -> None:
+        """Back to the head of the queue; its commands in flight no longer count (epoch), and it
+        resumes by prefilling what it holds (`resumed`: as a preempted sequence)."""
         self._release(victim)
         victim.epoch += 1
-        victim.preemptions += 1
+        victim.preemptions += resumed
         victim.fed = 0
         victim.scheduled = len(victim.tokens)
         self.waiting.appendleft(victim)
-        self.num_preemptions += 1
+
+    def _new_pool(self) -> PagePool:
+        num_pages, page_size, prefix_caching = self._pool_args
+        return PagePool(num_pages, page_size, enable_prefix_caching=prefix_caching)
 
     def _schedule_chunk(self, seq: Sequence, room: int, chunks: list, staging: list, scoring: list,
                         triples: list, first_block: int | None = None) -> int:

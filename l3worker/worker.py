@@ -3,7 +3,8 @@
 prepare() makes the shared step buffers and starts one chip-child per device; generate() and
 stream() put requests on the engine's step loop (l3worker/engine.py), which keeps up to
 `pipeline_depth` diff-only step commands in flight; close() stops the children and removes the
-socket files.
+socket files. When a child dies, raises or hangs, the engine has the worker start fresh children
+the way prepare() does (`_relaunch`) and resumes every request (see l3worker/recovery.py).
 """
 from __future__ import annotations
 
@@ -35,15 +36,16 @@ from l3worker.child import ChildProcess, child_spec
 from l3worker.shared import StepBuffers
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine
-from l3worker.errors import WorkerError
+from l3worker.errors import ChildFailure, WorkerError
 from l3worker.hub import resolve_model
 from l3worker.inputs import Prompt, as_prompt_list
 from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParams
+from l3worker.recovery import RestartPolicy
 from l3worker.requests import RequestState
 from l3worker.stats import GenerateStats
 
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
-
+RESTART_GRACE_S = 2.0  # how long a failed generation's live children may take to exit before a kill
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -83,7 +85,12 @@ class DistributedWorker:
         cpu_layout: str = "auto",
         spin_wait_s: float = 0.003,
         pin_cores: bool = True,
-        fault_injection: str | None = None,  # test-only, see chip_child.serve
+        max_restarts: int = 3,
+        restart_window_s: float = 600.0,
+        max_waiting_requests: int | None = None,
+        # test-only (see chip_child.serve): the fault of the first start; a sequence: one per
+        # start, restarts included (None: none; starts past its end have none)
+        fault_injection: str | Sequence[str | None] | None = None,
     ):
         if device not in DEVICE_TYPES:
             raise ValueError(f"device must be one of {DEVICE_TYPES}, got {device!r}")
@@ -132,6 +139,10 @@ class DistributedWorker:
         for name, value in (("step_timeout_s", step_timeout_s), ("startup_timeout_s", startup_timeout_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
+        restart_policy = RestartPolicy(max_restarts, restart_window_s)
+        restart_policy.validate()
+        if max_waiting_requests is not None:
+            _positive_int("max_waiting_requests", max_waiting_requests)
         # A Hub id is served under that id; a directory under its name.
         self.model_name = str(model_dir) if model_dir is not None else TINY_MODEL_SERVED_NAME
         self.model_dir = resolve_model(model_dir, revision, download_dir, "model_dir") if model_dir is not None \
@@ -162,7 +173,11 @@ class DistributedWorker:
         self.cpu_layout = cpu_layout
         self._doorbell: Doorbell | None = None
         self._core_plan: CorePlan | None = None
-        self._fault = fault_injection
+        self._faults = [fault_injection] if isinstance(fault_injection, str) or fault_injection is None \
+            else list(fault_injection)
+        self._generation = 0  # starts of the children so far, restarts included
+        self._threads: int | None = None
+        self._layout_cores: list[int] | None = None
         check_optional_bool("overlap_steps", overlap_steps)
         self.overlap_steps = overlap_steps
         self._children: list[ChildProcess] = []
@@ -172,7 +187,8 @@ class DistributedWorker:
         self._state = "new"  # new -> ready -> closed
         self._prepare_s = 0.0
         self.engine = Engine(self.model_config, self.runtime_config, self.tokenizer, self.model_dir,
-                             pipeline_depth, step_timeout_s, max_num_batched_tokens, enable_prefix_caching)
+                             pipeline_depth, step_timeout_s, max_num_batched_tokens, enable_prefix_caching,
+                             restart_policy, max_waiting_requests)
         self._requests_served = 0
         self._generate_calls = 0
         self._last = GenerateStats()
@@ -193,33 +209,63 @@ class DistributedWorker:
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
             world = len(self.device_ids)
-            threads = self._cpu_threads(world)
-            self._core_plan = plan = self._plan_cores(world, threads)
-            trial = self._layout_trial(world)
+            self._threads = self._cpu_threads(world)
+            self._core_plan = plan = self._plan_cores(world, self._threads)
+            self._layout_cores = self._layout_trial(world)
             _live_workers.add(self)
             if plan:
                 pin_socket_threads(self._ctx, plan.service)  # before the first socket starts its threads
-            wake_every_step = not ORDERED_STORES
-            for rank, device_id in enumerate(self.device_ids):
-                rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
-                             dist_init=f"file://{self._socket_dir}/tp-store" if world > 1 else None)
-                if threads is not None:
-                    # The child's own default would count only the cores it is pinned to.
-                    rc = replace(rc, num_threads=threads)
-                spec = child_spec(rank, rc, self._buffers, self._socket_dir, wake_every_step=wake_every_step,
-                                  fault=self._fault, cpu_cores=plan.children[rank] if plan else None,
-                                  service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
-                                  layout_cores=trial)
-                self._children.append(ChildProcess(self._ctx, spec, self._buffers))
-            for child in self._children:
-                child.wait_ready(self.startup_timeout_s)
-            self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget())
+            self._launch()
         except BaseException:
             self.close()
             raise
-        self.engine.bind(self._children, self._buffers, self._doorbell)
+        self.engine.bind(self._children, self._buffers, self._doorbell, self._relaunch)
         self._prepare_s = time.perf_counter() - t0
         return self
+
+    def _launch(self) -> None:
+        """Starts one child per device and waits until each is ready: the first start and every
+        restart. A restart's children differ only in their generation (their socket files and
+        tensor-parallel rendezvous are new) and their test fault."""
+        cfg, world, plan, gen = self.runtime_config, len(self.device_ids), self._core_plan, self._generation
+        fault = self._faults[gen] if gen < len(self._faults) else None
+        self._generation += 1
+        for rank, device_id in enumerate(self.device_ids):
+            rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
+                         dist_init=f"file://{self._socket_dir}/tp-store-{gen}" if world > 1 else None)
+            if self._threads is not None:
+                # The child's own default would count only the cores it is pinned to.
+                rc = replace(rc, num_threads=self._threads)
+            spec = child_spec(rank, rc, self._buffers, self._socket_dir, wake_every_step=not ORDERED_STORES,
+                              fault=fault, cpu_cores=plan.children[rank] if plan else None,
+                              service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
+                              layout_cores=self._layout_cores, generation=gen)
+            self._children.append(ChildProcess(self._ctx, spec, self._buffers))
+        for child in self._children:
+            child.wait_ready(self.startup_timeout_s, self.engine.stopping)
+        if self._layout_cores and self._children[0].info.get("cpu_layout") == "spare_core":
+            # Restarts keep the layout the trial chose, and skip the trial (seconds on a loaded
+            # machine): spare_core is a child's set-up without one.
+            self._layout_cores = None
+        self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget(),
+                                  self.engine.stopping)
+
+    def _relaunch(self) -> tuple[list[ChildProcess], Doorbell]:
+        """The engine's restart: stops every child (tensor-parallel ranks go together), then
+        starts fresh ones as prepare() did. Children that fail to start are stopped too."""
+        self._stop_children(RESTART_GRACE_S)
+        try:
+            self._launch()
+        except ChildFailure:
+            self._stop_children(RESTART_GRACE_S)
+            raise
+        return self._children, self._doorbell
+
+    def _stop_children(self, grace_s: float) -> None:
+        children, self._children = self._children, []
+        for child in children:
+            child.stop(grace_s)
+        self._doorbell = None
 
     def _cpu_threads(self, children: int) -> int | None:
         """Intra-op threads per cpu child (None off the cpu): num_threads, else the layout's;
@@ -263,9 +309,8 @@ class DistributedWorker:
 
     def close(self) -> None:
         """Stops every child and removes the socket directory. Idempotent; safe after failures."""
-        children, self._children = self._children, []
-        for child in children:
-            child.stop()
+        self.engine.request_stop()  # a restart under way gives up instead of starting children
+        self._stop_children(5.0)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # also closes a socket whose child never started
             self._ctx = None
@@ -288,6 +333,11 @@ class DistributedWorker:
     def __del__(self):
         if getattr(self, "_children", None):
             self.close()
+
+    @property
+    def healthy(self) -> bool:
+        """Prepared, serving, and every child alive right now."""
+        return self._state == "ready" and self.engine.healthy and all(c.alive for c in self._children)
 
     @property
     def child_pids(self) -> list[int]:

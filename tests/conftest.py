@@ -57,3 +57,20 @@ def hf_model() -> Callable[[Path], "torch.nn.Module"]:
         return cache[path]
 
     return load
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """served(*flags) -> a `l3worker serve` subprocess (server_helpers.Served), killed at the end."""
+    from server_helpers import Served
+
+    started: list[Served] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Served:
+        s = Served(tmp_path / str(len(started)), *args, env=env)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()

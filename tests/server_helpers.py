@@ -1,13 +1,23 @@
-"""What the server tests share: a server on a free loopback port, and SSE parsing of raw bytes."""
+"""What the server tests share: a server on a free loopback port, `l3worker serve` as a subprocess,
+and SSE parsing of raw bytes."""
 from __future__ import annotations
 
 import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import httpx
 
 SSE_DONE = b"data: [DONE]\n\n"
+ROOT = Path(__file__).resolve().parent.parent
+READY = re.compile(r"^l3worker serve: ready at (http://127\.0\.0\.1:\d+) serving (\S+) ")
 
 
 def sse_events(raw: bytes) -> list[dict | str]:
@@ -47,3 +57,37 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s}s")
         time.sleep(0.02)
+
+
+class Served:
+    """A `l3worker serve` subprocess with a private TMPDIR; its stdout lines go to a queue."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+        self.tmpdir = tmp_path / "tmp"
+        self.tmpdir.mkdir(parents=True)
+        env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT), **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "l3worker", "serve", "--port", "0", *args], cwd=ROOT,
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append), daemon=True).start()
+
+    @staticmethod
+    def _pump(stream, sink) -> None:
+        for line in stream:
+            sink(line.rstrip("\n"))
+
+    def ready(self, timeout_s: float = 120.0) -> re.Match:
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError(f"no ready line; stderr: {self.stderr[-20:]}") from None
+            if m := READY.match(line):
+                return m
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)

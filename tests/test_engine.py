@@ -278,7 +278,7 @@ def test_progress_bar_reports_prompts_and_throughput(worker, capsys) -> None:
 
 
 def test_killed_child_ends_every_open_stream_with_the_error() -> None:
-    worker = make_worker()
+    worker = make_worker(max_restarts=0)  # no restarts: the engine stops, as it did before they existed
 
     async def main() -> list[BaseException]:
         engine = AsyncEngine(worker)

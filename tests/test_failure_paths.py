@@ -21,7 +21,8 @@ SMALL = dict(device="cpu", max_batch_size=2, max_seq_len=64, page_size=8)
 def test_failed_prefill_raises_even_when_later_steps_run_ahead(depth) -> None:
     # The prefill fails; with run-ahead a decode step is already queued behind it. The child must
     # refuse it rather than complete it, or the parent would read stale ids as the prefill's.
-    w = DistributedWorker(None, pipeline_depth=depth, fault_injection="prefill:raise@0", **SMALL)
+    # No restarts: the error reaches the caller.
+    w = DistributedWorker(None, pipeline_depth=depth, fault_injection="prefill:raise@0", max_restarts=0, **SMALL)
     with pytest.raises(ChildError, match="injected fault in prefill"):
         w.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8))
     assert w.stats()["state"] == "closed"

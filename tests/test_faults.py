@@ -6,7 +6,6 @@ one process. Every test checks that no child, socket directory or /dev/shm entry
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -23,12 +22,11 @@ import numpy as np
 import psutil
 import pytest
 
+from fault_helpers import GUARD_S, alive, assert_nothing_left, guard, shm_entries, wait_for
 from l3worker import ChildDiedError, ChildError, DistributedWorker, SamplingParams, StepTimeoutError, WorkerError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "npu_generate.py"
-CLEANUP_S = 10.0  # how long children may take to notice that their parent is gone
-GUARD_S = 120  # turns a hang of the code under test into a failure instead of a stuck suite
 SMALL = {"device": "cpu", "max_batch_size": 2, "max_seq_len": 64, "page_size": 8, "num_threads": 1}
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [200, 17, 9]]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -36,55 +34,9 @@ SEEDED = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=40,
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _alive(proc: psutil.Process) -> bool:
-    """A zombie has released everything; only a running process counts."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_for(cond: Callable[[], bool], timeout_s: float = CLEANUP_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 def _cpu_s(proc: psutil.Process) -> float:
     t = proc.cpu_times()
     return t.user + t.system
-
-
-def assert_nothing_left(children: list[psutil.Process], socket_dir: str, shm_before: set[str]) -> None:
-    """Polls up to CLEANUP_S for the children to exit and their socket dir and shm entries to go."""
-    assert children, "no child processes were recorded"
-    assert _wait_for(lambda: not any(_alive(p) for p in children)), \
-        f"chip-children still running: {[p.pid for p in children if _alive(p)]}"
-    assert _wait_for(lambda: not os.path.exists(socket_dir)), \
-        f"socket dir left behind: {socket_dir} holding {os.listdir(socket_dir) if os.path.isdir(socket_dir) else '?'}"
-    assert _wait_for(lambda: not (_shm() - shm_before)), f"new /dev/shm entries: {sorted(_shm() - shm_before)}"
-
-
-@contextlib.contextmanager
-def _guard(seconds: int = GUARD_S) -> Iterator[None]:
-    """Raises TimeoutError in the main thread if the block runs longer than `seconds`."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds}s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class Script:
@@ -140,7 +92,7 @@ def reaper() -> Iterator[list]:
                 thing.wait()
             if thing.stdin is not None:
                 thing.stdin.close()
-        elif isinstance(thing, psutil.Process) and _alive(thing):
+        elif isinstance(thing, psutil.Process) and alive(thing):
             thing.kill()
         elif isinstance(thing, str) and os.path.isdir(thing):
             shutil.rmtree(thing, ignore_errors=True)
@@ -197,7 +149,7 @@ def _start_parent(tmp: Path, mode: str, reaper: list) -> tuple[Script, list[psut
     children = [psutil.Process(pid) for pid in info["pids"]]
     reaper.extend(children)
     reaper.append(info["socket_dir"])
-    assert all(_alive(p) for p in children) and os.path.isdir(info["socket_dir"])
+    assert all(alive(p) for p in children) and os.path.isdir(info["socket_dir"])
     script.go()
     return script, children, info["socket_dir"]
 
@@ -205,7 +157,7 @@ def _start_parent(tmp: Path, mode: str, reaper: list) -> tuple[Script, list[psut
 # -- the parent dies without close() ---------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["sleep", "exit", "os_exit"])
 def test_parent_death_releases_children(mode: str, tmp_path: Path, reaper: list) -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     script, children, socket_dir = _start_parent(tmp_path, mode, reaper)
     if mode == "sleep":
         script.proc.send_signal(signal.SIGKILL)
@@ -216,11 +168,11 @@ def test_parent_death_releases_children(mode: str, tmp_path: Path, reaper: list)
 
 
 def test_parent_killed_during_generate(tmp_path: Path, reaper: list) -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     script, children, socket_dir = _start_parent(tmp_path, "generate", reaper)
     script.wait_line(lambda line: line == "generating")
     start = _cpu_s(children[0])
-    assert _wait_for(lambda: _cpu_s(children[0]) > start + 0.3, GUARD_S), "the child never started decoding"
+    assert wait_for(lambda: _cpu_s(children[0]) > start + 0.3, GUARD_S), "the child never started decoding"
     script.proc.send_signal(signal.SIGKILL)
     assert script.wait() == -signal.SIGKILL
     assert "done" not in script.lines(), "generate finished before the kill; make it longer"
@@ -229,19 +181,19 @@ def test_parent_killed_during_generate(tmp_path: Path, reaper: list) -> None:
 
 # -- Ctrl-C ------------------------------------------------------------------------------------------
 def test_ctrl_c_during_generate_closes_worker(tmp_path: Path, reaper: list) -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     script, children, socket_dir = _start_parent(tmp_path, "sigint", reaper)
     assert script.wait() == 0, script.stderr()
     result = json.loads(script.lines()[-1])
     assert result == {"outcome": "interrupted", "state": "closed", "child_pids": [], "socket_dir": None}
     # close() ran before KeyboardInterrupt reached the caller, so nothing needs polling for.
-    assert not any(_alive(p) for p in children)
+    assert not any(alive(p) for p in children)
     assert not os.path.exists(socket_dir)
     assert_nothing_left(children, socket_dir, shm_before)
 
 
 def test_ctrl_c_to_example_exits_130(tmp_path: Path, reaper: list) -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     script = Script(tmp_path, [sys.executable, str(EXAMPLE), "--device", "cpu", "--num-prompts", "1",
                                "--max-seq-len", "4096", "--max-new-tokens", "4000", "--ignore-eos"])
     reaper.append(script.proc)
@@ -256,22 +208,23 @@ def test_ctrl_c_to_example_exits_130(tmp_path: Path, reaper: list) -> None:
     assert "interrupted" in script.out.read_text() + script.stderr()
     assert "finish_reason" not in script.out.read_text(), "generate finished before the SIGINT; make it longer"
     # The example closed its worker before exiting, so nothing needs polling for but /dev/shm.
-    assert not any(_alive(p) for p in children), "children outlived the example"
+    assert not any(alive(p) for p in children), "children outlived the example"
     assert not any(os.path.exists(d) for d in socket_dirs), f"socket dir left behind: {socket_dirs}"
-    assert _wait_for(lambda: not (_shm() - shm_before)), f"new /dev/shm entries: {sorted(_shm() - shm_before)}"
+    assert wait_for(lambda: not (shm_entries() - shm_before)), f"new /dev/shm entries: {sorted(shm_entries() - shm_before)}"
 
 
 # -- a child fails inside a step ---------------------------------------------------------------------
 def _faulty_worker(fault: str, **overrides) -> tuple[DistributedWorker, list[psutil.Process], str]:
-    w = DistributedWorker(**{**SMALL, **overrides}, fault_injection=fault).prepare()
+    """No restarts: the failure reaches the caller, as it did before restarts existed."""
+    w = DistributedWorker(**{**SMALL, "max_restarts": 0, **overrides}, fault_injection=fault).prepare()
     return w, [psutil.Process(pid) for pid in w.child_pids], w.socket_dir
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
 def test_child_raises_gives_child_error_with_traceback(overlap: bool) -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     w, children, socket_dir = _faulty_worker("raise@2", overlap_steps=overlap)
-    with _guard(), pytest.raises(ChildError) as err:
+    with guard(), pytest.raises(ChildError) as err:
         w.generate(PROMPTS, GREEDY)
     assert "injected fault" in str(err.value)
     assert "Traceback" in str(err.value)
@@ -283,10 +236,10 @@ def test_child_raises_gives_child_error_with_traceback(overlap: bool) -> None:
 
 
 def test_child_hangs_gives_step_timeout() -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     w, children, socket_dir = _faulty_worker("hang@2", step_timeout_s=2)
     t0 = time.monotonic()
-    with _guard(), pytest.raises(StepTimeoutError, match="2s"):
+    with guard(), pytest.raises(StepTimeoutError, match="2s"):
         w.generate(PROMPTS, GREEDY)
     # the 2 s timeout plus close()'s grace for a child that ignores Shutdown; hours would be the bug
     assert time.monotonic() - t0 < 30
@@ -295,9 +248,9 @@ def test_child_hangs_gives_step_timeout() -> None:
 
 
 def test_child_exits_gives_child_died_error() -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     w, children, socket_dir = _faulty_worker("exit@2")
-    with _guard(), pytest.raises(ChildDiedError, match="exited with code 3"):
+    with guard(), pytest.raises(ChildDiedError, match="exited with code 3"):
         w.generate(PROMPTS, GREEDY)
     w.close()
     assert_nothing_left(children, socket_dir, shm_before)
@@ -313,8 +266,8 @@ def _chunk(start: int, length: int, offset: int) -> bytes:
 
 
 def test_garbled_commands_are_refused_and_leave_state_intact() -> None:
-    shm_before = _shm()
-    with _guard(), DistributedWorker(**SMALL) as w:
+    shm_before = shm_entries()
+    with guard(), DistributedWorker(**SMALL) as w:
         children, socket_dir = [psutil.Process(pid) for pid in w.child_pids], w.socket_dir
         before = [o.token_ids for o in w.generate(PROMPTS, [GREEDY, SEEDED])]
         lim = w.runtime_config.limits()
@@ -348,9 +301,9 @@ def test_garbled_commands_are_refused_and_leave_state_intact() -> None:
 
 # -- two workers in one process ----------------------------------------------------------------------
 def test_two_workers_side_by_side() -> None:
-    shm_before = _shm()
+    shm_before = shm_entries()
     calls = [(PROMPTS, GREEDY), ([[5, 6, 7], [8], [9, 10, 11, 12]], SEEDED), ([[42] * 20], GREEDY)]
-    with _guard():
+    with guard():
         a = DistributedWorker(**SMALL).prepare()
         solo_a = [[o.token_ids for o in a.generate(p, s)] for p, s in calls]
         b = DistributedWorker(**{**SMALL, "max_batch_size": 3, "page_size": 16}).prepare()
@@ -364,8 +317,8 @@ def test_two_workers_side_by_side() -> None:
                     assert [o.token_ids for o in b.generate(p, s)] == solo_b[i]
             a_children, a_dir = [psutil.Process(pid) for pid in a.child_pids], a.socket_dir
             a.close()
-            assert not any(_alive(p) for p in a_children) and not os.path.exists(a_dir)
-            assert os.path.isdir(b.socket_dir) and all(_alive(psutil.Process(pid)) for pid in b.child_pids)
+            assert not any(alive(p) for p in a_children) and not os.path.exists(a_dir)
+            assert os.path.isdir(b.socket_dir) and all(alive(psutil.Process(pid)) for pid in b.child_pids)
             for i, (p, s) in enumerate(calls):
                 assert [o.token_ids for o in b.generate(p, s)] == solo_b[i]
             b_children, b_dir = [psutil.Process(pid) for pid in b.child_pids], b.socket_dir

@@ -3,71 +3,16 @@ signal while a request streams: exit 0, the request aborted, no child process or
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import psutil
-import pytest
 
 from server_helpers import sse_events
 
-ROOT = Path(__file__).resolve().parent.parent
-READY = re.compile(r"^l3worker serve: ready at (http://127\.0\.0\.1:\d+) serving (\S+) ")
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
-
-
-class Served:
-    """A `l3worker serve` subprocess with a private TMPDIR; its stdout lines go to a queue."""
-
-    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
-        self.tmpdir = tmp_path / "tmp"
-        self.tmpdir.mkdir(parents=True)
-        env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT), **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "l3worker", "serve", "--port", "0", *args], cwd=ROOT,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append), daemon=True).start()
-
-    @staticmethod
-    def _pump(stream, sink) -> None:
-        for line in stream:
-            sink(line.rstrip("\n"))
-
-    def ready(self, timeout_s: float = 120.0) -> re.Match:
-        while True:
-            try:
-                line = self.lines.get(timeout=timeout_s)
-            except queue.Empty:
-                raise AssertionError(f"no ready line; stderr: {self.stderr[-20:]}") from None
-            if m := READY.match(line):
-                return m
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-
-
-@pytest.fixture
-def served(tmp_path):
-    started: list[Served] = []
-
-    def start(*args: str, env: dict[str, str] | None = None) -> Served:
-        s = Served(tmp_path / str(len(started)), *args, env=env)
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 def test_sigterm_mid_stream_exits_0_and_leaves_nothing(served, tmp_path) -> None:

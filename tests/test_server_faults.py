@@ -1,5 +1,5 @@
-"""A checkpoint with no tokenizer and no chat template, then a chip-child killed under a live stream:
-the server answers 400s that say why, then 503s, and never hangs."""
+"""A checkpoint with no tokenizer and no chat template, then a chip-child killed under a live stream
+with restarts off: the server answers 400s that say why, then 503s, and never hangs."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,7 @@ from server_helpers import sse_events, wait_until
 @pytest.fixture(scope="module")
 def server(make_checkpoint):
     path = make_checkpoint("server-bare")  # transformers' save_pretrained: no tokenizer.json, no template
-    srv = ServerThread(DistributedWorker(path, max_batch_size=2, max_seq_len=512, page_size=16),
+    srv = ServerThread(DistributedWorker(path, max_batch_size=2, max_seq_len=512, page_size=16, max_restarts=0),
                        options=ServeOptions(port=0))
     srv.start()
     yield srv

@@ -258,7 +258,7 @@ def assert_nothing_left(pids: list[int], socket_dir: str, shm_before: set[str]) 
 
 def test_killed_child_raises_and_close_cleans_up(ckpt: Path) -> None:
     shm_before = shm_entries()
-    w = DistributedWorker(ckpt, **{**COMMON, "max_seq_len": 512, "page_size": 16}).prepare()
+    w = DistributedWorker(ckpt, **{**COMMON, "max_seq_len": 512, "page_size": 16}, max_restarts=0).prepare()
     pids, socket_dir = w.child_pids, w.socket_dir
     assert socket_dir is not None and os.path.isdir(socket_dir)
     try:
@@ -278,7 +278,7 @@ def test_killed_child_raises_and_close_cleans_up(ckpt: Path) -> None:
 
 def test_child_exit_mid_generation(ckpt: Path) -> None:
     shm_before = shm_entries()
-    w = DistributedWorker(ckpt, **COMMON, fault_injection="exit@3")
+    w = DistributedWorker(ckpt, **COMMON, fault_injection="exit@3", max_restarts=0)
     with w:
         pids, socket_dir = w.child_pids, w.socket_dir
         with pytest.raises(ChildDiedError, match="code 3"):

@@ -72,7 +72,7 @@ def create_app(engine, model: ServedModel, *, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if client.dead else 200)
+        return Response(status_code=200 if client.healthy else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -15,6 +15,7 @@ from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.server.runner import ServeOptions, bind, serve, served_model
 
 log = logging.getLogger("l3worker.server")
+DEFAULT_MAX_WAITING = 4096  # enough for any burst a single worker can serve in reasonable time
 
 
 def _device_ids(text: str) -> tuple[int, ...]:
@@ -61,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "on an accelerator)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes seen before (default: on)")
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
+                   help="requests that may wait for a batch row; more are answered 503 (default: %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                   help="restarts of the chip-children after one dies, raises or hangs, within --restart-window-s; "
+                        "every request resumes (default: %(default)s; 0: a failure stops the engine)")
+    p.add_argument("--restart-window-s", type=float, default=600.0, metavar="S",
+                   help="the window --max-restarts counts in (default: %(default)s)")
     p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=None,
                    help="cpu linear layers on oneDNN with weights prepacked at load (default: on where it runs)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
@@ -149,7 +157,9 @@ def serve_command(args: argparse.Namespace) -> int:
                                    page_size=args.block_size, num_pages=args.num_gpu_blocks_override,
                                    dtype=args.dtype, pipeline_depth=args.pipeline_depth,
                                    max_num_batched_tokens=serve_batched_tokens(args),
-                                   enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack)
+                                   enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
+                                   max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
+                                   max_waiting_requests=args.max_waiting_requests)
         options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(names),
                                api_key=args.api_key or None, chat_template=args.chat_template,
                                generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,

@@ -8,9 +8,9 @@ import asyncio
 import logging
 from typing import AsyncIterator, TypeVar
 
-from l3worker.errors import WorkerError
+from l3worker.errors import EngineBusyError, RequestFailedError, WorkerError
 from l3worker.params import RequestOutput, SamplingParams
-from l3worker.server.errors import bad_request, unavailable
+from l3worker.server.errors import bad_request, request_failed, unavailable
 
 log = logging.getLogger("l3worker.server")
 T = TypeVar("T")
@@ -25,6 +25,11 @@ class EngineClient:
     @property
     def dead(self) -> bool:
         return bool(self.engine.dead)
+
+    @property
+    def healthy(self) -> bool:
+        """What /health says: false once the engine stopped and while its children restart."""
+        return not self.stopping and bool(self.engine.healthy)
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
@@ -47,6 +52,10 @@ class EngineClient:
                     if started:
                         raise
                     raise bad_request(str(e)) from None
+                except EngineBusyError as e:
+                    raise unavailable(str(e), code="server_overloaded") from None
+                except RequestFailedError as e:
+                    raise request_failed(str(e)) from None
                 except WorkerError as e:
                     raise unavailable(f"the engine failed: {e}") from None
                 started = True

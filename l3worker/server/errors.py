@@ -41,8 +41,14 @@ def too_large(limit: int) -> APIError:
     return APIError(413, f"Request body larger than the server's limit of {limit} bytes.", code="request_too_large")
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, type_="server_error", code="engine_unavailable")
+def unavailable(message: str, code: str = "engine_unavailable") -> APIError:
+    return APIError(503, message, type_="server_error", code=code)
+
+
+def request_failed(message: str) -> APIError:
+    """The engine gave up on this request alone (it was running at two consecutive chip-child
+    failures); the server goes on serving."""
+    return APIError(500, message, type_="server_error", code="request_failed")
 
 
 def internal() -> APIError:
