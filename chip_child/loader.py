@@ -16,6 +16,8 @@ import tokenizers
 import torch
 from safetensors import safe_open
 
+from chip_child.quant import check_quantization
+
 SUPPORTED_ARCHITECTURE = "Qwen3ForCausalLM"
 _CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
@@ -28,6 +30,9 @@ _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "half": torch.float16,
 }
 _ACCELERATORS = ("cuda", "npu")
+# safetensors dtype names of plain float weights; anything else (float8, int8, packed int4 in
+# int32) is quantized data that only a declared and implemented quantization may read.
+_FLOAT_STORAGE = ("F32", "BF16", "F16")
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' Qwen3 default when nothing is given
 
 
@@ -115,6 +120,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise FileNotFoundError(f"config.json not found: {path}")
     raw = _read_json(path)
     _check_architecture(raw, path)
+    check_quantization(raw, path)
 
     if raw.get("use_sliding_window"):
         raise ValueError(f"{path}: use_sliding_window=true is not supported")
@@ -233,6 +239,12 @@ def load_weights(
                     raise ValueError(
                         f"tensor {name!r} in {path} has shape {list(found)}, "
                         f"expected {list(expected[name])}"
+                    )
+                stored = f.get_slice(name).get_dtype()
+                if stored not in _FLOAT_STORAGE:
+                    raise ValueError(
+                        f"tensor {name!r} in {path} is stored as {stored}, a quantized format that "
+                        f"{model_dir / 'config.json'} does not declare; refusing to load it as a plain weight"
                     )
                 loaded[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     # Keep the canonical order regardless of shard layout.
