@@ -53,15 +53,16 @@ def triton_layer_ops() -> LayerOps:
     def rope_rows(rope: torch.Tensor, positions: torch.Tensor):
         return rope, positions  # the kernel reads each token's row of the table itself
 
-    def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, rows, w: Qwen3Weights) -> torch.Tensor:
+    def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor | None, rows, w: Qwen3Weights) -> torch.Tensor:
         rope, positions = rows
         t, heads, hd = qk.shape
         if t == 0:
             return qk
         block_h = min(8, next_power_of_2(heads))
         k.qk_norm_rope_kernel[(t, -(-heads // block_h))](
-            qk, weight, rope, positions, heads, qk.stride(0), qk.stride(1), rope.stride(0), w.eps_value, 1.0 / hd,
-            HEAD_DIM=hd, BLOCK_D=next_power_of_2(hd), BLOCK_H=block_h, num_warps=4)
+            qk, qk if weight is None else weight, rope, positions, heads, qk.stride(0), qk.stride(1), rope.stride(0),
+            w.eps_value, 1.0 / hd, HEAD_DIM=hd, BLOCK_D=next_power_of_2(hd), BLOCK_H=block_h,
+            HAS_NORM=weight is not None, num_warps=4)
         return qk  # written in place: the projection's output is a temporary
 
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Qwen3 as transformers defines it, as plain functions over a packed token axis.
+"""Qwen3 as transformers defines it, as plain functions over a packed token axis; the families
+that differ from it only in configuration (ModelConfig: Qwen2's q/k/v biases, no q/k norm in
+Llama, Qwen2 and Mistral, Llama 3's RoPE scaling) run the same functions.
 
 Weights are fused once at load (q/k/v into one matrix, gate/up into another) so a layer is four
 matmuls. One forward serves every step: decode rows (one token each) and prefill chunks sit side
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from chip_child.attention import AttentionBackend, StepPlan
 from chip_child.loader import ModelConfig
 from chip_child.prepack import PackedLinear, prepacked
+from chip_child.rope import inv_freq
 
 Weight = torch.Tensor | PackedLinear  # a plain [in, out] view, or the same matrix prepacked
 
@@ -30,7 +33,8 @@ class LayerWeights:
     input_norm: torch.Tensor
     qkv: Weight
     qkv_bias: torch.Tensor | None
-    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm per query head, then k_norm per kv head
+    # [heads + kv_heads, head_dim]: q_norm per query head, then k_norm per kv head; None: no q/k norm
+    qk_norm: torch.Tensor | None
     o_proj: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
@@ -69,19 +73,19 @@ class Qwen3Weights:
             p = f"model.layers.{i}."
             attn = p + "self_attn."
             rows = {"q": heads, "k": kv_heads, "v": kv_heads}
-            qkv_bias = None
-            o_bias = None
-            if cfg.attention_bias:
-                qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"][rows[n]] for n in "qkv"])
-                # Added by one rank only, so the all-reduce sums it in once.
-                o_bias = state[attn + "o_proj.bias"] if rank == 0 else None
+            qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"][rows[n]] for n in "qkv"]) if cfg.qkv_bias else None
+            # Added by one rank only, so the all-reduce sums it in once.
+            o_bias = state[attn + "o_proj.bias"] if cfg.o_bias and rank == 0 else None
+            qk_norm = None
+            if cfg.qk_norm:
+                qk_norm = torch.cat([state[attn + "q_norm.weight"].expand(cfg.num_heads // world, hd),
+                                     state[attn + "k_norm.weight"].expand(cfg.num_kv_heads // world, hd)])
             layers.append(
                 LayerWeights(
                     input_norm=state[p + "input_layernorm.weight"],
                     qkv=torch.cat([state[attn + f"{n}_proj.weight"][rows[n]] for n in "qkv"]).t(),
                     qkv_bias=qkv_bias,
-                    qk_norm=torch.cat([state[attn + "q_norm.weight"].expand(cfg.num_heads // world, hd),
-                                       state[attn + "k_norm.weight"].expand(cfg.num_kv_heads // world, hd)]),
+                    qk_norm=qk_norm,
                     o_proj=state[attn + "o_proj.weight"][:, heads].contiguous().t(),
                     o_bias=o_bias,
                     post_norm=state[p + "post_attention_layernorm.weight"],
@@ -162,8 +166,8 @@ def rope_table(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch
     rotate-half's minus sign on its first half, so apply_rope needs a roll instead of a
     negate-and-concatenate."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    freq = inv_freq(cfg.rope_theta, hd, cfg.rope_scaling)  # scaled as the config says
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     sign = torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
     return torch.stack([emb.cos().to(dtype), emb.sin().to(dtype) * sign.to(dtype)], dim=1).to(device)
@@ -182,7 +186,8 @@ class LayerOps:
 
     add_rms_norm(h, delta, weight, w) -> (h + delta, rms_norm(h + delta)); delta None: (h, rms_norm(h))
     rope_rows(rope, positions) -> what qk_norm_rope reads the step's rotations from
-    qk_norm_rope(qk, weight, rows, w) -> qk [T, heads + kv_heads, hd] normed per head and rotated
+    qk_norm_rope(qk, weight, rows, w) -> qk [T, heads + kv_heads, hd] normed per head (weight None:
+        not normed, as Llama, Qwen2 and Mistral have no q/k norm) and rotated
     silu_mul(gate_up) -> silu(gate) * up
     """
 
@@ -203,8 +208,8 @@ def _rope_rows(rope: torch.Tensor, positions: torch.Tensor):
     return rope.index_select(0, positions).split_with_sizes((1, 1), 1)  # cos, signed sin: [T, 1, hd] each
 
 
-def _qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, rows, w: Qwen3Weights) -> torch.Tensor:
-    return apply_rope(rms_norm(qk, weight, w.eps, w.inv_head_dim), *rows)
+def _qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor | None, rows, w: Qwen3Weights) -> torch.Tensor:
+    return apply_rope(qk if weight is None else rms_norm(qk, weight, w.eps, w.inv_head_dim), *rows)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
