@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from chip_child.fp8 import SCALE_SUFFIX, dequantize_blocks
+from chip_child.moe import MoeConfig, expert_tensor_shapes, parse_moe
 from chip_child.quant import BlockFp8, parse_quantization
 from chip_child.rope import RopeScaling, parse_rope
 
@@ -50,10 +51,13 @@ class Family:
     qkv_bias: bool | None
     o_bias: bool | None
     default_head_dim: int | None  # None: hidden_size // num_attention_heads
+    moe: bool = False  # sparse MLP layers (chip_child.moe)
 
 
 FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family(("qwen3",), qk_norm=True, qkv_bias=None, o_bias=None, default_head_dim=128),
+    "Qwen3MoeForCausalLM": Family(("qwen3_moe",), qk_norm=True, qkv_bias=None, o_bias=None, default_head_dim=128,
+                                  moe=True),
     "Qwen2ForCausalLM": Family(("qwen2",), qk_norm=False, qkv_bias=True, o_bias=False, default_head_dim=None),
     "LlamaForCausalLM": Family(("llama",), qk_norm=False, qkv_bias=None, o_bias=None, default_head_dim=None),
     "MistralForCausalLM": Family(("mistral",), qk_norm=False, qkv_bias=False, o_bias=False, default_head_dim=None),
@@ -81,6 +85,7 @@ class ModelConfig:
     qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None
     quantization: BlockFp8 | None = None  # how the checkpoint's weights are stored; None: plain floats
+    moe: MoeConfig | None = None  # Qwen3-MoE's experts; None: every MLP dense
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -180,11 +185,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     if gen_path.is_file():
         eos += _as_id_list(_read_json(gen_path).get("eos_token_id"))
 
+    num_layers = int(_require(raw, "num_hidden_layers", path))
     return ModelConfig(
         vocab_size=int(_require(raw, "vocab_size", path)),
         hidden_size=hidden_size,
         intermediate_size=int(_require(raw, "intermediate_size", path)),
-        num_layers=int(_require(raw, "num_hidden_layers", path)),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -200,6 +206,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         qk_norm=family.qk_norm,
         rope_scaling=rope_scaling,
         quantization=quantization,
+        moe=parse_moe(raw, num_layers, path) if family.moe else None,
     )
 
 
@@ -220,6 +227,9 @@ def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if cfg.moe is not None and i in cfg.moe.sparse_layers:
+            shapes.update(expert_tensor_shapes(p + "mlp.", cfg.moe, H))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (I, H)
         shapes[p + "mlp.up_proj.weight"] = (I, H)
         shapes[p + "mlp.down_proj.weight"] = (H, I)

@@ -1,6 +1,7 @@
 """Qwen3 as transformers defines it, as plain functions over a packed token axis; the families
 that differ from it only in configuration (ModelConfig: Qwen2's q/k/v biases, no q/k norm in
-Llama, Qwen2 and Mistral, Llama 3's RoPE scaling) run the same functions.
+Llama, Qwen2 and Mistral, Llama 3's RoPE scaling) run the same functions, and so does Qwen3-MoE,
+whose sparse layers take their MLP from chip_child.moe.
 
 Weights are fused once at load (q/k/v into one matrix, gate/up into another) so a layer is four
 matmuls. One forward serves every step: decode rows (one token each) and prefill chunks sit side
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 from chip_child.attention import AttentionBackend, StepPlan
 from chip_child.loader import ModelConfig
+from chip_child.moe import MoeImpl, MoeWeights, torch_moe
 from chip_child.prepack import PackedLinear, prepacked
 from chip_child.rope import inv_freq
 
@@ -38,8 +40,9 @@ class LayerWeights:
     o_proj: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: Weight
-    down: Weight
+    gate_up: Weight | None  # the dense MLP; None in a sparse (MoE) layer
+    down: Weight | None
+    moe: MoeWeights | None = None  # a sparse layer's router and experts
 
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
@@ -62,12 +65,15 @@ class Qwen3Weights:
     def from_hf(cls, state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int = 0,
                 world: int = 1) -> "Qwen3Weights":
         """Fuses the HF tensors; with world > 1 keeps this rank's tensor-parallel shard: its
-        slice of the heads and of the MLP's intermediate dimension (Megatron-style), with
-        o_proj and down_proj split by input so one all-reduce after each completes the layer."""
+        slice of the heads and of the MLP's intermediate dimension (Megatron-style; each
+        expert's in a MoE layer), with o_proj and down_proj split by input so one all-reduce
+        after each completes the layer."""
         hd = cfg.head_dim
         heads = _shard(rank, world, cfg.num_heads * hd)
         kv_heads = _shard(rank, world, cfg.num_kv_heads * hd)
         inter = _shard(rank, world, cfg.intermediate_size)
+        moe = cfg.moe
+        expert_inter = _shard(rank, world, moe.intermediate_size) if moe is not None else None
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -76,6 +82,7 @@ class Qwen3Weights:
             qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"][rows[n]] for n in "qkv"]) if cfg.qkv_bias else None
             # Added by one rank only, so the all-reduce sums it in once.
             o_bias = state[attn + "o_proj.bias"] if cfg.o_bias and rank == 0 else None
+            sparse = moe is not None and i in moe.sparse_layers
             qk_norm = None
             if cfg.qk_norm:
                 qk_norm = torch.cat([state[attn + "q_norm.weight"].expand(cfg.num_heads // world, hd),
@@ -89,9 +96,10 @@ class Qwen3Weights:
                     o_proj=state[attn + "o_proj.weight"][:, heads].contiguous().t(),
                     o_bias=o_bias,
                     post_norm=state[p + "post_attention_layernorm.weight"],
-                    gate_up=torch.cat([state[p + "mlp.gate_proj.weight"][inter],
-                                       state[p + "mlp.up_proj.weight"][inter]]).t(),
-                    down=state[p + "mlp.down_proj.weight"][:, inter].contiguous().t(),
+                    gate_up=None if sparse else torch.cat([state[p + "mlp.gate_proj.weight"][inter],
+                                                           state[p + "mlp.up_proj.weight"][inter]]).t(),
+                    down=None if sparse else state[p + "mlp.down_proj.weight"][:, inter].contiguous().t(),
+                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter) if sparse else None,
                 )
             )
         embed = state["model.embed_tokens.weight"]
@@ -104,7 +112,7 @@ class Qwen3Weights:
 
     def to(self, device: torch.device) -> "Qwen3Weights":
         # Tensor.to keeps the transposed strides, so the moved projections are still [in, out] views.
-        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731  (MoeWeights has .to too)
         layers = [LayerWeights(**{k: to(v) for k, v in vars(lw).items()}) for lw in self.layers]
         embed = to(self.embed)
         return Qwen3Weights(embed=embed, layers=layers, norm=to(self.norm),
@@ -119,7 +127,8 @@ class Qwen3Weights:
         embedding keeps the plain one."""
         for lw in self.layers:
             for name in PROJECTIONS:
-                setattr(lw, name, prepacked(getattr(lw, name)))
+                if getattr(lw, name) is not None:  # a sparse layer's experts stay plain (chip_child.moe)
+                    setattr(lw, name, prepacked(getattr(lw, name)))
         self.lm_head = prepacked(self.lm_head)
 
 
@@ -130,12 +139,16 @@ def _shard(rank: int, world: int, size: int) -> slice:
 
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """The per-rank view of the model under tensor parallelism over `world` devices."""
-    for name, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    sizes = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+             ("intermediate_size", cfg.intermediate_size)]
+    if cfg.moe is not None:
+        sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
+    for name, value in sizes:
         if value % world:
             raise ValueError(f"device_ids: {world} devices do not divide the model's {name}={value}")
+    moe = cfg.moe and replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // world)
     return replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-                   intermediate_size=cfg.intermediate_size // world)
+                   intermediate_size=cfg.intermediate_size // world, moe=moe)
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -189,6 +202,7 @@ class LayerOps:
     qk_norm_rope(qk, weight, rows, w) -> qk [T, heads + kv_heads, hd] normed per head (weight None:
         not normed, as Llama, Qwen2 and Mistral have no q/k norm) and rotated
     silu_mul(gate_up) -> silu(gate) * up
+    moe(x, moe_weights) -> a sparse layer's MLP output (chip_child.moe.MoeImpl)
     """
 
     name: str
@@ -196,6 +210,7 @@ class LayerOps:
     rope_rows: Callable
     qk_norm_rope: Callable
     silu_mul: Callable
+    moe: MoeImpl = torch_moe
 
 
 def _add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, w: Qwen3Weights):
@@ -229,6 +244,12 @@ def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, r
     return q, k, v
 
 
+def _mlp(lw: LayerWeights, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+    if lw.moe is not None:
+        return ops.moe(x, lw.moe)
+    return linear(ops.silu_mul(linear(x, lw.gate_up)), lw.down)
+
+
 def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None,
                  ops: LayerOps = TORCH_OPS) -> torch.Tensor:
     """fp32 logits [T, vocab] of the last layer's hidden states `h`, written into `out` when given."""
@@ -253,5 +274,5 @@ def forward(cfg: ModelConfig, w: Qwen3Weights, attn: AttentionBackend, step: Ste
         q, k, v = _qkv(cfg, w, lw, x, rows, ops)
         o = attn.forward(i, q, k, v, step)
         h, x = ops.add_rms_norm(h, all_reduce(linear(o.flatten(1), lw.o_proj, lw.o_bias)), lw.post_norm, w)
-        delta = all_reduce(linear(ops.silu_mul(linear(x, lw.gate_up)), lw.down))
+        delta = all_reduce(_mlp(lw, x, ops))
     return h + delta
