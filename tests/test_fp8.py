@@ -152,3 +152,16 @@ def test_fp8_tensor_parallel_two_children(make_checkpoint, hf_model, tmp_path: P
                            page_size=8) as w:
         outs = w.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
     assert [o.token_ids for o in outs] == ref
+
+
+def test_fp8_moe_experts_equal_the_dequantized_model(make_checkpoint, tmp_path: Path) -> None:
+    """Qwen3-MoE FP8: every expert's projections quantized (the router stays plain, as released)."""
+    src = make_checkpoint("fp8-moe", family="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, norm_topk_prob=True)
+    fp8_dir, deq_dir = write_fp8_pair(src, tmp_path, (16, 32))
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in load_file(fp8_dir / "model.safetensors")
+    prompts = [[1, 2, 3, 4, 5], list(range(20, 60))]
+    got, want = run(fp8_dir, prompts), run(deq_dir, prompts)
+    assert got.token_ids == want.token_ids
+    for a, b in zip(got.logits, want.logits):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
