@@ -3,7 +3,8 @@
 On a GPU a decode step is a few hundred small kernels, and each costs a few microseconds even
 replayed from a graph: the torch reference (model.TORCH_OPS) spends about 39 kernels a layer,
 24 of them in its three RMSNorms. These ops bring a layer to about 10 (residual add + norm, the
-projections, q/k norm + RoPE, K/V write, attention, silu * up).
+projections, q/k norm + RoPE, K/V write, attention, silu * up). A MoE layer's experts run as our
+fused MoE (chip_child.moe_triton).
 
 `fused_kernels=None` in RuntimeConfig turns them on for cuda where triton imports; True also runs
 them on the cpu under TRITON_INTERPRET=1 (the tests), nowhere else.
@@ -75,7 +76,9 @@ def triton_layer_ops() -> LayerOps:
                                                        BLOCK=block, num_warps=4)
         return out
 
-    return LayerOps("triton", add_rms_norm, rope_rows, qk_norm_rope, silu_mul)
+    from chip_child.moe_triton import triton_moe
+
+    return LayerOps("triton", add_rms_norm, rope_rows, qk_norm_rope, silu_mul, moe=triton_moe)
 
 
 def warps_for(block: int) -> int:
