@@ -3,7 +3,8 @@
 On a GPU a decode step is a few hundred small kernels, and each costs a few microseconds even
 replayed from a graph: the torch reference (model.TORCH_OPS) spends about 39 kernels a layer,
 24 of them in its three RMSNorms. These ops bring a layer to about 10 (residual add + norm, the
-projections, q/k norm + RoPE, K/V write, attention, silu * up).
+projections, q/k norm + RoPE, K/V write, attention, silu * up). A MoE layer's experts run as our
+fused MoE (chip_child.moe_triton).
 
 `fused_kernels=None` in RuntimeConfig turns them on for cuda where triton imports; True also runs
 them on the cpu under TRITON_INTERPRET=1 (the tests), nowhere else.
@@ -53,15 +54,16 @@ def triton_layer_ops() -> LayerOps:
     def rope_rows(rope: torch.Tensor, positions: torch.Tensor):
         return rope, positions  # the kernel reads each token's row of the table itself
 
-    def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, rows, w: Qwen3Weights) -> torch.Tensor:
+    def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor | None, rows, w: Qwen3Weights) -> torch.Tensor:
         rope, positions = rows
         t, heads, hd = qk.shape
         if t == 0:
             return qk
         block_h = min(8, next_power_of_2(heads))
         k.qk_norm_rope_kernel[(t, -(-heads // block_h))](
-            qk, weight, rope, positions, heads, qk.stride(0), qk.stride(1), rope.stride(0), w.eps_value, 1.0 / hd,
-            HEAD_DIM=hd, BLOCK_D=next_power_of_2(hd), BLOCK_H=block_h, num_warps=4)
+            qk, qk if weight is None else weight, rope, positions, heads, qk.stride(0), qk.stride(1), rope.stride(0),
+            w.eps_value, 1.0 / hd, HEAD_DIM=hd, BLOCK_D=next_power_of_2(hd), BLOCK_H=block_h,
+            HAS_NORM=weight is not None, num_warps=4)
         return qk  # written in place: the projection's output is a temporary
 
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -74,7 +76,9 @@ def triton_layer_ops() -> LayerOps:
                                                        BLOCK=block, num_warps=4)
         return out
 
-    return LayerOps("triton", add_rms_norm, rope_rows, qk_norm_rope, silu_mul)
+    from chip_child.moe_triton import triton_moe
+
+    return LayerOps("triton", add_rms_norm, rope_rows, qk_norm_rope, silu_mul, moe=triton_moe)
 
 
 def warps_for(block: int) -> int:

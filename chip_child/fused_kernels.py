@@ -9,7 +9,8 @@ differ from the reference only through the order of the fp32 sums.
 - `add_rms_norm_kernel`: one program per token: h + delta (stored as the new residual), then
   Qwen3's RMSNorm of it.
 - `qk_norm_rope_kernel`: one program per (token, BLOCK_H heads) of the fused q|k projection, in
-  place: per-head RMSNorm, then rotate-half RoPE read from the rope table by position.
+  place: per-head RMSNorm (unless HAS_NORM is false), then rotate-half RoPE read from the rope
+  table by position.
 - `silu_mul_kernel`: silu(gate) * up over [tokens, 2 * inter] -> [tokens, inter].
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ def add_rms_norm_kernel(h_ptr, delta_ptr, h_out_ptr, x_out_ptr, w_ptr, n_cols, s
 
 @triton.jit
 def qk_norm_rope_kernel(qk_ptr, w_ptr, rope_ptr, pos_ptr, n_heads, stride_t, stride_h, stride_rope, eps, inv_d,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                        HAS_NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -49,11 +51,15 @@ def qk_norm_rope_kernel(qk_ptr, w_ptr, rope_ptr, pos_ptr, n_heads, stride_t, str
     dt = qk_ptr.dtype.element_ty
     x = tl.load(row + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xr = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 1) * inv_d + eps)[:, None]
-    w = tl.load(w_ptr + heads[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    wr = tl.load(w_ptr + heads[:, None] * HEAD_DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    n = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    nr = (wr * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) * inv_d + eps)[:, None]
+        w = tl.load(w_ptr + heads[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        wr = tl.load(w_ptr + heads[:, None] * HEAD_DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        n = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        nr = (wr * (xr * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    else:
+        n = x
+        nr = xr
     # The table's row: cos, then sin with rotate-half's sign folded into its first half.
     table = rope_ptr + tl.load(pos_ptr + t).to(tl.int64) * stride_rope
     cos = tl.load(table + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]

@@ -46,18 +46,22 @@ def bucket_of(max_batch_size: int) -> np.ndarray:
 
 
 def resolve_decode_graphs(setting: bool | None, device_type: str, backend_capturable: bool,
-                          backend_name: str) -> bool:
+                          backend_name: str, model_capturable: bool = True) -> bool:
     """Whether decode graphs are used: None turns them on for cuda and npu where the attention
-    backend's decode plan can be captured; True insists (ValueError where it cannot work)."""
+    backend's decode plan and the model (`model_capturable`: not a MoE, whose torch experts read
+    per-expert counts on the host) can be captured; True insists (ValueError where it cannot work)."""
     check_optional_bool("decode_graphs", setting)
     if setting is None:
-        return device_type in GRAPH_DEVICES and backend_capturable
+        return device_type in GRAPH_DEVICES and backend_capturable and model_capturable
     if setting and device_type not in GRAPH_DEVICES:
         raise ValueError(f"decode_graphs=True needs a cuda or npu device, got {device_type}: "
                          "leave it None (off on cpu) or pass False")
     if setting and not backend_capturable:
         raise ValueError(f"decode_graphs=True cannot be used with attention_backend={backend_name!r}: its decode "
                          "plan hands host copies of the lengths to the device, which a graph would freeze")
+    if setting and not model_capturable:
+        raise ValueError("decode_graphs=True cannot be used with a MoE model: its torch experts read the "
+                         "per-expert token counts on the host, which a graph would freeze")
     return setting
 
 

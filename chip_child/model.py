@@ -1,4 +1,7 @@
-"""Qwen3 as transformers defines it, as plain functions over a packed token axis.
+"""Qwen3 as transformers defines it, as plain functions over a packed token axis; the families
+that differ from it only in configuration (ModelConfig: Qwen2's q/k/v biases, no q/k norm in
+Llama, Qwen2 and Mistral, Llama 3's RoPE scaling) run the same functions, and so does Qwen3-MoE,
+whose sparse layers take their MLP from chip_child.moe.
 
 Weights are fused once at load (q/k/v into one matrix, gate/up into another) so a layer is four
 matmuls. One forward serves every step: decode rows (one token each) and prefill chunks sit side
@@ -17,7 +20,9 @@ import torch.nn.functional as F
 
 from chip_child.attention import AttentionBackend, StepPlan
 from chip_child.loader import ModelConfig
+from chip_child.moe import MoeImpl, MoeWeights, torch_moe
 from chip_child.prepack import PackedLinear, prepacked
+from chip_child.rope import inv_freq
 
 Weight = torch.Tensor | PackedLinear  # a plain [in, out] view, or the same matrix prepacked
 
@@ -30,12 +35,14 @@ class LayerWeights:
     input_norm: torch.Tensor
     qkv: Weight
     qkv_bias: torch.Tensor | None
-    qk_norm: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm per query head, then k_norm per kv head
+    # [heads + kv_heads, head_dim]: q_norm per query head, then k_norm per kv head; None: no q/k norm
+    qk_norm: torch.Tensor | None
     o_proj: Weight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: Weight
-    down: Weight
+    gate_up: Weight | None  # the dense MLP; None in a sparse (MoE) layer
+    down: Weight | None
+    moe: MoeWeights | None = None  # a sparse layer's router and experts
 
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
@@ -58,36 +65,41 @@ class Qwen3Weights:
     def from_hf(cls, state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int = 0,
                 world: int = 1) -> "Qwen3Weights":
         """Fuses the HF tensors; with world > 1 keeps this rank's tensor-parallel shard: its
-        slice of the heads and of the MLP's intermediate dimension (Megatron-style), with
-        o_proj and down_proj split by input so one all-reduce after each completes the layer."""
+        slice of the heads and of the MLP's intermediate dimension (Megatron-style; each
+        expert's in a MoE layer), with o_proj and down_proj split by input so one all-reduce
+        after each completes the layer."""
         hd = cfg.head_dim
         heads = _shard(rank, world, cfg.num_heads * hd)
         kv_heads = _shard(rank, world, cfg.num_kv_heads * hd)
         inter = _shard(rank, world, cfg.intermediate_size)
+        moe = cfg.moe
+        expert_inter = _shard(rank, world, moe.intermediate_size) if moe is not None else None
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
             rows = {"q": heads, "k": kv_heads, "v": kv_heads}
-            qkv_bias = None
-            o_bias = None
-            if cfg.attention_bias:
-                qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"][rows[n]] for n in "qkv"])
-                # Added by one rank only, so the all-reduce sums it in once.
-                o_bias = state[attn + "o_proj.bias"] if rank == 0 else None
+            qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"][rows[n]] for n in "qkv"]) if cfg.qkv_bias else None
+            # Added by one rank only, so the all-reduce sums it in once.
+            o_bias = state[attn + "o_proj.bias"] if cfg.o_bias and rank == 0 else None
+            sparse = moe is not None and i in moe.sparse_layers
+            qk_norm = None
+            if cfg.qk_norm:
+                qk_norm = torch.cat([state[attn + "q_norm.weight"].expand(cfg.num_heads // world, hd),
+                                     state[attn + "k_norm.weight"].expand(cfg.num_kv_heads // world, hd)])
             layers.append(
                 LayerWeights(
                     input_norm=state[p + "input_layernorm.weight"],
                     qkv=torch.cat([state[attn + f"{n}_proj.weight"][rows[n]] for n in "qkv"]).t(),
                     qkv_bias=qkv_bias,
-                    qk_norm=torch.cat([state[attn + "q_norm.weight"].expand(cfg.num_heads // world, hd),
-                                       state[attn + "k_norm.weight"].expand(cfg.num_kv_heads // world, hd)]),
+                    qk_norm=qk_norm,
                     o_proj=state[attn + "o_proj.weight"][:, heads].contiguous().t(),
                     o_bias=o_bias,
                     post_norm=state[p + "post_attention_layernorm.weight"],
-                    gate_up=torch.cat([state[p + "mlp.gate_proj.weight"][inter],
-                                       state[p + "mlp.up_proj.weight"][inter]]).t(),
-                    down=state[p + "mlp.down_proj.weight"][:, inter].contiguous().t(),
+                    gate_up=None if sparse else torch.cat([state[p + "mlp.gate_proj.weight"][inter],
+                                                           state[p + "mlp.up_proj.weight"][inter]]).t(),
+                    down=None if sparse else state[p + "mlp.down_proj.weight"][:, inter].contiguous().t(),
+                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter) if sparse else None,
                 )
             )
         embed = state["model.embed_tokens.weight"]
@@ -100,7 +112,7 @@ class Qwen3Weights:
 
     def to(self, device: torch.device) -> "Qwen3Weights":
         # Tensor.to keeps the transposed strides, so the moved projections are still [in, out] views.
-        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731  (MoeWeights has .to too)
         layers = [LayerWeights(**{k: to(v) for k, v in vars(lw).items()}) for lw in self.layers]
         embed = to(self.embed)
         return Qwen3Weights(embed=embed, layers=layers, norm=to(self.norm),
@@ -115,7 +127,8 @@ class Qwen3Weights:
         embedding keeps the plain one."""
         for lw in self.layers:
             for name in PROJECTIONS:
-                setattr(lw, name, prepacked(getattr(lw, name)))
+                if getattr(lw, name) is not None:  # a sparse layer's experts stay plain (chip_child.moe)
+                    setattr(lw, name, prepacked(getattr(lw, name)))
         self.lm_head = prepacked(self.lm_head)
 
 
@@ -126,12 +139,16 @@ def _shard(rank: int, world: int, size: int) -> slice:
 
 def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
     """The per-rank view of the model under tensor parallelism over `world` devices."""
-    for name, value in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    sizes = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+             ("intermediate_size", cfg.intermediate_size)]
+    if cfg.moe is not None:
+        sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
+    for name, value in sizes:
         if value % world:
             raise ValueError(f"device_ids: {world} devices do not divide the model's {name}={value}")
+    moe = cfg.moe and replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // world)
     return replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-                   intermediate_size=cfg.intermediate_size // world)
+                   intermediate_size=cfg.intermediate_size // world, moe=moe)
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -162,8 +179,8 @@ def rope_table(cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch
     rotate-half's minus sign on its first half, so apply_rope needs a roll instead of a
     negate-and-concatenate."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    freq = inv_freq(cfg.rope_theta, hd, cfg.rope_scaling)  # scaled as the config says
+    freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     sign = torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
     return torch.stack([emb.cos().to(dtype), emb.sin().to(dtype) * sign.to(dtype)], dim=1).to(device)
@@ -182,8 +199,10 @@ class LayerOps:
 
     add_rms_norm(h, delta, weight, w) -> (h + delta, rms_norm(h + delta)); delta None: (h, rms_norm(h))
     rope_rows(rope, positions) -> what qk_norm_rope reads the step's rotations from
-    qk_norm_rope(qk, weight, rows, w) -> qk [T, heads + kv_heads, hd] normed per head and rotated
+    qk_norm_rope(qk, weight, rows, w) -> qk [T, heads + kv_heads, hd] normed per head (weight None:
+        not normed, as Llama, Qwen2 and Mistral have no q/k norm) and rotated
     silu_mul(gate_up) -> silu(gate) * up
+    moe(x, moe_weights) -> a sparse layer's MLP output (chip_child.moe.MoeImpl)
     """
 
     name: str
@@ -191,6 +210,7 @@ class LayerOps:
     rope_rows: Callable
     qk_norm_rope: Callable
     silu_mul: Callable
+    moe: MoeImpl = torch_moe
 
 
 def _add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, w: Qwen3Weights):
@@ -203,8 +223,8 @@ def _rope_rows(rope: torch.Tensor, positions: torch.Tensor):
     return rope.index_select(0, positions).split_with_sizes((1, 1), 1)  # cos, signed sin: [T, 1, hd] each
 
 
-def _qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor, rows, w: Qwen3Weights) -> torch.Tensor:
-    return apply_rope(rms_norm(qk, weight, w.eps, w.inv_head_dim), *rows)
+def _qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor | None, rows, w: Qwen3Weights) -> torch.Tensor:
+    return apply_rope(qk if weight is None else rms_norm(qk, weight, w.eps, w.inv_head_dim), *rows)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -222,6 +242,12 @@ def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, r
     qk, v = linear(x, lw.qkv, lw.qkv_bias).view(-1, nh + 2 * nkv, hd).split_with_sizes((nh + nkv, nkv), 1)
     q, k = ops.qk_norm_rope(qk, lw.qk_norm, rows, w).split_with_sizes((nh, nkv), 1)
     return q, k, v
+
+
+def _mlp(lw: LayerWeights, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+    if lw.moe is not None:
+        return ops.moe(x, lw.moe)
+    return linear(ops.silu_mul(linear(x, lw.gate_up)), lw.down)
 
 
 def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None,
@@ -248,5 +274,5 @@ def forward(cfg: ModelConfig, w: Qwen3Weights, attn: AttentionBackend, step: Ste
         q, k, v = _qkv(cfg, w, lw, x, rows, ops)
         o = attn.forward(i, q, k, v, step)
         h, x = ops.add_rms_norm(h, all_reduce(linear(o.flatten(1), lw.o_proj, lw.o_bias)), lw.post_norm, w)
-        delta = all_reduce(linear(ops.silu_mul(linear(x, lw.gate_up)), lw.down))
+        delta = all_reduce(_mlp(lw, x, ops))
     return h + delta

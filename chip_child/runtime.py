@@ -103,7 +103,8 @@ class ChipRuntime:
                              head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size,
                              dtype=self.dtype, max_tokens=b + p, max_seqs=2 * b, max_blocks=mb)
         backend = get_backend(self.device.type, cfg.attention_backend)
-        graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name)
+        graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name,
+                                       model_capturable=mc.moe is None)
         graphs = graphs or graph_capturer is not None
         # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
         options = {"decode_mirror": False} if graphs and backend.name == "torch" else {}

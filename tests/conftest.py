@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints written by transformers, and the built-in model."""
+"""Shared fixtures: tiny random checkpoints written by transformers (Qwen3 unless another
+family is named), and the built-in model."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,28 +18,36 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     mp.undo()
 
 
-def write_hf_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
-    """A random Qwen3ForCausalLM saved with save_pretrained; returns the directory."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# family -> transformers' config and model class names
+FAMILIES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
+
+def write_hf_checkpoint(path: Path, seed: int = 0, family: str = "qwen3", **overrides) -> Path:
+    """A random checkpoint of `family` saved with save_pretrained; returns the directory. A key
+    overridden with `...` is left to the config class's default."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[family])
     kwargs = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False,
                   max_position_embeddings=512, eos_token_id=None)
     kwargs.update(overrides)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**kwargs)).eval()
+    model = model_cls(config_cls(**{k: v for k, v in kwargs.items() if v is not ...})).eval()
     model.save_pretrained(path)
     return path
 
 
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """make_checkpoint(name, **Qwen3Config overrides) -> directory, cached per session by name."""
+    """make_checkpoint(name, seed, family, **config overrides) -> directory, cached per session by name."""
     made: dict[str, Path] = {}
 
-    def make(name: str = "default", seed: int = 0, **overrides) -> Path:
+    def make(name: str = "default", seed: int = 0, family: str = "qwen3", **overrides) -> Path:
         if name not in made:
-            made[name] = write_hf_checkpoint(tmp_path_factory.mktemp(f"ckpt-{name}"), seed, **overrides)
+            made[name] = write_hf_checkpoint(tmp_path_factory.mktemp(f"ckpt-{name}"), seed, family, **overrides)
         return made[name]
 
     return make
@@ -47,13 +56,13 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 @pytest.fixture(scope="session")
 def hf_model() -> Callable[[Path], "torch.nn.Module"]:
     """Loads a checkpoint directory with transformers in fp32, cached per directory."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     cache: dict[Path, torch.nn.Module] = {}
 
     def load(path: Path):
         if path not in cache:
-            cache[path] = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return cache[path]
 
     return load

@@ -223,6 +223,9 @@ def test_decode_graphs_option_resolution() -> None:
     assert resolve_decode_graphs(None, "cpu", True, "torch") is False
     assert resolve_decode_graphs(None, "npu", False, "npu") is False  # the vendor op takes host lengths
     assert resolve_decode_graphs(False, "cuda", True, "triton") is False
+    assert resolve_decode_graphs(None, "cuda", True, "triton", model_capturable=False) is False  # MoE
+    with pytest.raises(ValueError, match="decode_graphs=True.*MoE"):
+        resolve_decode_graphs(True, "cuda", True, "triton", model_capturable=False)
     with pytest.raises(ValueError, match="decode_graphs=True needs a cuda or npu device, got cpu"):
         resolve_decode_graphs(True, "cpu", True, "torch")
     with pytest.raises(ValueError, match="attention_backend='npu'"):

@@ -67,19 +67,21 @@ def test_add_rms_norm_matches_the_reference(fused, dtype, tokens: int, hidden: i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 4, 2, 24), (7, 16, 8, 128), (3, 3, 1, 16),
                                                             (0, 4, 2, 24)])
+@pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "rope-only"])
 def test_qk_norm_rope_matches_the_reference(fused, dtype, tokens: int, heads: int, kv_heads: int,
-                                            head_dim: int) -> None:
-    """On the q|k part of a fused projection output (a strided view), at scattered positions."""
+                                            head_dim: int, normed: bool) -> None:
+    """On the q|k part of a fused projection output (a strided view), at scattered positions;
+    without q/k norm weights (Llama, Qwen2, Mistral) rotated only."""
     from chip_child.loader import ModelConfig
 
     torch.manual_seed(tokens + heads)
     cfg = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=heads,
                       num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      tie_word_embeddings=False, attention_bias=False, max_position_embeddings=512,
+                      tie_word_embeddings=False, qkv_bias=False, o_bias=False, max_position_embeddings=512,
                       torch_dtype="float32", eos_token_ids=())
     rope = rope_table(cfg, 512, dtype, torch.device(DEVICE))
     qkv = randn(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype, scale=2.0)
-    weight = (randn(heads + kv_heads, head_dim, dtype=dtype, scale=0.2) + 1).contiguous()
+    weight = (randn(heads + kv_heads, head_dim, dtype=dtype, scale=0.2) + 1).contiguous() if normed else None
     positions = torch.randint(0, 512, (tokens,), device=DEVICE)
     w = Consts(64, head_dim)
     qk = qkv[:, :heads + kv_heads]

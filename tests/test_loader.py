@@ -94,7 +94,8 @@ def test_config_from_saved_hf_checkpoint(tmp_path: Path, tied: bool) -> None:
         rms_norm_eps=1e-6,
         rope_theta=5e5,
         tie_word_embeddings=tied,
-        attention_bias=False,
+        qkv_bias=False,
+        o_bias=False,
         max_position_embeddings=128,
         torch_dtype="float32",
         eos_token_ids=(3, 5),
@@ -108,7 +109,7 @@ def test_config_old_style_defaults(tmp_path: Path) -> None:
     assert cfg.head_dim == 128  # what transformers' Qwen3Config assumes when head_dim is absent
     assert cfg.rope_theta == 1e6
     assert cfg.torch_dtype == "float32"
-    assert cfg.attention_bias is False
+    assert cfg.qkv_bias is False and cfg.o_bias is False
     assert cfg.eos_token_ids == (7,)
 
 
@@ -146,11 +147,14 @@ def test_config_model_type_without_architectures(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM.*only Qwen3ForCausalLM"),
-        ({"architectures": ..., "model_type": "llama"}, "llama.*only Qwen3ForCausalLM"),
+        ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel.*supported: Qwen3ForCausalLM"),
+        ({"architectures": ..., "model_type": "gemma"}, "gemma.*supported: Qwen3ForCausalLM"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "llama3"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}}, "longrope"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1.0}}, "linear.*factor"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"hidden_act": "gelu"}, "gelu"),
         ({"use_sliding_window": True}, "sliding"),
         ({"num_attention_heads": 8, "num_key_value_heads": 3}, r"8.*3"),
         ({"dtype": "float64"}, "float64"),

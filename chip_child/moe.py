@@ -1,0 +1,119 @@
+"""Qwen3-MoE's sparse MLP: the config, one layer's expert weights, and the implementations behind
+one interface (as attention has): `MoeImpl(x, weights) -> y`.
+
+Routing is transformers' Qwen3MoeTopKRouter: router logits in the model dtype, softmax in fp32,
+top-k, renormalised to sum to one when `norm_topk_prob`, cast back to the model dtype. Each chosen
+expert is a SwiGLU MLP whose output is weighted by its routing weight and summed per token.
+
+`torch_moe`, the reference and the cpu path, groups the (token, expert) pairs by expert with one
+sort and runs each expert that received tokens as two matmuls over its contiguous slice: a loop
+over experts, never over tokens. It reads the per-expert counts on the host, so it cannot be
+captured in a device graph.
+
+Tensor parallelism shards each expert's intermediate dimension (as the dense MLP's): every rank
+routes all tokens with the full router and returns a partial sum that the layer's all-reduce
+completes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # moe_intermediate_size: each expert's (this rank's share under TP)
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the MoE; the others are dense
+
+
+def parse_moe(raw: dict[str, Any], num_layers: int, path: Path) -> MoeConfig:
+    """Qwen3MoeConfig's fields; a layer is sparse unless listed in `mlp_only_layers`, and only
+    every `decoder_sparse_step`-th (transformers' rule: (i + 1) % step == 0)."""
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts")) or 0)
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    inter = raw.get("moe_intermediate_size")
+    if num_experts <= 0 or not 0 < top_k <= num_experts or not inter:
+        raise ValueError(f"{path}: a MoE config needs num_experts > 0, 0 < num_experts_per_tok <= num_experts and "
+                         f"moe_intermediate_size; got {num_experts}, {top_k}, {inter}")
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoeConfig(num_experts, top_k, int(inter), bool(raw.get("norm_topk_prob", False)), sparse)
+
+
+def expert_tensor_shapes(prefix: str, moe: MoeConfig, hidden: int) -> dict[str, tuple[int, ...]]:
+    """HF names -> shapes of one sparse layer's MLP (`prefix` is "model.layers.{i}.mlp.")."""
+    shapes: dict[str, tuple[int, ...]] = {prefix + "gate.weight": (moe.num_experts, hidden)}
+    inter = moe.intermediate_size
+    for e in range(moe.num_experts):
+        p = f"{prefix}experts.{e}."
+        shapes[p + "gate_proj.weight"] = (inter, hidden)
+        shapes[p + "up_proj.weight"] = (inter, hidden)
+        shapes[p + "down_proj.weight"] = (hidden, inter)
+    return shapes
+
+
+@dataclass
+class MoeWeights:
+    """One sparse layer. Stored for `x @ w` like the dense projections: router [hidden, experts],
+    gate_up [experts, hidden, 2 * inter] (gate then up), down [experts, inter, hidden]."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    top_k: int
+    norm_topk_prob: bool
+
+    @classmethod
+    def from_hf(cls, state: dict[str, torch.Tensor], prefix: str, moe: MoeConfig, inter: slice) -> "MoeWeights":
+        """`inter`: this rank's slice of every expert's intermediate dimension."""
+        experts = [f"{prefix}experts.{e}." for e in range(moe.num_experts)]
+        gate_up = torch.stack([torch.cat([state[p + "gate_proj.weight"][inter], state[p + "up_proj.weight"][inter]]).t()
+                               for p in experts])
+        down = torch.stack([state[p + "down_proj.weight"][:, inter].t() for p in experts])
+        return cls(router=state[prefix + "gate.weight"].t(), gate_up=gate_up, down=down, top_k=moe.top_k,
+                   norm_topk_prob=moe.norm_topk_prob)
+
+    def to(self, device: torch.device) -> "MoeWeights":
+        return MoeWeights(self.router.to(device), self.gate_up.to(device), self.down.to(device), self.top_k,
+                          self.norm_topk_prob)
+
+
+MoeImpl = Callable[[torch.Tensor, MoeWeights], torch.Tensor]  # x [T, hidden] -> y [T, hidden]
+
+
+def route(x: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in x's dtype, expert ids [T, k] int64): softmax over the router's logits in
+    fp32, top-k, renormalised when norm_topk_prob."""
+    probs = torch.softmax(torch.mm(x, w.router), dim=-1, dtype=torch.float32)
+    top, ids = probs.topk(w.top_k, dim=-1)
+    if w.norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    return top.to(x.dtype), ids
+
+
+def torch_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """The reference: (token, expert) pairs sorted by expert, one SwiGLU per expert over its slice."""
+    weights, ids = route(x, w)
+    k = w.top_k
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within each
+    tokens = order // k
+    counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
+    xs = x.index_select(0, tokens)
+    ys = torch.empty_like(xs)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n:
+            gate, up = torch.mm(xs[start:start + n], w.gate_up[expert]).chunk(2, -1)
+            torch.mm(F.silu(gate) * up, w.down[expert], out=ys[start:start + n])
+            start += n
+    ys *= weights.flatten().index_select(0, order).unsqueeze(1)
+    return torch.zeros_like(x).index_add_(0, tokens, ys)

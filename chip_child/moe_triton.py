@@ -1,0 +1,65 @@
+"""Our own fused MoE for cuda (chip_child.moe's interface: `triton_moe(x, weights) -> y`):
+(token, expert) pairs sorted by expert and padded to BLOCK_M per expert, then block GEMMs whose
+expert id is read per block (chip_child.moe_kernels). The layout is built with device ops of
+fixed size (no host sync: the grid covers the worst-case padded length, and blocks past the
+used ones exit at once), so a decode graph could capture it. Routing is the reference's
+(chip_child.moe.route). Tested on the cpu under TRITON_INTERPRET=1 against `torch_moe`.
+"""
+from __future__ import annotations
+
+import torch
+
+from chip_child.moe import MoeWeights, route
+
+BLOCK_M = 16  # tl.dot's smallest tile
+BLOCK_N = 32
+BLOCK_K = 32
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [padded_len] int64: the pair ids (token * k + j) grouped by expert, each
+    expert's run padded to a multiple of block_m with the sentinel T * k; block_expert
+    [padded_len / block_m] int32: each block's expert, num_experts past the used blocks).
+    padded_len = T * k + num_experts * (block_m - 1), rounded up to block_m: the worst case."""
+    flat = ids.flatten()
+    pairs = flat.numel()
+    padded_len = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    # scatter_add, not bincount: cuda's bincount reads the ids' maximum on the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded  # each expert's first slot
+    order = flat.argsort(stable=True)
+    first_sorted = torch.cumsum(counts, 0) - counts  # each expert's first index in `order`
+    expert_of = flat[order]
+    slot = starts[expert_of] + torch.arange(pairs, device=ids.device) - first_sorted[expert_of]
+    sorted_pairs = torch.full((padded_len,), pairs, dtype=torch.int64, device=ids.device)
+    sorted_pairs[slot] = order
+    ends = torch.cumsum(padded, 0)
+    block_starts = torch.arange(0, padded_len, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)  # == num_experts past the end
+    return sorted_pairs, block_expert
+
+
+def triton_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    from chip_child import moe_kernels as k
+
+    tokens, hidden = x.shape
+    num_experts, _, two_inter = w.gate_up.shape
+    inter = two_inter // 2
+    if tokens == 0:
+        return torch.zeros_like(x)
+    weights, ids = route(x, w)
+    sorted_pairs, block_expert = align_by_expert(ids, num_experts)
+    pairs = ids.numel()
+    act = torch.empty((sorted_pairs.numel(), inter), dtype=x.dtype, device=x.device)
+    blocks = block_expert.numel()
+    dot_fp32 = x.device.type == "cpu" and x.dtype != torch.float32  # only the interpreter runs on the cpu
+    k.gate_up_kernel[(blocks, -(-inter // BLOCK_N))](
+        x, w.gate_up, act, sorted_pairs, block_expert, pairs, num_experts, hidden, inter, w.top_k, x.stride(0),
+        *w.gate_up.stride(), act.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_FP32=dot_fp32)
+    out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    k.down_kernel[(blocks, -(-hidden // BLOCK_N))](
+        act, w.down, out, weights.flatten(), sorted_pairs, block_expert, pairs, num_experts, hidden, inter,
+        act.stride(0), *w.down.stride(), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_FP32=dot_fp32)
+    return out.view(tokens, w.top_k, hidden).sum(1)
