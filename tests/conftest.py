@@ -5,8 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import os
+
 import pytest
 import torch
+
+# Triton's interpreter must be chosen before anything imports triton (transformers can, through
+# torch._dynamo), so it is chosen here, once, for every test module that runs Triton kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
