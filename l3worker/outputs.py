@@ -88,6 +88,8 @@ class OutputProcessor:
             hit = text.add(token)
             if hit is not None:
                 self.finish(seq, "stop", hit)
+        if seq.grammar is not None and not seq.finished and seq.grammar.ends_with(token):
+            self.finish(seq, "stop", None)  # the grammar is complete: nothing but eos could follow
         return 1
 
     def _observe_first_token(self, state: RequestState, seq: Sequence, now: float) -> None:

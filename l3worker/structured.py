@@ -32,6 +32,10 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM's `structured_outputs` keys that choose a constraint, and the guided_* field of each.
 _SO_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
             "json_object": "json_object"}
+# JSON is written as json.dumps writes it (", " and ": ", no other whitespace): llguidance's flexible
+# whitespace lets a weak or random model write blanks until max_tokens. A schema's own
+# "x-guidance" options override these.
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 
@@ -114,7 +118,7 @@ class StructuredSpec:
         """The llguidance grammar for this spec; ValueError (naming the field) if it cannot be read."""
         try:
             if self.kind in ("json", "json_object"):
-                return llguidance.LLMatcher.grammar_from_json_schema(self.value)
+                return llguidance.LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_FORMAT)
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.value)
             if self.kind == "choice":
@@ -203,7 +207,7 @@ def tool_choice_spec(tools: Sequence[dict[str, Any]], tool_choice: Any,
     else:
         raise ValueError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}")
     # "name" first: the streaming parser announces a call once it has read the name
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "x-guidance": JSON_FORMAT,
               "properties": {"name": {"const": n},
                              "arguments": functions[n].get("parameters") or {"type": "object"}}}
              for n in chosen]
