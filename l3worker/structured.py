@@ -207,11 +207,11 @@ def tool_choice_spec(tools: Sequence[dict[str, Any]], tool_choice: Any,
     else:
         raise ValueError("tool_choice must be 'auto', 'none', 'required' or {type: function, function: {name}}")
     # "name" first: the streaming parser announces a call once it has read the name
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "x-guidance": JSON_FORMAT,
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": n},
                              "arguments": functions[n].get("parameters") or {"type": "object"}}}
              for n in chosen]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_FORMAT}  # top level only
     open_tag, close_tag = ((TOOL_CALL_START, TOOL_CALL_END) if tags_are_tokens
                            else (json.dumps(TOOL_CALL_START), json.dumps(TOOL_CALL_END)))
     lark = ('start: call' + (' ("\\n" call)*' if repeat else '') + '\n'

@@ -43,6 +43,6 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
                                  client: EngineClient) -> Response:
     model_name = model.resolve(req.model)
     prompt = model.chat_prompt(req)
-    params = model.chat_params(req, len(prompt))
+    params = model.chat_params(req, len(prompt), prompt)
     return await respond(request, ChatCompletion(req, model_name, [prompt], TokenFormatter(model.tokens)), client,
                          [params])
