@@ -16,20 +16,9 @@ import pytest
 from l3worker import DistributedWorker
 from l3worker.server.runner import ServeOptions, ServerThread
 from l3worker.tool_parsers import parse_tool_calls
+from test_structured import SCHEMA  # bounded strings, numbers and arrays: a random model finishes it
 
 WORKER = dict(max_batch_size=4, max_seq_len=1536, page_size=16)
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "role": {"enum": ["admin", "user"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
-        "ok": {"type": "boolean"},
-    },
-    "required": ["name", "age", "role", "tags", "ok"],
-    "additionalProperties": False,
-}
 REGEX = r"[a-c]{2,4}-[0-9]{1,3}"
 CHOICES = ["yes", "no", "maybe"]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
