@@ -84,12 +84,22 @@ class OutputProcessor:
         else:
             self.metrics.itl.observe(now - seq.prev_token_at)
         text = state.texts[seq.index]
-        if text is not None:
+        if text is not None and not _stop_token_hidden(seq):
             hit = text.add(token)
             if hit is not None:
                 self.finish(seq, "stop", hit)
-        if seq.grammar is not None and not seq.finished and seq.grammar.ends_with(token):
-            self.finish(seq, "stop", None)  # the grammar is complete: nothing but eos could follow
+                if seq.finish_reason == "length":
+                    # The token that completed the stop string was also the last one allowed: the
+                    # scheduler ended the sequence first, but the stop string is what the caller asked
+                    # to end at (vLLM and OpenAI answer "stop" and leave it out).
+                    seq.finish_reason, seq.stop_reason = "stop", hit
+        if seq.grammar is not None and seq.finish_reason in (None, "length") and seq.grammar.ends_with(token):
+            # The grammar is complete: nothing but eos could follow (and when the last allowed token
+            # completed it, the reply is whole: "stop", as for a stop string).
+            if seq.finished:
+                seq.finish_reason = "stop"
+            else:
+                self.finish(seq, "stop", None)
         return 1
 
     def _observe_first_token(self, state: RequestState, seq: Sequence, now: float) -> None:
@@ -132,7 +142,8 @@ class OutputProcessor:
                 text = SampleText(self.tokenizer, seq.params.skip_special_tokens, (), False)
                 state.texts[i] = text
             if final and text is not None:
-                text.finish(seq.tokens, isinstance(seq.stop_reason, str))
+                text.finish(seq.tokens[:-1] if _stop_token_hidden(seq) else seq.tokens,
+                            isinstance(seq.stop_reason, str))
             lps = state.logprobs[i] if state.logprobs is not None else None
             out = CompletionOutput(
                 index=i, finish_reason=seq.finish_reason if final else None,
@@ -165,6 +176,14 @@ class OutputProcessor:
                     self.recorder.ttft_s.append(seq.first_token_at - seq.arrival)
                 if len(seq.tokens) > 1:
                     self.recorder.tpot_s.append((seq.last_token_at - seq.first_token_at) / (len(seq.tokens) - 1))
+
+
+def _stop_token_hidden(seq: Sequence) -> bool:
+    """True when the sequence's last token is the eos or stop token that ended it and its text stays
+    out of the output (vLLM's rule: only include_stop_str_in_output shows it, whatever
+    skip_special_tokens says; its id stays in token_ids)."""
+    return (seq.finish_reason == "stop" and isinstance(seq.stop_reason, int)
+            and not seq.params.include_stop_str_in_output)
 
 
 def _token_logprob(token: int, values: np.ndarray, ids: np.ndarray, top_n: int) -> TokenLogprob:

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = train_tokenizer(texts, args.vocab_size)
     eos = tok.token_to_id(EOS)
     ids = torch.tensor([t for text in texts for t in tok.encode(text).ids + [eos]], dtype=torch.long)
-    cfg = model_config(tok.get_vocab_size(), eos, 1024)
+    cfg = model_config(tok.get_vocab_size(), eos, 4096)  # a limit only: rope needs no table
     model = Qwen3ForCausalLM(Qwen3Config(**{**cfg, "torch_dtype": "float32"}))
     params = sum(t.numel() for t in model.parameters())
     print(f"{len(texts)} stories, {len(ids)} tokens, vocab {tok.get_vocab_size()}, {params / 1e6:.2f}M parameters")

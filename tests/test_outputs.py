@@ -205,3 +205,38 @@ def test_final_output_carries_the_request_latency_figures(loop) -> None:
     final = feed(loop, state, "abc")[-1][0]
     m = final.metrics
     assert (m.ttft_s, m.decode_s, m.tpot_s, m.queued_s) == pytest.approx((1.0, 2.0, 1.0, 0.25))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(loop, stream) -> None:
+    # max_tokens=2, stop=["00"]: the length limit and the stop string end at the same token; the stop
+    # string wins (text "", finish "stop"), as in OpenAI and vLLM.
+    state = loop.add("x", SamplingParams(max_new_tokens=2, stop=("00",)), stream=stream)
+    outs = [o for step in feed(loop, state, "00") for o in step]
+    final = outs[-1].outputs[0]
+    assert (final.text, final.finish_reason, final.stop_reason) == ("", "stop", "00")
+    assert "".join(o.outputs[0].delta_text for o in outs) == ""
+    assert final.token_ids == list(b"00")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked(loop, stream, include) -> None:
+    # skip_special_tokens=False would show <|endoftext|>; the token that stopped the request stays
+    # out of the text unless include_stop_str_in_output (vLLM's rule), but stays in token_ids.
+    params = SamplingParams(max_new_tokens=8, skip_special_tokens=False, include_stop_str_in_output=include)
+    state = loop.add("x", params, stream=stream)
+    outs = [loop.step(state, {0: t}) for t in (*b"ab", EOS)]
+    final = outs[-1][-1].outputs[0]
+    want = "ab<|endoftext|>" if include else "ab"
+    assert (final.text, final.finish_reason, final.stop_reason, final.token_ids) == (want, "stop", EOS,
+                                                                                    [*b"ab", EOS])
+    if stream:
+        assert "".join(o.outputs[0].delta_text for step in outs for o in step) == want
+
+
+def test_a_stop_token_ids_text_is_left_out_too(loop) -> None:
+    state = loop.add("x", SamplingParams(max_new_tokens=8, stop_token_ids=(ord("!"),)), stream=True)
+    outs = [o for step in feed(loop, state, "ab!") for o in step]
+    assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text == "ab"
+    assert outs[-1].outputs[0].stop_reason == ord("!")

@@ -78,6 +78,7 @@ def test_tokenize_and_detokenize(http) -> None:
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"][0] == 257 and chat["tokens"][-3:] == list(b"nt\n")  # <|im_start|> ... assistant\n
     assert http.post("/detokenize", json={"tokens": [104, 105, 257]}).json() == {"prompt": "hi<|im_start|>"}
+    assert http.get("/tokenizer_info").status_code == 404  # only with --enable-tokenizer-info-endpoint
     assert error_of(http.post("/detokenize", json={"tokens": [5000]}), 400)["param"] == "tokens"
     assert error_of(http.post("/tokenize", json={}), 400)["param"] == "prompt"
 

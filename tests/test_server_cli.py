@@ -170,3 +170,28 @@ def test_a_hub_id_is_served_under_that_id_from_the_offline_cache(served, tmp_pat
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [REPO]
     done = client.post("/v1/completions", json={"model": REPO, "prompt": "Hi", "max_tokens": 3}).json()
     assert done["model"] == REPO and done["usage"]["completion_tokens"] == 3
+
+
+def test_agent_and_fidelity_flags_reach_the_server(served) -> None:
+    s = served("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint", "--max-num-seqs", "2")
+    base = s.ready()[1]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with httpx.Client(base_url=base, timeout=60) as client:
+        info = client.get("/tokenizer_info")
+        lp = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 0}).json()
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "tools": tools, "max_tokens": 2}).json()
+    assert info.status_code == 200 and info.json()["eos_token"] == "<|endoftext|>"
+    assert lp["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+    assert "reasoning_content" in chat["choices"][0]["message"]  # parsed: the field is there even when empty
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+
+
+def test_auto_tool_choice_without_a_parser_is_a_usage_error(capsys) -> None:
+    from l3worker.server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--enable-auto-tool-choice"])
+    assert e.value.code == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err

@@ -15,7 +15,6 @@ import pytest
 
 from l3worker import DistributedWorker
 from l3worker.server.runner import ServeOptions, ServerThread
-from l3worker.tool_parsers import parse_tool_calls
 from test_structured import SCHEMA  # bounded strings, numbers and arrays: a random model finishes it
 
 WORKER = dict(max_batch_size=4, max_seq_len=1536, page_size=16)
@@ -128,16 +127,16 @@ def test_streamed_constrained_reply_is_the_whole_one(oai) -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_tool_choice_required_and_named_give_valid_calls(oai, seed) -> None:
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    required = chat(oai, seed, tools=TOOLS, tool_choice="required").choices[0].message.content
+    required = chat(oai, seed, tools=TOOLS, tool_choice="required").choices[0]
     named = chat(oai, seed, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}
-                 ).choices[0].message.content
-    for text, names in ((required, set(params)), (named, {"get_weather"})):
-        calls = parse_tool_calls(text).tool_calls
-        assert calls, text
+                 ).choices[0]
+    for choice, names in ((required, set(params)), (named, {"get_weather"})):
+        calls = choice.message.tool_calls
+        assert calls and choice.finish_reason == "tool_calls", choice
         for call in calls:
-            assert call.name in names
-            jsonschema.validate(json.loads(call.arguments), params[call.name])
-    assert len(parse_tool_calls(named).tool_calls) == 1
+            assert call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    assert len(named.message.tool_calls) == 1
 
 
 @pytest.mark.parametrize("path,body,param,needle", [
@@ -158,3 +157,25 @@ def test_invalid_constraints_are_400_naming_the_field(http, path, body, param, n
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
+
+
+def test_with_a_reasoning_parser_the_constraint_starts_after_think_end() -> None:
+    from tokenizers import Tokenizer
+
+    from chip_child.tiny_model import ensure_tiny_model
+    from l3worker.server.chat_reply import ChatParsing
+    from l3worker.server.protocol import CompletionRequest
+    from l3worker.server.tokens import Tokens
+    from l3worker.server.translate import ServedModel
+
+    d = ensure_tiny_model()
+    tokens = Tokens(Tokenizer.from_file(str(d / "tokenizer.json")))
+    model = ServedModel(("m",), str(d), 512, 320, tokens, None, parsing=ChatParsing(reasoning_parser="qwen3"))
+    end = tokens.tokenizer.token_to_id("</think>")
+    req = CompletionRequest(prompt="x", guided_regex="a")
+    thinking = tokens.encode("<|im_start|>assistant\n")
+    closed = tokens.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert model.structured(req, thinking)["reasoning_end_token_id"] == end
+    assert model.structured(req, closed)["reasoning_end_token_id"] is None  # thinking disabled: from the start
+    plain = ServedModel(("m",), str(d), 512, 320, tokens, None)
+    assert plain.structured(req, thinking)["reasoning_end_token_id"] is None

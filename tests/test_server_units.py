@@ -114,10 +114,24 @@ def test_completion_logprobs_format(tokens) -> None:
     lp, offset = fmt.completion_logprobs(entries, 0)
     assert lp == {"tokens": ["H", "i", "!", "\ufffd"], "token_logprobs": [None, -0.5, LOGPROB_FLOOR, -2.0],
                   "top_logprobs": [None, {"i": -0.5, "!": -1.5}, {"i": -0.1, "!": LOGPROB_FLOOR},
-                                   {"\ufffd": -2.0, "a": -3.0}],
+                                   {"\ufffd": -1.0, "a": -3.0}],  # 0xE4 reads as 0xC3 does: the likelier kept
                   "text_offset": [0, 1, 2, 3]}
     assert offset == 4
     json.loads(sse(lp)[len("data: "):])  # no -Infinity in the JSON
+    # lm-eval's is_greedy (the token's value equals the largest in top_logprobs) holds only for the greedy one
+    assert [tok == max(top.values()) for tok, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:])] == \
+        [True, False, False]
+
+
+def test_completion_logprobs_as_token_ids(tokens) -> None:
+    fmt = TokenFormatter(tokens, as_ids=True)
+    lp, offset = fmt.completion_logprobs([(72, None), (0xC3, TokenLogprob(0xC3, -2.0, ((0xE4, -1.0),)))], 0)
+    assert lp == {"tokens": ["token_id:72", "token_id:195"], "token_logprobs": [None, -2.0],
+                  "top_logprobs": [None, {"token_id:195": -2.0, "token_id:228": -1.0}],
+                  "text_offset": [0, 1]}  # offsets still count the text
+    assert offset == 2
+    chat = fmt.chat_logprobs([TokenLogprob(0xC3, -2.0, ((0xE4, -1.0),))], top_n=1)["content"][0]
+    assert (chat["token"], chat["bytes"], chat["top_logprobs"][0]["token"]) == ("token_id:195", [0xC3], "token_id:228")
 
 
 def test_chat_logprobs_format(tokens) -> None:

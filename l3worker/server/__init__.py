@@ -2,6 +2,7 @@
 
 app.py (routes), protocol.py (request bodies), translate.py (requests to engine inputs), endpoint.py (what the
 generation endpoints share: envelope, usage, log line, SSE, disconnects), completions.py and chat_completions.py
-(what each of them adds: prompts, choice and delta shapes), responses.py (OpenAI's output shapes), chat.py (chat
+(what each of them adds: prompts, choice and delta shapes), chat_reply.py (reasoning and tool calls read from
+chat replies), tokenizer_info.py (GET /tokenizer_info), responses.py (OpenAI's output shapes), chat.py (chat
 templates), tokens.py (token text and bytes), engine_client.py (engine calls), middleware.py (log, API key, body
 limit), runner.py (engine and uvicorn lifetimes), cli.py (the command line)."""

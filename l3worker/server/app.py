@@ -16,11 +16,12 @@ from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit
 from l3worker.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                       error_body)
 from l3worker.server.responses import now
+from l3worker.server.tokenizer_info import tokenizer_info
 from l3worker.server.translate import ServedModel
 
 
 def create_app(engine, model: ServedModel, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_tokenizer_info: bool = False) -> FastAPI:
     client = EngineClient(engine)
     app = FastAPI(title="l3worker", docs_url=None, redoc_url=None)
     app.state.client = client
@@ -90,6 +91,13 @@ def create_app(engine, model: ServedModel, *, api_key: str | None = None,
             ids = model.tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = [model.tokens.token_text(t) for t in ids] if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
+
+    if enable_tokenizer_info:
+        info = tokenizer_info(model.model_dir, model.chat_template)
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict:
+            return info
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:

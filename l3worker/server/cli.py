@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 
+from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
+from l3worker.server.chat_reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.server.runner import ServeOptions, bind, serve, served_model
 
@@ -25,6 +27,7 @@ def _device_ids(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="l3worker", description="l3worker: an LLM decode runtime")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(commands)
     p = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                             description="Serve a Qwen3 checkpoint (or, without MODEL_DIR, the built-in tiny model) "
                                         "over an OpenAI-compatible HTTP API.")
@@ -66,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Jinja chat template file (default: the checkpoint's)")
     p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                    help="auto: sampling defaults from the checkpoint's generation_config.json; vllm: OpenAI's")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split chat replies' <think> block into reasoning_content / reasoning")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the format of the model's tool calls (hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls into tool_calls when a request's tool_choice is auto (needs "
+                        "--tool-call-parser)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' unless a request sets return_tokens_as_token_ids")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
@@ -87,9 +101,14 @@ def serve_batched_tokens(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.command == "serve":
         return serve_command(args)
+    if args.command == "bench":
+        return bench_command(args)
     return 2
 
 
@@ -134,7 +153,11 @@ def serve_command(args: argparse.Namespace) -> int:
         options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(names),
                                api_key=args.api_key or None, chat_template=args.chat_template,
                                generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
-                               uvicorn_log_level=args.uvicorn_log_level)
+                               uvicorn_log_level=args.uvicorn_log_level,
+                               reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                               enable_auto_tool_choice=args.enable_auto_tool_choice,
+                               return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                               enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
         model = served_model(worker, options)
     except (ValueError, TypeError, OSError) as e:
         print(f"l3worker serve: {e}", file=sys.stderr)

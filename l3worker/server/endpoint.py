@@ -60,6 +60,11 @@ class Generation(ABC):
     def delta_choice(self, i: int, out: RequestOutput, s: CompletionOutput) -> dict | None:
         """A streamed choice with what is new in `s`; None when there is nothing to send."""
 
+    def delta_choices(self, i: int, out: RequestOutput, s: CompletionOutput) -> list[dict]:
+        """The streamed choices for what is new in `s`, each sent in a chunk of its own, in order."""
+        choice = self.delta_choice(i, out, s)
+        return [] if choice is None else [choice]
+
     def opening(self) -> list[dict]:
         """Choices sent each in a chunk of its own before the first output."""
         return []
@@ -110,12 +115,10 @@ class Generation(ABC):
             index = self.index(i, s)
             if index in self._finished:
                 continue
-            choice = self.delta_choice(i, out, s)
-            if choice is None:
-                continue
-            if s.finish_reason is not None:
+            choices = self.delta_choices(i, out, s)
+            if choices and s.finish_reason is not None:
                 self._finished.add(index)
-            frames.append(self.chunk(choice))
+            frames.extend(self.chunk(choice) for choice in choices)
         return "".join(frames)
 
 

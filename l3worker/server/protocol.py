@@ -50,6 +50,7 @@ class _Sampling(_Body):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"; None: the server's
 
 
 def _check_prompt(value: Any) -> Any:
@@ -93,7 +94,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None  # the older name of max_completion_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # shown to the template; calls in the output are not parsed
+    tools: list[dict[str, Any]] | None = None  # shown to the template; calls parsed unless tool_choice is "none"
     # "required" and a named function ({"type": "function", "function": {"name"}}) hold the output to
     # the tool-call format with structured outputs
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None

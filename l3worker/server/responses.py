@@ -41,13 +41,21 @@ def _lp(value: float | None) -> float | None:
 
 
 class TokenFormatter:
-    """Token text and bytes for logprobs, with or without a tokenizer."""
+    """Token text and bytes for logprobs, with or without a tokenizer. `as_ids`
+    (return_tokens_as_token_ids) names every logprobs token "token_id:N", so that tokens whose text
+    reads alike (partial UTF-8 bytes, all U+FFFD) stay apart; `bytes` stay the token's own."""
 
-    def __init__(self, tokens: Tokens | None):
+    def __init__(self, tokens: Tokens | None, as_ids: bool = False):
         self.tokens = tokens
+        self.as_ids = as_ids
 
     def text(self, token_id: int) -> str:
+        """The token's text, for text offsets."""
         return self.tokens.token_text(token_id) if self.tokens else token_text_without_tokenizer(token_id)
+
+    def name(self, token_id: int) -> str:
+        """How a logprobs entry names the token."""
+        return token_text_without_tokenizer(token_id) if self.as_ids else self.text(token_id)
 
     def bytes(self, token_id: int) -> list[int]:
         raw = self.tokens.token_bytes(token_id) if self.tokens else self.text(token_id).encode()
@@ -62,20 +70,23 @@ class TokenFormatter:
         top N and the chosen token, as OpenAI's does. Returns the object and the next text offset."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
         for token_id, lp in entries:
-            text = self.text(token_id)
-            tokens.append(text)
+            name = self.name(token_id)
+            tokens.append(name)
             text_offset.append(offset)
-            offset += len(text)
+            offset += len(self.text(token_id))
             if lp is None:
                 token_logprobs.append(None)
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(_lp(lp.logprob))
-            # Keyed by text, as OpenAI's: the chosen token's own value wins, then the likelier of
-            # two tokens that read the same (partial UTF-8 bytes all read as U+FFFD).
-            top = {text: _lp(lp.logprob)}
-            for t, v in lp.top:
-                top.setdefault(self.text(t), _lp(v))
+            # Keyed by the token's name, as OpenAI's. Two tokens that read alike share a key, and the
+            # likelier one's value is kept: the chosen token's own value would pass for the top one
+            # (lm-eval's is_greedy compares it with the largest value). return_tokens_as_token_ids
+            # keeps every token apart.
+            top: dict[str, float] = {}
+            for t, v in ((token_id, lp.logprob), *lp.top):
+                key, value = self.name(t), _lp(v)
+                top[key] = max(top.get(key, value), value)
             top_logprobs.append(top)
         return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                  "text_offset": text_offset}, offset)
@@ -85,8 +96,8 @@ class TokenFormatter:
         content = []
         for lp in logprobs:
             content.append({
-                "token": self.text(lp.token_id), "logprob": _lp(lp.logprob), "bytes": self.bytes(lp.token_id),
-                "top_logprobs": [{"token": self.text(t), "logprob": _lp(v), "bytes": self.bytes(t)}
+                "token": self.name(lp.token_id), "logprob": _lp(lp.logprob), "bytes": self.bytes(lp.token_id),
+                "top_logprobs": [{"token": self.name(t), "logprob": _lp(v), "bytes": self.bytes(t)}
                                  for t, v in lp.top[:top_n]],
             })
         return {"content": content, "refusal": None}

@@ -16,6 +16,7 @@ import uvicorn
 
 from l3worker.server.app import create_app
 from l3worker.server.chat import ChatTemplate
+from l3worker.server.chat_reply import ChatParsing
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.server.tokens import Tokens
 from l3worker.server.translate import GenerationDefaults, ServedModel
@@ -34,10 +35,16 @@ class ServeOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     uvicorn_log_level: str = "warning"
     graceful_timeout_s: float = 10.0  # after aborting, how long connections may take to close
+    reasoning_parser: str | None = None  # --reasoning-parser (qwen3)
+    tool_call_parser: str | None = None  # --tool-call-parser (hermes)
+    enable_auto_tool_choice: bool = False  # parse tool calls when tool_choice is "auto"
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
 
 
 def served_model(worker, options: ServeOptions) -> ServedModel:
-    """What the API serves, from the worker's model; raises ValueError for a bad chat template."""
+    """What the API serves, from the worker's model; raises ValueError for a bad chat template or
+    parser options."""
     model_dir = worker.model_dir
     names = tuple(options.served_model_names) or (worker.model_name,)
     defaults = GenerationDefaults.from_model_dir(model_dir) if options.generation_config == "auto" \
@@ -46,7 +53,9 @@ def served_model(worker, options: ServeOptions) -> ServedModel:
         names=names, model_dir=str(model_dir), max_model_len=worker.runtime_config.max_seq_len,
         vocab_size=worker.model_config.vocab_size,
         tokens=Tokens(worker.tokenizer) if worker.tokenizer is not None else None,
-        chat_template=ChatTemplate.load(model_dir, options.chat_template), defaults=defaults)
+        chat_template=ChatTemplate.load(model_dir, options.chat_template), defaults=defaults,
+        parsing=ChatParsing(options.reasoning_parser, options.tool_call_parser, options.enable_auto_tool_choice),
+        return_tokens_as_token_ids=options.return_tokens_as_token_ids)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -91,7 +100,8 @@ async def serve(worker, model: ServedModel, options: ServeOptions, sock: socket.
     engine = AsyncEngine(worker)
     try:
         await engine.start()
-        app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+        app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
+                         enable_tokenizer_info=options.enable_tokenizer_info_endpoint)
         config = uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level, access_log=False,
                                 lifespan="off", http="auto", ws="none",
                                 timeout_graceful_shutdown=options.graceful_timeout_s)

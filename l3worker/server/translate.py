@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from l3worker.params import SamplingParams
+from l3worker.reasoning import THINK_END
 from l3worker.structured import StructuredSpec, tool_choice_spec
 from l3worker.tool_parsers import TOOL_CALL_START
 from l3worker.server.chat import ChatTemplate, ChatTemplateError
+from l3worker.server.chat_reply import ChatParsing
 from l3worker.server.errors import bad_request, model_not_found
 from l3worker.server.protocol import (MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                       TokenizeRequest, _Sampling)
@@ -59,9 +61,8 @@ class ServedModel:
     tokens: Tokens | None
     chat_template: ChatTemplate | None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-    # With a reasoning parser on: the id of the token that ends the reasoning (`</think>`); a
-    # structured-output constraint then applies after it, unless the prompt already closed the block.
-    reasoning_end_id: int | None = None
+    parsing: ChatParsing = field(default_factory=ChatParsing)
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: a request's default
 
     def resolve(self, requested: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -117,10 +118,33 @@ class ServedModel:
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
 
-    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        text = self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+    def chat_text(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+        return self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
                                 kwargs=req.chat_template_kwargs)
+
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, text: str | None = None) -> list[int]:
+        """The prompt's ids; `text` when the caller already rendered it."""
+        text = self.chat_text(req) if text is None else text
         return self.check_ids(self.tokens.encode(text), "messages")
+
+    def parses_tools(self, req: ChatCompletionRequest) -> bool:
+        """Whether tool calls are parsed from the reply. tool_choice defaults to "auto" when tools are
+        given (vLLM's rule), which needs --enable-auto-tool-choice; "none" shows the tools to the
+        template and parses nothing."""
+        if not req.tools:
+            return False
+        choice = req.tool_choice if req.tool_choice is not None else "auto"
+        if choice == "none":
+            return False
+        if choice == "auto" and not self.parsing.auto_tool_choice:
+            raise bad_request('"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
+                              "--tool-call-parser", "tool_choice")
+        return True
+
+    def token_ids_as_text(self, req: _Sampling) -> bool:
+        """return_tokens_as_token_ids: the request's, else the server's."""
+        asked = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def check_length(self, prompt_len: int, max_new_tokens: int, prompt_param: str, max_param: str) -> None:
         """vLLM's wording: the prompt plus the completion must fit in --max-model-len."""
@@ -157,6 +181,13 @@ class ServedModel:
         if self.tokens is None:
             raise bad_request(f"{spec.field}: structured outputs need the model's tokenizer.json", spec.field)
         return {"structured_outputs": spec, "reasoning_end_token_id": self._grammar_after(prompt)}
+
+    @property
+    def reasoning_end_id(self) -> int | None:
+        """With --reasoning-parser: `</think>`'s id, after which a structured-output constraint applies."""
+        if self.parsing.reasoning_parser is None or self.tokens is None:
+            return None
+        return self.tokens.tokenizer.token_to_id(THINK_END)
 
     def _tags_are_tokens(self) -> bool:
         return self.tokens is not None and self.tokens.tokenizer.token_to_id(TOOL_CALL_START) is not None
@@ -268,8 +299,11 @@ def _renamed(message: str, names: dict[str, str]):
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
-    """A message as the template sees it: plain data, content parts joined into one string."""
+    """A message as the template sees it: plain data, content parts joined into one string, and an
+    assistant's tool-call arguments as an object (as vLLM passes them; the API sends JSON text)."""
     out = m.model_dump(exclude_unset=False)
+    if isinstance(out.get("tool_calls"), list):
+        out["tool_calls"] = [_call_for_template(c) for c in out["tool_calls"]]
     content = m.content
     if isinstance(content, list):
         texts = []
@@ -280,3 +314,16 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
             texts.append(part.text)
         out["content"] = "\n".join(texts)
     return out
+
+
+def _call_for_template(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text as written
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}}
