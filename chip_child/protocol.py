@@ -20,7 +20,8 @@ import msgpack
 import numpy as np
 
 from chip_child.config import Limits
-from chip_child.row_fields import BASIC_FIELDS, FULL_STATE_FIELDS, ROW_FIELDS, Admit, FullState, RowField
+from chip_child.row_fields import (BASIC_FIELDS, FULL_STATE_FIELDS, MAX_GRAMMAR_BYTES, ROW_FIELDS, Admit, FullState,
+                                   RowField)
 
 OP_DECODE, OP_PREFILL, OP_SHUTDOWN = 0, 1, 2
 MAX_STEP = 2**62  # step numbers stay well inside int64 wherever they are stored
@@ -93,7 +94,7 @@ def encode(cmd: Command | Shutdown) -> bytes:
 
 
 def _to_wire(f: RowField, value: object) -> object:
-    return np.asarray(value, np.int32).tobytes() if f.kind == "ids" else f.coerce(value)
+    return np.asarray(value, np.int32).tobytes() if f.kind == "ids" else f.coerce(value)  # bytes as they are
 
 
 def _int_array(raw: object, what: str) -> np.ndarray:
@@ -216,6 +217,10 @@ def _check_admit_value(f: RowField, value: object, limits: Limits) -> object:
         ids = _int_array(value, f"admit {f.name}")
         _check_token_ids(ids, limits, f"admit {f.name}")
         return ids
+    if f.kind == "bytes":
+        if not isinstance(value, bytes) or len(value) > MAX_GRAMMAR_BYTES:
+            raise ProtocolError(f"admit: {f.name} must be bytes, at most {MAX_GRAMMAR_BYTES}")
+        return value
     if f.kind == "int" and not _is_int(value):
         raise ProtocolError(f"admit: {f.name} {value!r} is not an int")
     if f.kind == "float" and not (_is_number(value) and math.isfinite(value)):

@@ -27,14 +27,16 @@ NO_IDS.flags.writeable = False
 
 Bound = int | float | str | None  # a str names a Limits attribute; None: unbounded
 
-_KINDS = {"float": float, "int": int, "ids": np.ndarray}
+_KINDS = {"float": float, "int": int, "ids": np.ndarray, "bytes": bytes}
+MAX_GRAMMAR_BYTES = 1 << 20  # a row's grammar text: a JSON schema of a megabyte is far past any real one
 
 
 @dataclass(frozen=True)
 class RowField:
-    """One per-row option. `kind` is "float" (finite), "int", or "ids" (int32 token ids: bytes on
-    the wire, [B, S] padded with -1 in a full state, no host copy). Values lie within
-    `low`/`high`, `ends` saying which of them are included."""
+    """One per-row option. `kind` is "float" (finite), "int", "ids" (int32 token ids: bytes on
+    the wire, [B, S] padded with -1 in a full state, no host copy) or "bytes" (opaque, at most
+    MAX_GRAMMAR_BYTES, never in a full state, no host copy). Values lie within `low`/`high`,
+    `ends` saying which of them are included."""
 
     name: str  # in Admit, chip_child.local.LocalRequest, and l3worker.params.SamplingParams where it has one
     dtype: type  # numpy dtype of its [B] arrays (of each id for "ids")
@@ -58,6 +60,8 @@ class RowField:
         """The value as an Admit holds it (plain Python numbers: msgpack takes no numpy scalars)."""
         if self.kind == "ids":
             return np.asarray(value, np.int32)
+        if self.kind == "bytes":
+            return value.encode() if isinstance(value, str) else bytes(value)
         return _KINDS[self.kind](value)
 
     def to_array(self, value: Any) -> Any:
@@ -71,6 +75,8 @@ class RowField:
 
     def contains(self, value: Any, limits: Limits) -> Any:
         """Whether `value` (a number, or an array elementwise) lies within the limits."""
+        if self.kind == "bytes":
+            return len(value) <= MAX_GRAMMAR_BYTES
         low, high = self.bounds(limits)
         above = value >= low if self.ends[0] == "[" else value > low
         below = value <= high if self.ends[1] == "]" else value < high
@@ -100,9 +106,17 @@ ROW_FIELDS: tuple[RowField, ...] = (
     RowField("stop_ids", np.int32, NO_IDS, "ids", example=_EXAMPLE_IDS),
     RowField("logprobs", np.int64, -1, "int", -1, MAX_LOGPROBS, example=MAX_LOGPROBS),  # -1: none; N: the top N too
     RowField("prompt_logprobs", np.int64, -1, "int", -1, MAX_LOGPROBS, full_state=False, example=MAX_LOGPROBS),
+    # Structured outputs (chip_child.grammar): llguidance grammar text (b"": unconstrained), the
+    # token after whose first sampling it applies (-1: from the first token; the reasoning
+    # parser's </think>), and the tokens the row already produced (a resumed sequence's). The
+    # child keeps the matcher: state like the KV cache, so a full state carries none of them.
+    # The example allows any text, so warm-up runs the mask stage with any tokenizer (or none).
+    RowField("grammar", np.uint8, b"", "bytes", full_state=False, example=b"start: /(?s:.*)/"),
+    RowField("grammar_after", np.int64, -1, "int", -1, 2**31, "[)", full_state=False, example=0),
+    RowField("grammar_replay", np.int32, NO_IDS, "ids", full_state=False, example=_EXAMPLE_IDS),
 )
 FIELDS_BY_NAME = {f.name: f for f in ROW_FIELDS}
-SCALAR_FIELDS = tuple(f for f in ROW_FIELDS if f.kind != "ids")  # the ones with host copies
+SCALAR_FIELDS = tuple(f for f in ROW_FIELDS if f.kind not in ("ids", "bytes"))  # the ones with host copies
 DEVICE_FIELDS = tuple(f for f in ROW_FIELDS if f.device)
 FULL_STATE_FIELDS = tuple(f for f in ROW_FIELDS if f.full_state)
 BASIC_FIELDS = tuple(f for f in ROW_FIELDS if f.required)

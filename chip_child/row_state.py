@@ -5,7 +5,7 @@ chunk runs, and is finished when the sequence leaves; under copy_policy="always"
 overwritten from a FullState each step. The per-row fields (chip_child.row_fields) go to the
 device and the host copies as the table says. Beside them, RowState derives what the sampler's
 optional stages need (the stop-id mask and the position until which min_tokens applies it, the
-penalty counts' reset) and the batch's facts, kept between admissions instead of recomputed on
+penalty counts' reset, which rows are held to a grammar) and the batch's facts, kept between admissions instead of recomputed on
 every step.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from chip_child.grammar import bitmask_words
 from chip_child.graphs import bucket_of
 from chip_child.row_fields import DEVICE_FIELDS, FULL_STATE_FIELDS, SCALAR_FIELDS, Admit, FullState, uses_penalties
 from chip_child.sampling import Features
@@ -35,11 +36,13 @@ class BatchFacts:
     any_min_p: bool = False  # a random row with min_p > 0
     mask_steps: int = 0  # decode steps, this one first, in which some row still masks its stop ids
     logprobs: int = -1  # the largest N an active row asked for; -1: none
-    plain: bool = True  # none of the four above: the plain sampler alone
+    any_grammar: bool = False  # an active row is held to a grammar (chip_child.grammar)
+    plain: bool = True  # none of the five above: the plain sampler alone
     lanes: int = 1  # the lane bucket holding every active row
 
     def update_plain(self) -> None:
-        self.plain = not (self.any_penalty or self.any_min_p or self.mask_steps > 0 or self.logprobs >= 0)
+        self.plain = not (self.any_penalty or self.any_min_p or self.mask_steps > 0 or self.logprobs >= 0
+                          or self.any_grammar)
 
     def features(self, want_logprobs: bool) -> Features | None:
         """This step's optional sampler stages; None when it runs the plain sampler."""
@@ -49,9 +52,9 @@ class BatchFacts:
             if not self.mask_steps:
                 self.update_plain()
         logprobs = self.logprobs if want_logprobs else -1
-        if not (self.any_penalty or self.any_min_p or mask or logprobs >= 0):
+        if not (self.any_penalty or self.any_min_p or mask or logprobs >= 0 or self.any_grammar):
             return None
-        return Features(self.any_penalty, self.any_min_p, mask, logprobs)
+        return Features(self.any_penalty, self.any_min_p, mask, logprobs, self.any_grammar)
 
 
 def row_slots(batch: int, vocab: int, max_blocks: int) -> tuple[tuple[str, tuple, torch.dtype, str], ...]:
@@ -67,6 +70,7 @@ def row_slots(batch: int, vocab: int, max_blocks: int) -> tuple[tuple[str, tuple
         ("output_counts", (b, vocab), f32, "inout"),
         ("prompt_seen", (b, vocab), f32, "inout"),  # 1.0 / 0.0: float arithmetic is faster than bool
         ("stop_mask", (b, vocab), torch.bool, "in"),
+        ("grammar_mask", (b, bitmask_words(vocab)), i32, "in"),  # all bits set: any token
     )
 
 
@@ -91,7 +95,9 @@ class RowState:
         self.host = {f.array: np.full(b, f.neutral, f.dtype) for f in SCALAR_FIELDS}  # the fields' host copies
         for f in DEVICE_FIELDS:  # every row starts idle, with neutral values here as on the host
             state[f.array].fill_(f.neutral)
+        state["grammar_mask"].fill_(-1)
         self.penalized = np.zeros(b, bool)
+        self.constrained = np.zeros(b, bool)  # held to a grammar: its matcher is the runtime's (RowGrammars)
         self.min_pos = np.zeros(b, np.int64)
         self._facts: BatchFacts | None = None
         self.slot_steps = 0  # decode steps whose slots are the previous step's plus one
@@ -123,6 +129,7 @@ class RowState:
                 facts.any_min_p = bool((random & (host["min_p"][act] > 0)).any())
                 facts.mask_steps = max(0, int((self.min_pos[act] - live).max()))
                 facts.logprobs = int(host["logprobs"][act].max())
+                facts.any_grammar = bool(self.constrained[act].any())
             facts.update_plain()
             self._facts = facts
         return self._facts
@@ -146,6 +153,7 @@ class RowState:
         self.state["positions"][idx] = 0
         self.active[rows] = False
         self.positions[rows] = 0
+        self.constrained[rows] = False
         self.changed()
 
     def set_up(self, admits: list[Admit]) -> None:
@@ -177,6 +185,7 @@ class RowState:
         self.active[rows] = False
         self.positions[rows] = 0
         self.penalized[rows] = penalized
+        self.constrained[rows] = [len(a.grammar) > 0 for a in admits]
         self.min_pos[rows] = min_pos
         self.changed()
 
@@ -206,6 +215,7 @@ class RowState:
         """With no row active: every row's tables zeroed, as warm-up leaves them."""
         for name in ("block_table", "output_counts", "prompt_seen", "stop_mask"):
             self.state[name].zero_()
+        self.state["grammar_mask"].fill_(-1)
 
     def _scatter(self, idx: torch.Tensor, columns: dict[str, np.ndarray]) -> None:
         """Each column into its rows of the device tensor of its name: one copy per dtype."""

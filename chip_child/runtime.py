@@ -15,10 +15,12 @@ above are idle and untouched. On cuda and npu the decode-only step's forward is 
 per bucket, replayed without copying anything (chip_child.graphs). On cuda the elementwise
 stages between the matmuls are fused Triton kernels (chip_child.fused).
 
-Optional sampling stages (penalties, min_p, the min_tokens stop-id mask, log-probabilities) run
-only in steps where some active row uses them, decided from host facts kept between admissions:
-a batch that uses none runs exactly the plain sampler. Their per-row state (output token counts,
-prompt tokens, stop ids) is set at admission and updated on the device from the sampled ids.
+Optional sampling stages (a grammar's token mask, penalties, min_p, the min_tokens stop-id mask,
+log-probabilities) run only in steps where some active row uses them, decided from host facts
+kept between admissions: a batch that uses none runs exactly the plain sampler. Their per-row
+state (output token counts, prompt tokens, stop ids) is set at admission and updated on the
+device from the sampled ids; a grammar's matcher is host state (chip_child.constrained_rows),
+advanced with the sampled ids, its mask filled while the forward runs.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dt
 from chip_child.fused import resolve_fused_kernels, triton_layer_ops
 from chip_child.model import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.chunk_layout import ChunkInts, ChunkLayout, ChunkPlan, plan_chunks
+from chip_child.constrained_rows import ConstrainedRows
 from chip_child.pool import TaskArg, TensorPool
 from chip_child.prepack import resolve_cpu_prepack
 from chip_child.protocol import Chunk, Command
@@ -50,8 +53,8 @@ STATE = "state"  # pool owner of the tensors prefill and decode share
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [rows, vocab] logits exist at once
 # Pooled tensors with one entry per row: a step reads them narrowed to its lanes.
 LANE_SLOTS = ("input_ids", "positions", "active", "block_table", "slot_mapping", "lane_seq_lens", "logits",
-              *(f.array for f in DEVICE_FIELDS), "min_pos", "output_counts", "prompt_seen", "stop_mask", "lp_values",
-              "lp_ids")
+              *(f.array for f in DEVICE_FIELDS), "min_pos", "output_counts", "prompt_seen", "stop_mask", "grammar_mask",
+              "lp_values", "lp_ids")
 
 
 class ChipRuntime:
@@ -71,6 +74,9 @@ class ChipRuntime:
         full_cfg = load_config(cfg.model_dir)
         self.dtype = resolve_dtype(cfg.dtype, self.device.type, full_cfg)
         self.model_cfg: ModelConfig = shard_config(full_cfg, cfg.tp_size)  # this rank's heads and MLP slice
+        # The grammar compiler's token trie (seconds for a large vocabulary) builds while the weights load.
+        grammar_compiler = ConstrainedRows.compiler_for(cfg.model_dir, self.model_cfg.vocab_size,
+                                                        full_cfg.eos_token_ids)
         self._all_reduce = self._init_tensor_parallel() if cfg.tp_size > 1 else (lambda x: x)
         # Fuse and shard on the host (memory-mapped), so only this rank's weights reach the device.
         host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu")
@@ -117,6 +123,10 @@ class ChipRuntime:
         self.state["lane_starts"].copy_(torch.arange(b + 1, dtype=torch.int32))
         buckets = bucket_of(b).tolist()  # highest active row + 1 -> the lanes a step runs
         self.rows = RowState(self.state, self._h2d, buckets)
+        # Constrained rows' masks: filled in place on the cpu, through a pinned buffer elsewhere.
+        mask = self.state["grammar_mask"]
+        host_mask = mask if self.device.type == "cpu" else torch.empty(mask.shape, dtype=mask.dtype, pin_memory=True)
+        self.grammars = ConstrainedRows(grammar_compiler, host_mask)
         # Each bucket's views of the pooled tensors, made once: fixed addresses a graph can read.
         self._lane_views = {n: {**{slot: self.state[slot][:n] for slot in LANE_SLOTS},
                                 "lane_starts": self.state["lane_starts"][:n + 1],
@@ -175,6 +185,7 @@ class ChipRuntime:
 
     def close(self) -> None:
         """Frees the graphs and pooled tensors and leaves the process group."""
+        self.grammars.close()
         self.graphs = None
         self._lane_views = {}
         self.pool.release()
@@ -223,6 +234,9 @@ class ChipRuntime:
             self.finish_rows(cmd.finished_rows)
         if cmd.admits:
             self.rows.set_up(cmd.admits)
+            for a in cmd.admits:
+                if a.grammar:
+                    self.grammars.admit(a.row, a.grammar, a.grammar_after, a.grammar_replay)
         if len(cmd.new_pages):
             rows, blocks, pages = self._h2d(cmd.new_pages.astype(np.int64)).unbind(1)
             self.state["block_table"][rows, blocks] = pages.to(torch.int32)
@@ -243,6 +257,9 @@ class ChipRuntime:
             host.copy_(v["input_ids"], non_blocking=True)
             done = self._ids_events[self._flip]
             done.record()
+        if self.grammars.rows:  # their matchers take these ids before the next step samples
+            sampled = np.flatnonzero(self.rows.active[:lanes] & self.rows.constrained[:lanes]).tolist()
+            self.grammars.sampled(out if done is None else host, done, sampled)
         if n >= 0:
             outputs.logprobs[:lanes, :1 + n].copy_(v["lp_values"][:, :1 + n])
             outputs.logprob_ids[:lanes, :n].copy_(v["lp_ids"][:, :n])
@@ -289,6 +306,7 @@ class ChipRuntime:
     @torch.inference_mode()
     def finish_rows(self, rows: list[int]) -> None:
         self.rows.finish(rows)
+        self.grammars.finish(rows)
 
     def _run_step(self, chunks: list[Chunk], staging: np.ndarray, compute_slots: bool,
                   want_logprobs: bool) -> tuple[int, ChunkPlan | None, int]:
@@ -347,7 +365,22 @@ class ChipRuntime:
             self._chunk_side_effects(plan, lanes, hidden, tokens, ints.targets, pooled["output_counts"],
                                      pooled["prompt_seen"], prompt_lp_values, prompt_lp_ids)
             final_logits(self.weights, row_hidden, out=v["logits"], ops=self.ops)
+        if features is not None and features.grammar:  # host work while the forward runs on an accelerator
+            self._grammar_masks(v, lanes)
         self._sample(v, any_random, any_filter, features)
+
+    def _grammar_masks(self, v: dict[str, torch.Tensor], lanes: int) -> None:
+        """The constrained rows' masks for this step's sample, on the device in v["grammar_mask"]."""
+        rows = self.rows
+        g = self.grammars
+        g.fill(np.flatnonzero(rows.active[:lanes] & rows.constrained[:lanes]).tolist())
+        if g.mask is not self.state["grammar_mask"]:
+            v["grammar_mask"].copy_(g.mask[:lanes], non_blocking=True)
+            self._h2d_copies += 1
+            self._h2d_bytes += lanes * g.words * 4
+            if g.copied is None:
+                g.copied = getattr(torch, self.device.type).Event()
+            g.copied.record()
 
     def _lane_slots(self, v: dict[str, torch.Tensor], slots: str) -> None:
         page = self.cfg.page_size
@@ -383,7 +416,7 @@ class ChipRuntime:
         else:
             params = RowParams(v["temperature"], v["top_k"], v["top_p"], v["seed_keys"], v["min_p"],
                                v["presence_penalty"], v["frequency_penalty"], v["repetition_penalty"], v["min_pos"],
-                               v["output_counts"], v["prompt_seen"], v["stop_mask"])
+                               v["output_counts"], v["prompt_seen"], v["stop_mask"], v["grammar_mask"])
             input_ids.copy_(sample_with_features(logits, params, positions, v["vocab_keys"], any_random, any_filter,
                                                  features, v["lp_values"], v["lp_ids"]))
             if features.penalties:  # the sampled ids join their rows' outputs, on the device

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chip_child.grammar import allowed_tokens
 from chip_child.seeds import M32, hash32, seed_key  # noqa: F401  seed_key: the keys this noise is drawn with
 
 
@@ -129,6 +130,7 @@ class Features:
     min_p: bool = False
     stop_mask: bool = False
     logprobs: int = -1
+    grammar: bool = False  # some row is held to a grammar: its token bitmask applies
 
 
 @dataclass
@@ -147,20 +149,23 @@ class RowParams:
     output_counts: torch.Tensor  # float32 [N, V]: occurrences of each token in the row's output so far
     prompt_seen: torch.Tensor  # float32 [N, V]: 1.0 where the token occurs in the row's prompt
     stop_mask: torch.Tensor  # bool [N, V]: the row's stop ids
+    grammar_mask: torch.Tensor | None = None  # int32 [N, ceil(V / 32)]: what a row's grammar allows (all bits: any)
 
     def select(self, rows: torch.Tensor) -> "RowParams":
-        return RowParams(**{name: value[rows] for name, value in vars(self).items()})
+        return RowParams(**{name: None if value is None else value[rows] for name, value in vars(self).items()})
 
 
 def sample_with_features(logits: torch.Tensor, p: RowParams, counters: torch.Tensor, vocab_keys: torch.Tensor,
                          any_random: bool, any_filter: bool, features: Features,
                          lp_values: torch.Tensor | None = None, lp_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """`sample` with the optional stages in their order: stop ids masked for rows short of
-    min_tokens, then penalties, then (inside `sample`) temperature, min_p, top-k, top-p and the
+    """`sample` with the optional stages in their order: the grammar's token bitmask, stop ids
+    masked for rows short of min_tokens, then penalties, then (inside `sample`) temperature, min_p, top-k, top-p and the
     seeded draw. With features.logprobs >= 0 the log-probabilities of the sampled distribution
     (before min_p, top-k and top-p) go to `lp_values` [N, 1 + K] and `lp_ids` [N, K]. A row that
     uses none of the stages gets exactly the id `sample` would give it."""
     x = logits
+    if features.grammar:  # before everything, so the log-probabilities are those of the constrained row
+        x = logits.masked_fill(~allowed_tokens(p.grammar_mask, logits.shape[1]), float("-inf"))
     if features.stop_mask:
         x = mask_stop_tokens(x, p.stop_mask, counters < p.min_pos)
     if features.penalties:

@@ -25,6 +25,7 @@ from chip_child import protocol
 from chip_child.config import RuntimeConfig
 from chip_child.loader import ModelConfig
 from l3worker.child import ChildProcess
+from l3worker.constrained import GrammarGate, attach_matchers
 from l3worker.doorbell import Doorbell
 from l3worker.errors import ChildFailure, EngineBusyError, WorkerError
 from l3worker.metrics import EngineMetrics
@@ -83,7 +84,8 @@ class Engine:
         self._slot_logprobs: list[SlotLogprobs] = []
         self._inflight: deque[_InFlight] = deque()
         self._inbox: deque[tuple[str, object]] = deque()  # ("add", RequestState) / ("abort", request_id)
-        self._work = threading.Event()  # set whenever the inbox gets something
+        self._work = threading.Event()  # set whenever the inbox gets something, or a grammar compiled
+        self._gate = GrammarGate(self._work.set)  # requests whose grammar is compiling wait here
         self._last_done = time.perf_counter()
         self._live_ids: set[str] = set()
         self._ids_lock = threading.Lock()
@@ -219,12 +221,16 @@ class Engine:
         outputs: list[RequestOutput] = []
         try:
             self._apply_inbox(outputs)
+            for state in self._gate.release():
+                self._enqueue(state, outputs)
             sched = self.scheduler
             while len(self._inflight) < self.pipeline_depth and (s := sched.next_command()) is not None:
                 self._inflight.append(self._send(s))
             self._count_scheduling()
             if self._inflight:
                 self._complete(self._inflight.popleft(), outputs)
+            elif self._gate and sched.idle:
+                self.wait_for_work(0.1)  # nothing runs: until a grammar compiles (or a request or an abort comes)
         except ChildFailure as exc:
             self._recover(exc, outputs)
         except BaseException as exc:
@@ -274,7 +280,8 @@ class Engine:
             kind, item = self._inbox.popleft()
             if kind == "add":
                 self.output_processor.add(item)
-                self.scheduler.add(item.seqs)
+                if not self._gate.hold(item):
+                    self._enqueue(item, outputs)
                 continue
             state = self.requests.get(item)
             if state is None or state.finished:
@@ -282,6 +289,15 @@ class Engine:
             for seq in state.seqs:
                 self.scheduler.finish(seq, "abort")
             self.output_processor.report(state, outputs)
+
+    def _enqueue(self, state: RequestState, outputs: list[RequestOutput]) -> None:
+        """A request joins the scheduler's queue, with its samples' grammars when it has one."""
+        if state.grammar is not None and (error := attach_matchers(state)) is not None:
+            for seq in state.seqs:  # what the tokenizer cannot serve: nothing to run
+                self.scheduler.finish(seq, "abort", error)
+            self.output_processor.report(state, outputs)
+            return
+        self.scheduler.add(state.seqs)
 
     def _send(self, s: Scheduled) -> _InFlight:
         staging = self._buffers.staging[s.command.step % self._buffers.slots].numpy()

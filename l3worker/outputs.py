@@ -93,6 +93,13 @@ class OutputProcessor:
                     # scheduler ended the sequence first, but the stop string is what the caller asked
                     # to end at (vLLM and OpenAI answer "stop" and leave it out).
                     seq.finish_reason, seq.stop_reason = "stop", hit
+        if seq.grammar is not None and seq.finish_reason in (None, "length") and seq.grammar.ends_with(token):
+            # The grammar is complete: nothing but eos could follow (and when the last allowed token
+            # completed it, the reply is whole: "stop", as for a stop string).
+            if seq.finished:
+                seq.finish_reason = "stop"
+            else:
+                self.finish(seq, "stop", None)
         return 1
 
     def _observe_first_token(self, state: RequestState, seq: Sequence, now: float) -> None:

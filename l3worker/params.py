@@ -4,8 +4,12 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from chip_child.row_fields import MAX_LOGPROBS, uses_penalties
+
+if TYPE_CHECKING:
+    from l3worker.structured import StructuredSpec
 # Tokens per step (at least max_batch_size): decode rows plus prefill chunks. Offline (the worker's
 # default) larger steps prefill faster: on the CI machine's cpu whole generates of 16 ~100-token
 # prompts took 9-13% less time than with 256 (scripts/bench_cpu.py). Serving on a cpu
@@ -26,7 +30,14 @@ class SamplingParams:
     and once per seen token). `min_p` drops tokens whose probability, after temperature, is below
     min_p times the most likely token's. `logprobs=N` reports the sampled token's log-probability
     and the top N from that same distribution (after penalties and temperature); `prompt_logprobs=N`
-    the log-probability of every prompt token after the first (raw logits)."""
+    the log-probability of every prompt token after the first (raw logits).
+
+    `structured_outputs` holds the output to a constraint: a l3worker.structured.StructuredSpec,
+    or a dict of vLLM's keys (`{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}`,
+    `{"grammar": ebnf}`, `{"json_object": True}`). Disallowed tokens are masked before sampling
+    (so `logprobs` are those of the constrained distribution), and the sample finishes with
+    "stop" once its grammar is complete and allows nothing more. With a reasoning model,
+    `reasoning_end_token_id` (`</think>`'s id) makes it apply only after that token is generated."""
 
     max_new_tokens: int = 16  # 0 only scores the prompt (with prompt_logprobs)
     temperature: float = 0.0  # 0 is greedy
@@ -46,6 +57,8 @@ class SamplingParams:
     n: int = 1  # samples of the prompt; sample i draws from seed + i
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredSpec | dict[str, Any] | None = None
+    reasoning_end_token_id: int | None = None  # the constraint applies after this token (None: from the start)
 
     def __post_init__(self) -> None:
         # Users pass lists; a frozen dataclass keeps them hashable and unshared.
@@ -55,6 +68,10 @@ class SamplingParams:
                 value = (value,)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
+        if isinstance(self.structured_outputs, dict):  # checked here: ValueError naming the key
+            from l3worker.structured import StructuredSpec
+
+            object.__setattr__(self, "structured_outputs", StructuredSpec.of(self.structured_outputs))
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError/TypeError naming the field and its limit."""
@@ -112,6 +129,16 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.structured_outputs is not None:
+            from l3worker.structured import StructuredSpec
+
+            if not isinstance(self.structured_outputs, StructuredSpec):
+                raise TypeError("structured_outputs must be a StructuredSpec or a dict, got "
+                                f"{type(self.structured_outputs).__name__}")
+        if self.reasoning_end_token_id is not None:
+            _int("reasoning_end_token_id", self.reasoning_end_token_id)
+            if not 0 <= self.reasoning_end_token_id < vocab_size:
+                raise ValueError(f"reasoning_end_token_id: {self.reasoning_end_token_id} outside [0, {vocab_size})")
 
     @property
     def uses_penalties(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from chip_child.loader import ModelConfig
+from l3worker.constrained import ParentGrammars
 from l3worker.detokenizer import SampleText
 from l3worker.inputs import token_ids
 from l3worker.params import SamplingParams, TokenLogprob
@@ -45,6 +47,7 @@ class RequestState:
     finished: bool = False
     failures: int = 0  # consecutive chip-child failures it was running at (l3worker.recovery)
     error: str | None = None  # why the engine gave up on it, if it did
+    grammar: Future | None = None  # the structured-output constraint compiling (l3worker.constrained)
 
     @cached_property
     def prompt_token_ids(self) -> list[int]:
@@ -67,6 +70,7 @@ class InputProcessor:
         self.model_dir = model_dir
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
+        self.grammars = ParentGrammars(model_dir, model_config.vocab_size, model_config.eos_token_ids)
 
     def process(self, prompt, params: SamplingParams | None, request_id: str | None, stream: bool,
                 where: str, arrival: float | None = None) -> RequestState:
@@ -77,6 +81,9 @@ class InputProcessor:
         params.validate(self.model_config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop: stop strings need a tokenizer, and {self.model_dir} has no tokenizer.json")
+        if params.structured_outputs is not None and not self.grammars.available:
+            raise ValueError(f"structured_outputs: grammars need a tokenizer, and {self.model_dir} has no "
+                             "tokenizer.json")
         ids = token_ids(prompt, self.tokenizer, self.model_config.vocab_size, where, self.model_dir)
         cfg = self.runtime_config
         steps = max(params.max_new_tokens, 1)
@@ -106,4 +113,6 @@ class InputProcessor:
         state.request_id = str(next(self._ids)) if request_id is None else request_id
         for seq in state.seqs:
             seq.request_id = state.request_id
+        if params.structured_outputs is not None:  # compiles on the pool; the request waits for it, not the caller
+            state.grammar = self.grammars.submit(params.structured_outputs)
         return state

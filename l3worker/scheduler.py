@@ -25,6 +25,7 @@ import numpy as np
 from chip_child.protocol import Admit, Chunk, Command, FullState
 from chip_child.row_fields import row_values
 from l3worker.page_pool import CacheCursor, PagePool, PrefixHit
+from l3worker.constrained import SampleGrammar
 from l3worker.params import SamplingParams
 
 
@@ -54,6 +55,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    grammar: SampleGrammar | None = None  # structured outputs: follows the tokens received
     admitted_at: float = 0.0
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -89,8 +91,14 @@ class Sequence:
     def row_values(self) -> dict[str, Any]:
         """Its per-row fields, as its admit and a full state carry them."""
         scores = self.want_prompt_logprobs and self.preemptions == 0
+        spec = self.params.structured_outputs
+        constrained = spec is not None
         return row_values(self.params, prompt_len=self.prompt_len, seed=self.seed, stop_ids=sorted(self.stop_ids),
-                          prompt_logprobs=self.params.prompt_logprobs if scores else None)
+                          prompt_logprobs=self.params.prompt_logprobs if scores else None,
+                          grammar=spec.grammar_text if constrained else None,
+                          grammar_after=self.params.reasoning_end_token_id if constrained else None,
+                          # a resumed sample's matcher in the child replays the tokens it already produced
+                          grammar_replay=self.tokens if constrained and self.preemptions else None)
 
     def pages_needed(self, page_size: int) -> int:
         # The last sampled token is never fed back, so the cache holds prompt + steps - 1.

@@ -1,34 +1,30 @@
-"""Structured outputs: request fields -> a grammar spec -> a per-request token matcher and bitmask.
+"""Structured outputs: request fields -> a grammar spec (llguidance grammar text).
 
 The grammar engine is llguidance (why, and what it costs, is in the README's "Structured outputs"):
-it builds token masks on the fly from a `tokenizers` tokenizer.json, takes JSON schema, regex,
-Lark and llama.cpp-style GBNF (the EBNF vLLM's `grammar` field takes through xgrammar), and has no
-Python dependencies.
+it takes JSON schema, regex, Lark and llama.cpp-style GBNF (the EBNF vLLM's `grammar` field takes
+through xgrammar), and has no Python dependencies. Compiling, matching and masking live beside the
+sampler, in chip_child.grammar (re-exported here).
 
 - `StructuredSpec.from_request` reads OpenAI's `response_format`, vLLM's `structured_outputs` and
   the older `guided_*` fields into one spec, and raises ValueError naming the field for anything
-  invalid (bad schema, regex or grammar; two constraints at once).
-- `GrammarCompiler` (one per tokenizer) compiles specs in a thread pool, cached by spec; a request
-  waits on its Future, the step loop does not.
-- `Matcher` follows one request's tokens and fills its row of the packed int32 bitmask
-  ([ceil(V / 32)] words, bit i of word w allows token 32 * w + i, the layout both llguidance and
-  xgrammar use); `apply_bitmask` applies it to logits on any device.
+  invalid (bad schema, regex or grammar; two constraints at once). `StructuredSpec.of` takes what
+  an offline caller gives `SamplingParams(structured_outputs=...)`.
+- `tool_choice_spec`: the grammar that holds `tool_choice` "required" / a named function.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import cached_property
 from typing import Any, Sequence
 
 import llguidance
-import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
+# The grammar engine itself lives beside the sampler; re-exported for the parent's callers.
+from chip_child.grammar import (CompiledGrammar, GrammarCompiler, Matcher, allocate_bitmask,  # noqa: F401
+                                apply_bitmask, bitmask_words)
 from l3worker.tool_parsers import TOOL_CALL_END, TOOL_CALL_START
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -36,6 +32,10 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM's `structured_outputs` keys that choose a constraint, and the guided_* field of each.
 _SO_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
             "json_object": "json_object"}
+# JSON is written as json.dumps writes it (", " and ": ", no other whitespace): llguidance's flexible
+# whitespace lets a weak or random model write blanks until max_tokens. A schema's own
+# "x-guidance" options override these.
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
 
@@ -87,17 +87,38 @@ class StructuredSpec:
                              f"{found[1].field} were both given")
         if not found:
             return None
-        spec = found[0]
-        error = llguidance.LLMatcher.validate_grammar(spec.grammar())
-        if error:
-            raise ValueError(f"{spec.field}: {error.strip()}")
+        return found[0].validated()
+
+    @classmethod
+    def of(cls, value: "StructuredSpec | dict[str, Any]") -> "StructuredSpec":
+        """SamplingParams(structured_outputs=...): a spec, or a dict of vLLM's `structured_outputs`
+        keys ({"json": schema}, {"regex": ...}, ...), validated."""
+        if isinstance(value, StructuredSpec):
+            return value.validated()
+        if not isinstance(value, dict):
+            raise TypeError(f"structured_outputs must be a StructuredSpec or a dict, got {type(value).__name__}")
+        spec = cls.from_request(structured_outputs=value)
+        if spec is None:
+            raise ValueError("structured_outputs: no constraint given (json, regex, choice, grammar or json_object)")
         return spec
+
+    def validated(self) -> "StructuredSpec":
+        """Itself, once llguidance accepts its grammar; ValueError naming the field otherwise."""
+        error = llguidance.LLMatcher.validate_grammar(self.grammar_text)
+        if error:
+            raise ValueError(f"{self.field or self.kind}: {error.strip()}")
+        return self
+
+    @cached_property
+    def grammar_text(self) -> str:
+        """grammar(), converted once: the text the chip-child and the compilers receive."""
+        return self.grammar()
 
     def grammar(self) -> str:
         """The llguidance grammar for this spec; ValueError (naming the field) if it cannot be read."""
         try:
             if self.kind in ("json", "json_object"):
-                return llguidance.LLMatcher.grammar_from_json_schema(self.value)
+                return llguidance.LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_FORMAT)
             if self.kind == "regex":
                 return llguidance.LLMatcher.grammar_from_regex(self.value)
             if self.kind == "choice":
@@ -190,161 +211,10 @@ def tool_choice_spec(tools: Sequence[dict[str, Any]], tool_choice: Any,
               "properties": {"name": {"const": n},
                              "arguments": functions[n].get("parameters") or {"type": "object"}}}
              for n in chosen]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_FORMAT}  # top level only
     open_tag, close_tag = ((TOOL_CALL_START, TOOL_CALL_END) if tags_are_tokens
                            else (json.dumps(TOOL_CALL_START), json.dumps(TOOL_CALL_END)))
     lark = ('start: call' + (' ("\\n" call)*' if repeat else '') + '\n'
             f'call: {open_tag} "\\n" body "\\n" {close_tag}\n'
             f'body: %json {_compact(schema)}\n')
-    spec = StructuredSpec("grammar", lark, "tools")
-    error = llguidance.LLMatcher.validate_grammar(spec.grammar())
-    if error:
-        raise ValueError(f"tools: {error.strip()}")
-    return spec
-
-
-# ---- compiling and matching -------------------------------------------------------------------
-
-
-class Matcher:
-    """One request's grammar state: accept the sampled tokens, fill the next step's mask row."""
-
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self._m = matcher
-        self.vocab_size = vocab_size
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False if the grammar refuses it (the matcher then stays
-        in an error state: `error` says why)."""
-        return self._m.consume_token(token_id)
-
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Write the allowed next tokens into a contiguous int32 CPU row of ceil(V / 32) words."""
-        if row.dtype != torch.int32 or row.device.type != "cpu" or not row.is_contiguous():
-            raise ValueError("bitmask row must be a contiguous int32 CPU tensor")
-        if row.numel() != bitmask_words(self.vocab_size):
-            raise ValueError(f"bitmask row has {row.numel()} words, needs {bitmask_words(self.vocab_size)}")
-        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-
-    def is_terminated(self) -> bool:
-        """The grammar is complete and allows nothing more (or eos was accepted): the row stops."""
-        return self._m.is_stopped()
-
-    def is_accepting(self) -> bool:
-        """The output so far is a complete match (eos is allowed), though it may go on."""
-        return self._m.is_accepting()
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last num_tokens accepted tokens (run-ahead and speculation drop tokens)."""
-        if not self._m.rollback(num_tokens):
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._m.get_error()}")
-
-    @property
-    def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
-
-
-@dataclass
-class CompiledGrammar:
-    """A spec compiled for one tokenizer; each request gets a cheap copy of the pristine matcher."""
-
-    spec: StructuredSpec
-    _template: llguidance.LLMatcher
-    vocab_size: int
-
-    def matcher(self) -> Matcher:
-        return Matcher(self._template.deep_copy(), self.vocab_size)
-
-
-@dataclass
-class CompileStats:
-    hits: int = 0
-    misses: int = 0
-
-
-class GrammarCompiler:
-    """Compiles specs for one tokenizer off the step loop: a thread pool and an LRU cache by spec.
-
-    `vocab_size` is the model's (its lm_head rows), which may exceed the tokenizer's: ids without a
-    token are never allowed. `eos_token_ids` are the ids that end a reply (allowed once the
-    grammar is complete).
-    """
-
-    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: Sequence[int],
-                 max_workers: int = 2, cache_size: int = 256) -> None:
-        text = Path(tokenizer_json).read_text() if _is_path(tokenizer_json) else str(tokenizer_json)
-        self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids))
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
-        self._cache: OrderedDict[StructuredSpec, Future[CompiledGrammar]] = OrderedDict()
-        self._cache_size = cache_size
-        self._lock = threading.Lock()
-        self.stats = CompileStats()
-
-    def submit(self, spec: StructuredSpec) -> Future[CompiledGrammar]:
-        """The spec's compiled grammar, as a Future (done at once on a cache hit). A grammar the
-        tokenizer cannot serve fails the Future with ValueError."""
-        with self._lock:
-            fut = self._cache.get(spec)
-            if fut is not None:
-                self._cache.move_to_end(spec)
-                self.stats.hits += 1
-                return fut
-            self.stats.misses += 1
-            fut = self._pool.submit(self._compile, spec)
-            self._cache[spec] = fut
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-            return fut
-
-    def compile(self, spec: StructuredSpec) -> CompiledGrammar:
-        return self.submit(spec).result()
-
-    def _compile(self, spec: StructuredSpec) -> CompiledGrammar:
-        # llguidance builds the lexer and parser here, without the GIL
-        template = llguidance.LLMatcher(self.tokenizer, spec.grammar(), log_level=0)
-        if template.is_error():
-            raise ValueError(f"{spec.field or spec.kind}: {template.get_error()}")
-        return CompiledGrammar(spec, template, self.vocab_size)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> "GrammarCompiler":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _is_path(value: str | Path) -> bool:
-    return isinstance(value, Path) or not str(value).lstrip().startswith("{")
-
-
-# ---- bitmasks ---------------------------------------------------------------------------------
-
-
-def bitmask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
-def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
-    """[batch, ceil(V / 32)] int32, every token allowed (rows without a grammar stay so)."""
-    return torch.full((batch_size, bitmask_words(vocab_size)), -1, dtype=torch.int32)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set disallowed logits to -inf in place: logits [B, V] on any device, bitmask [B, W] int32.
-
-    Plain tensor ops, so it runs on every backend (CPU, CUDA, NPU) and inside a captured graph.
-    llguidance's own torch version wraps the same ops in torch.compile, which needs a C++ or
-    Triton toolchain at first call; xgrammar ships fused CUDA/Triton kernels, a later option for
-    CUDA only.
-    """
-    batch, vocab = logits.shape
-    words = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(batch, -1).bool()
-    if allowed.shape[1] < vocab:  # ids past the mask's words are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    logits.masked_fill_(~allowed[:, :vocab], float("-inf"))
+    return StructuredSpec("grammar", lark, "tools").validated()

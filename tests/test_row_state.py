@@ -14,8 +14,8 @@ import torch
 from chip_child.chunk_layout import ChunkInts, ChunkLayout
 from chip_child.config import Limits
 from chip_child.protocol import Command, ProtocolError, decode, encode
-from chip_child.row_fields import (BASIC_FIELDS, DEVICE_FIELDS, FULL_STATE_FIELDS, ROW_FIELDS, SCALAR_FIELDS, Admit,
-                                   FullState, example_values, row_values)
+from chip_child.row_fields import (BASIC_FIELDS, DEVICE_FIELDS, FULL_STATE_FIELDS, MAX_GRAMMAR_BYTES, ROW_FIELDS,
+                                   SCALAR_FIELDS, Admit, FullState, example_values, row_values)
 from chip_child.row_state import RowState
 from l3worker.params import SamplingParams
 
@@ -74,6 +74,8 @@ def test_every_full_state_field_round_trips_with_a_non_neutral_value() -> None:
 
 def _outside(f) -> list:
     """Values just outside a field's limits (that msgpack can carry)."""
+    if f.kind == "bytes":
+        return [b"x" * (MAX_GRAMMAR_BYTES + 1), "text"]
     low, high = f.bounds(LIMITS)
     step = 1 if f.kind == "int" else 0.5
     bad = []
@@ -105,14 +107,16 @@ def test_every_field_is_checked_against_its_limits(f) -> None:
 
 def test_row_values_take_the_source_then_neutral_values() -> None:
     params = SamplingParams(temperature=0.5, top_k=3)
-    values = row_values(params, prompt_len=4, seed=9, stop_ids=[2, 1], prompt_logprobs=None)
+    no_grammar = {"grammar": None, "grammar_after": None, "grammar_replay": None}
+    values = row_values(params, prompt_len=4, seed=9, stop_ids=[2, 1], prompt_logprobs=None, **no_grammar)
     assert values["temperature"] == 0.5 and values["top_k"] == 3 and values["logprobs"] == -1
+    assert values["grammar"] == b"" and values["grammar_after"] == -1 and values["grammar_replay"].size == 0
     assert values["prompt_logprobs"] == -1 and values["stop_ids"].tolist() == [2, 1]
     assert all(type(values[f.name]) is (float if f.kind == "float" else int) for f in SCALAR_FIELDS)
     with pytest.raises(AttributeError):
         row_values(params, prompt_len=4, seed=9)  # stop_ids: the caller decides them (eos, stop_token_ids)
     with pytest.raises(TypeError, match="not per-row fields"):
-        row_values(params, prompt_len=4, seed=1, stop_ids=[], prompt_logprobs=None, top_kk=3)
+        row_values(params, prompt_len=4, seed=1, stop_ids=[], prompt_logprobs=None, top_kk=3, **no_grammar)
 
 
 # -- RowState --------------------------------------------------------------------------------------
@@ -184,7 +188,9 @@ def test_a_full_state_loads_what_admission_sets_up() -> None:
         if f.kind != "ids":
             assert _same(loaded.host[f.array], admitted.host[f.array]), f.name
     assert _same(loaded.penalized, admitted.penalized) and _same(loaded.min_pos, admitted.min_pos)
-    assert dataclasses.asdict(loaded.facts()) == dataclasses.asdict(admitted.facts())
+    # A grammar is the child's own state from admission (like the output counts): no full state carries it.
+    assert admitted.facts().any_grammar and not loaded.facts().any_grammar
+    assert dataclasses.asdict(loaded.facts()) == {**dataclasses.asdict(admitted.facts()), "any_grammar": False}
 
 
 # -- ChunkLayout -------------------------------------------------------------------------------------

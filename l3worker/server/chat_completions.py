@@ -100,7 +100,7 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
     model_name = model.resolve(req.model)
     text = model.chat_text(req)
     prompt = model.chat_prompt(req, text)
-    params = model.chat_params(req, len(prompt))
+    params = model.chat_params(req, len(prompt), prompt)
     reasoning = model.parsing.reasoning_parser is not None
     tools = model.parses_tools(req)
     reader = ReplyReader(reasoning, tools, reasoning and prompt_opens_think(text)) if reasoning or tools else None

@@ -76,5 +76,5 @@ async def create_completion(request: Request, req: CompletionRequest, model: Ser
                             client: EngineClient) -> Response:
     model_name = model.resolve(req.model)
     prompts = model.completion_prompts(req)
-    params = [model.completion_params(req, len(p)) for p in prompts]
+    params = [model.completion_params(req, len(p), p) for p in prompts]
     return await respond(request, Completion(req, model_name, prompts, TokenFormatter(model.tokens, model.token_ids_as_text(req))), client, params)

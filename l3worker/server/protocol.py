@@ -43,6 +43,13 @@ class _Sampling(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (l3worker.structured reads and checks them; at most one per request)
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
+    guided_json: Any = None  # vLLM's older fields
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"; None: the server's
 
 
@@ -87,9 +94,10 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None  # the older name of max_completion_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # shown to the template; calls parsed with tool_choice "auto"
-    tool_choice: Literal["none", "auto"] | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    tools: list[dict[str, Any]] | None = None  # shown to the template; calls parsed unless tool_choice is "none"
+    # "required" and a named function ({"type": "function", "function": {"name"}}) hold the output to
+    # the tool-call format with structured outputs
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

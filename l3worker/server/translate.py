@@ -8,9 +8,12 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from l3worker.params import SamplingParams
+from l3worker.reasoning import THINK_END
+from l3worker.structured import StructuredSpec, tool_choice_spec
+from l3worker.tool_parsers import TOOL_CALL_START
 from l3worker.server.chat import ChatTemplate, ChatTemplateError
 from l3worker.server.chat_reply import ChatParsing
 from l3worker.server.errors import bad_request, model_not_found
@@ -155,8 +158,52 @@ class ServedModel:
                 param, "context_length_exceeded")
 
     # -- sampling ----------------------------------------------------------------------------------
+    def structured(self, req: _Sampling, prompt: Sequence[int], tools: list[dict[str, Any]] | None = None,
+                   tool_choice: Any = None) -> dict[str, Any]:
+        """The request's structured-output constraint as SamplingParams fields (none: {}); a 400
+        naming the field for an invalid schema, regex, grammar or tool_choice."""
+        try:
+            spec = StructuredSpec.from_request(req.response_format, req.structured_outputs, req.guided_json,
+                                               req.guided_regex, req.guided_choice, req.guided_grammar)
+            forced = tool_choice_spec(tools or [], tool_choice, self._tags_are_tokens())
+        except ValueError as e:
+            named = [f for f in _STRUCTURED_FIELDS if f in str(e)]
+            raise bad_request(str(e), min(named, key=str(e).index) if named else None) from None
+        except (KeyError, TypeError, AttributeError):
+            raise bad_request("tools: each tool must be {\"type\": \"function\", \"function\": {\"name\", "
+                              "\"parameters\"}}", "tools") from None
+        if forced is not None and spec is not None:
+            raise bad_request(f"tool_choice: {tool_choice!r} holds the output to a tool call, and {spec.field} "
+                              "cannot hold it as well", "tool_choice")
+        spec = forced or spec
+        if spec is None:
+            return {}
+        if self.tokens is None:
+            raise bad_request(f"{spec.field}: structured outputs need the model's tokenizer.json", spec.field)
+        return {"structured_outputs": spec, "reasoning_end_token_id": self._grammar_after(prompt)}
+
+    @property
+    def reasoning_end_id(self) -> int | None:
+        """With --reasoning-parser: `</think>`'s id, after which a structured-output constraint applies."""
+        if self.parsing.reasoning_parser is None or self.tokens is None:
+            return None
+        return self.tokens.tokenizer.token_to_id(THINK_END)
+
+    def _tags_are_tokens(self) -> bool:
+        return self.tokens is not None and self.tokens.tokenizer.token_to_id(TOOL_CALL_START) is not None
+
+    def _grammar_after(self, prompt: Sequence[int]) -> int | None:
+        """reasoning_end_id, unless the prompt ends with a closed think block (thinking disabled):
+        then the constraint applies from the first token."""
+        end = self.reasoning_end_id
+        ends = [i for i, t in enumerate(prompt) if t == end]
+        if end is None or not ends:
+            return end
+        return end if self.tokens.decode(list(prompt[ends[-1] + 1:])).strip() else None
+
     def sampling_params(self, req: _Sampling, *, max_new_tokens: int, max_param: str, logprobs: int | None,
-                        logprobs_param: str, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs_param: str, prompt_logprobs: int | None = None,
+                        structured: dict[str, Any] | None = None) -> SamplingParams:
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         d = self.defaults
@@ -183,6 +230,7 @@ class ServedModel:
             n=req.n,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            **(structured or {}),
         )
         try:
             params.validate(self.vocab_size)
@@ -191,7 +239,7 @@ class ServedModel:
                                    "logprobs": logprobs_param}) from None
         return params
 
-    def completion_params(self, req: CompletionRequest, prompt_len: int) -> SamplingParams:
+    def completion_params(self, req: CompletionRequest, prompt_len: int, prompt: Sequence[int] = ()) -> SamplingParams:
         if req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -207,11 +255,11 @@ class ServedModel:
             raise bad_request("max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", "max_tokens")
         self.check_length(prompt_len, max_new, "prompt", "max_tokens")
         return self.sampling_params(req, max_new_tokens=max_new, max_param="max_tokens", logprobs=req.logprobs,
-                                    logprobs_param="logprobs", prompt_logprobs=prompt_logprobs)
+                                    logprobs_param="logprobs", prompt_logprobs=prompt_logprobs,
+                                    structured=self.structured(req, prompt))
 
-    def chat_params(self, req: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("response_format: only {\"type\": \"text\"} is supported", "response_format")
+    def chat_params(self, req: ChatCompletionRequest, prompt_len: int, prompt: Sequence[int] = ()) -> SamplingParams:
+        """`prompt`: the ids, which tell whether a constraint starts after the reasoning."""
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = _first(req.max_completion_tokens, req.max_tokens)
         max_new = requested if requested is not None else max(self.max_model_len - prompt_len, 0)
@@ -226,7 +274,8 @@ class ServedModel:
         self.check_length(prompt_len, max_new, "messages", max_param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return self.sampling_params(req, max_new_tokens=max_new, max_param=max_param, logprobs=logprobs,
-                                    logprobs_param="top_logprobs")
+                                    logprobs_param="top_logprobs",
+                                    structured=self.structured(req, prompt, req.tools, req.tool_choice))
 
 
 def _first(*values):
@@ -237,6 +286,8 @@ def _first(*values):
 
 
 _LEADING_NAME = re.compile(r"^([a-z_]+)")
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "tool_choice", "tools")
 
 
 def _renamed(message: str, names: dict[str, str]):
