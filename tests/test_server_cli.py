@@ -9,6 +9,7 @@ import threading
 
 import httpx
 import psutil
+import pytest
 
 from server_helpers import sse_events
 
