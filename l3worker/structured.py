@@ -3,7 +3,7 @@
 The grammar engine is llguidance (why, and what it costs, is in the README's "Structured outputs"):
 it takes JSON schema, regex, Lark and llama.cpp-style GBNF (the EBNF vLLM's `grammar` field takes
 through xgrammar), and has no Python dependencies. Compiling, matching and masking live beside the
-sampler, in chip_child.grammar (re-exported here).
+sampler, in chip_child.grammar.
 
 - `StructuredSpec.from_request` reads OpenAI's `response_format`, vLLM's `structured_outputs` and
   the older `guided_*` fields into one spec, and raises ValueError naming the field for anything
@@ -22,9 +22,6 @@ from typing import Any, Sequence
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-# The grammar engine itself lives beside the sampler; re-exported for the parent's callers.
-from chip_child.grammar import (CompiledGrammar, GrammarCompiler, Matcher, allocate_bitmask,  # noqa: F401
-                                apply_bitmask, bitmask_words)
 from l3worker.tool_parsers import TOOL_CALL_END, TOOL_CALL_START
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")

@@ -22,7 +22,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from chip_child.tiny_model import ensure_tiny_model
-from l3worker.structured import GrammarCompiler, StructuredSpec, allocate_bitmask, apply_bitmask
+from chip_child.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from l3worker.structured import StructuredSpec
 
 SCHEMA = {
     "type": "object",

@@ -13,13 +13,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from chip_child.tiny_model import ensure_tiny_model
-from l3worker.structured import (
-    GrammarCompiler,
-    StructuredSpec,
-    allocate_bitmask,
-    apply_bitmask,
-    tool_choice_spec,
-)
+from chip_child.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from l3worker.structured import StructuredSpec, tool_choice_spec
 from l3worker.tool_parsers import parse_tool_calls
 
 SCHEMA = {
