@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import msgpack
 import zmq
@@ -80,16 +81,23 @@ class ChildProcess:
             pass
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if self.sock.poll(LIVENESS_POLL_MS, zmq.POLLOUT):
-                try:
-                    self.sock.send(payload, zmq.NOBLOCK, copy=False)
-                    return
-                except zmq.Again:
-                    continue
-            self.check_alive("a command to be taken")
+            self._wait_for(zmq.POLLOUT, deadline, "a command to be taken", cancel,
+                           lambda: f"took no command within {timeout_s:g}s")
+            try:
+                self.sock.send(payload, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                continue
+
+    def _wait_for(self, event: int, deadline: float | None, what: str, cancel: threading.Event | None,
+                  timed_out: Callable[[], str]) -> None:
+        """Polls the socket for `event` in short slices, checking between them that the child is
+        alive, `cancel` and the deadline, so no wait on a child can last forever."""
+        while not self.sock.poll(LIVENESS_POLL_MS, event):
+            self.check_alive(what)
             check_cancel(cancel)
             if deadline is not None and time.monotonic() > deadline:
-                raise StepTimeoutError(f"chip-child {self.rank} (pid {self.pid}) took no command within {timeout_s:g}s")
+                raise StepTimeoutError(f"chip-child {self.rank} (pid {self.pid}) {timed_out()}")
 
     def check_alive(self, what: str) -> None:
         code = self.proc.poll()
@@ -102,12 +110,7 @@ class ChildProcess:
         child dies, `cancel` is set or `timeout_s` passes first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            while not self.sock.poll(LIVENESS_POLL_MS):
-                self.check_alive(what)
-                check_cancel(cancel)
-                if deadline is not None and time.monotonic() > deadline:
-                    raise StepTimeoutError(f"chip-child {self.rank} (pid {self.pid}) gave no reply to {what} "
-                                           f"within {timeout_s:g}s")
+            self._wait_for(zmq.POLLIN, deadline, what, cancel, lambda: f"gave no reply to {what} within {timeout_s:g}s")
             reply = self._unpack(self.sock.recv(), what)
             if isinstance(reply, dict):
                 return reply
