@@ -10,16 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
+
+from prometheus_client import generate_latest
 
 from l3worker.engine import EngineDeadError
 from l3worker.errors import RequestFailedError
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.worker import DistributedWorker
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "run_step_loop"]
 
 WATCH_S = 0.25
+
+
+def run_step_loop(worker: DistributedWorker, stopping: Callable[[], bool],
+                  emit: Callable[[list[RequestOutput]], None], on_dead: Callable[[BaseException], None]) -> None:
+    """The serving drivers' loop thread (AsyncEngine's here, the engine-core process's): steps while
+    requests run, otherwise sleeps on the inbox and watches the children; hands each step's outputs
+    to `emit` in one call. A failure the engine cannot recover from closes the worker, then
+    `on_dead(exc)`: every open stream ends with it."""
+    engine = worker.engine
+    try:
+        while not stopping():
+            if not engine.has_unfinished():
+                engine.wait_for_work(WATCH_S)
+                outputs = engine.watch()
+            else:
+                outputs = engine.step()
+            if outputs:
+                emit(outputs)
+    except BaseException as exc:  # a child died, raised or hung
+        engine.fail(exc)
+        worker.close()
+        on_dead(exc)
 
 
 class AsyncEngine:
@@ -35,6 +59,10 @@ class AsyncEngine:
     @property
     def registry(self):
         return self.engine.metrics.registry
+
+    async def metrics_text(self) -> bytes:
+        """The engine's /metrics exposition."""
+        return generate_latest(self.registry)
 
     @property
     def dead(self) -> bool:
@@ -104,20 +132,10 @@ class AsyncEngine:
 
     # -- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping:
-                if not engine.has_unfinished():
-                    engine.wait_for_work(WATCH_S)
-                    outputs = engine.watch()
-                else:
-                    outputs = engine.step()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
-        except BaseException as exc:  # a child died, raised or hung: every open stream ends with it
-            engine.fail(exc)
-            self.worker.close()
-            self._loop.call_soon_threadsafe(self._fail_waiters, EngineDeadError(f"the engine stopped: {exc}"))
+        run_step_loop(self.worker, lambda: self._stopping,
+                      lambda outputs: self._loop.call_soon_threadsafe(self._dispatch, outputs),
+                      lambda exc: self._loop.call_soon_threadsafe(
+                          self._fail_waiters, EngineDeadError(f"the engine stopped: {exc}")))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

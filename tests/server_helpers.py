@@ -59,6 +59,22 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str
         time.sleep(0.02)
 
 
+def started_processes(pid: int, module: str) -> list:
+    """The processes under `pid` running `python -m <module>` (chip_child, l3worker.engine_core,
+    l3worker.server.api_server), oldest first."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(pid).children(recursive=True):
+        try:
+            cmdline = proc.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "-m" in cmdline and cmdline[cmdline.index("-m") + 1] == module:
+            found.append(proc)
+    return sorted(found, key=lambda p: p.create_time())
+
+
 class Served:
     """A `l3worker serve` subprocess with a private TMPDIR; its stdout lines go to a queue."""
 

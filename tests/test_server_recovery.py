@@ -15,7 +15,7 @@ import pytest
 from fault_helpers import alive, assert_nothing_left, shm_entries, wait_for
 from l3worker import DistributedWorker
 from l3worker.server.runner import ServerThread
-from server_helpers import metric, sse_events, stream_raw, wait_until
+from server_helpers import metric, sse_events, started_processes, stream_raw, wait_until
 
 RESTARTS = "l3worker:engine_restarts_total"
 GREEDY = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -157,13 +157,14 @@ def test_restarts_exhausted_answer_503_and_exit_cleanly(served) -> None:
     s = served("--max-num-seqs", "1", "--max-model-len", "64", "--block-size", "16", "--max-restarts", "1")
     url, _ = s.ready().groups()
     http = httpx.Client(base_url=url, timeout=60)
-    children = psutil.Process(s.proc.pid).children(recursive=True)
+    children = started_processes(s.proc.pid, "chip_child")
+    engine_core = started_processes(s.proc.pid, "l3worker.engine_core")
     children[0].kill()
     wait_until(lambda: metric(http, RESTARTS) == 1, 60, "a restart")
     wait_until(lambda: http.get("/health").status_code == 200, 60, "/health 200 again")
-    second = psutil.Process(s.proc.pid).children(recursive=True)
+    second = started_processes(s.proc.pid, "chip_child")
     assert second and not {c.pid for c in second} & {c.pid for c in children}
-    children += second
+    children += second + engine_core
     second[0].kill()  # one more than --max-restarts allows
     wait_until(lambda: http.get("/health").status_code == 503, 60, "/health 503")
     r = http.post("/v1/completions", json=GREEDY)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -76,7 +76,7 @@ def create_app(engine, model: ServedModel, *, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

@@ -12,7 +12,7 @@ from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
 from l3worker.server.chat_reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
-from l3worker.server.runner import ServeOptions, bind, serve, served_model
+from l3worker.server.runner import ModelInfo, ServeOptions, bind, serve, served_model
 
 log = logging.getLogger("l3worker.server")
 DEFAULT_MAX_WAITING = 4096  # enough for any burst a single worker can serve in reasonable time
@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logprobs name tokens 'token_id:N' unless a request sets return_tokens_as_token_ids")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="API server processes sharing the listening socket, each with its own connection to the "
+                        "engine-core process (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
@@ -142,6 +145,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from chip_child.loader import load_config
     from chip_child.tiny_model import ensure_tiny_model
     from l3worker.hub import resolve_model
+    from l3worker.server.launcher import launch_api_servers, launch_core
 
     builtin = args.model_dir is None
     try:
@@ -152,14 +156,19 @@ def serve_command(args: argparse.Namespace) -> int:
             max_model_len = min(4096, load_config(model_dir).max_position_embeddings)
         # A Hub id is served under that id (vLLM's habit), a directory under its name.
         names = args.served_model_name or ([args.model_dir] if not builtin and not os.path.isdir(args.model_dir) else [])
-        worker = DistributedWorker(None if builtin else model_dir, device=args.device, device_ids=args.device_ids,
-                                   max_batch_size=args.max_num_seqs, max_seq_len=max_model_len,
-                                   page_size=args.block_size, num_pages=args.num_gpu_blocks_override,
-                                   dtype=args.dtype, pipeline_depth=args.pipeline_depth,
-                                   max_num_batched_tokens=serve_batched_tokens(args),
-                                   enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
-                                   max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
-                                   max_waiting_requests=args.max_waiting_requests)
+        worker_kwargs = dict(model_dir=None if builtin else model_dir, device=args.device,
+                             device_ids=list(args.device_ids), max_batch_size=args.max_num_seqs,
+                             max_seq_len=max_model_len, page_size=args.block_size,
+                             num_pages=args.num_gpu_blocks_override, dtype=args.dtype,
+                             pipeline_depth=args.pipeline_depth, max_num_batched_tokens=serve_batched_tokens(args),
+                             enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
+                             max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
+                             max_waiting_requests=args.max_waiting_requests)
+        if args.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+        # Checks every argument and reads the model here, before any process starts; the engine
+        # core makes (and prepares) its own worker from the same arguments.
+        worker = DistributedWorker(**worker_kwargs)
         options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(names),
                                api_key=args.api_key or None, chat_template=args.chat_template,
                                generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
@@ -172,11 +181,12 @@ def serve_command(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"l3worker serve: {e}", file=sys.stderr)
         return 2
+    info = ModelInfo.of(worker)
+    worker.close()  # never prepared: it started nothing
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
         print(f"l3worker serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        worker.close()
         return 1
     if model.defaults.overrides():
         log.info("sampling defaults from generation_config.json: %s", model.defaults.overrides())
@@ -192,14 +202,23 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
               f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}"
               f"{', chat template' if model.chat_template else ', no chat template'}"
-              f"{', API key required' if options.api_key else ''})", flush=True)
+              f"{', API key required' if options.api_key else ''}"
+              f"{f', {args.api_server_count} API servers' if args.api_server_count > 1 else ''})", flush=True)
 
+    launch = None
     try:
-        asyncio.run(serve(worker, model, options, sock, on_ready=on_ready, on_server=on_server))
+        launch, client = launch_core(worker_kwargs, args.api_server_count)
+        launch_api_servers(launch, args.api_server_count, sock, info, options)
+
+        async def on_stop() -> None:
+            launch.signal_api_servers()
+
+        asyncio.run(serve(client, model, options, sock, on_ready=on_ready, on_server=on_server, on_stop=on_stop))
     except Exception:
         log.exception("l3worker serve failed")
         return 1
     finally:
-        worker.close()
+        if launch is not None:
+            launch.kill()  # a no-op after an orderly stop
     print("l3worker serve: stopped", flush=True)
     return 0

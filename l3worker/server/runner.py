@@ -1,4 +1,6 @@
 """Runs the API: the engine's lifetime around uvicorn's, on a socket bound before the model loads.
+The engine is an AsyncEngine over a worker in this process (ServerThread) or a CoreClient of an
+engine-core process (`l3worker serve`, server/launcher.py).
 
 Stopping (SIGINT/SIGTERM in `l3worker serve`, or ServerThread.stop) first refuses new requests and
 aborts those in flight, then lets uvicorn close its connections, then shuts the engine down, which
@@ -10,7 +12,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 import uvicorn
 
@@ -42,17 +44,36 @@ class ServeOptions:
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
 
 
+@dataclass
+class ModelInfo:
+    """What the API needs to know of the worker's model (an API server process has no worker)."""
+
+    model_dir: str
+    model_name: str
+    max_seq_len: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, worker) -> "ModelInfo":
+        return cls(str(worker.model_dir), worker.model_name, worker.runtime_config.max_seq_len,
+                   worker.model_config.vocab_size)
+
+
 def served_model(worker, options: ServeOptions) -> ServedModel:
     """What the API serves, from the worker's model; raises ValueError for a bad chat template or
     parser options."""
-    model_dir = worker.model_dir
-    names = tuple(options.served_model_names) or (worker.model_name,)
+    return model_for(ModelInfo.of(worker), worker.tokenizer, options)
+
+
+def model_for(info: ModelInfo, tokenizer, options: ServeOptions) -> ServedModel:
+    model_dir = info.model_dir
+    names = tuple(options.served_model_names) or (info.model_name,)
     defaults = GenerationDefaults.from_model_dir(model_dir) if options.generation_config == "auto" \
         else GenerationDefaults()
     return ServedModel(
-        names=names, model_dir=str(model_dir), max_model_len=worker.runtime_config.max_seq_len,
-        vocab_size=worker.model_config.vocab_size,
-        tokens=Tokens(worker.tokenizer) if worker.tokenizer is not None else None,
+        names=names, model_dir=str(model_dir), max_model_len=info.max_seq_len,
+        vocab_size=info.vocab_size,
+        tokens=Tokens(tokenizer) if tokenizer is not None else None,
         chat_template=ChatTemplate.load(model_dir, options.chat_template), defaults=defaults,
         parsing=ChatParsing(options.reasoning_parser, options.tool_call_parser, options.enable_auto_tool_choice),
         return_tokens_as_token_ids=options.return_tokens_as_token_ids)
@@ -91,13 +112,13 @@ class Running:
     server: _Uvicorn
 
 
-async def serve(worker, model: ServedModel, options: ServeOptions, sock: socket.socket, *,
+async def serve(engine, model: ServedModel, options: ServeOptions, sock: socket.socket, *,
                 on_ready: Callable[[Running], None] | None = None,
-                on_server: Callable[[_Uvicorn], None] | None = None) -> None:
-    """Starts the engine over `worker`, serves on `sock` until told to stop, then shuts all down."""
-    from l3worker.async_engine import AsyncEngine
-
-    engine = AsyncEngine(worker)
+                on_server: Callable[[_Uvicorn], None] | None = None,
+                on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Starts `engine` (an AsyncEngine, or a CoreClient of an engine-core process), serves on `sock`
+    until told to stop, then shuts all down. `on_stop` runs when the stop begins, before the
+    server's own requests are aborted."""
     try:
         await engine.start()
         app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
@@ -105,7 +126,13 @@ async def serve(worker, model: ServedModel, options: ServeOptions, sock: socket.
         config = uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level, access_log=False,
                                 lifespan="off", http="auto", ws="none",
                                 timeout_graceful_shutdown=options.graceful_timeout_s)
-        server = _Uvicorn(config, app.state.client.abort_all)
+
+        async def stopping() -> None:
+            if on_stop is not None:
+                await on_stop()
+            await app.state.client.abort_all()
+
+        server = _Uvicorn(config, stopping)
         if on_server is not None:
             on_server(server)  # from here on a stop request reaches the server
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -132,9 +159,11 @@ class ServerThread:
         self._thread = threading.Thread(target=self._main, name="l3worker-server", daemon=True)
 
     def _main(self) -> None:
+        from l3worker.async_engine import AsyncEngine
+
         try:
             sock = bind(self.options.host, self.options.port)
-            asyncio.run(serve(self.worker, self.model, self.options, sock, on_ready=self._on_ready))
+            asyncio.run(serve(AsyncEngine(self.worker), self.model, self.options, sock, on_ready=self._on_ready))
         except BaseException as e:  # reported to start()/stop()
             self.error = e
         finally:

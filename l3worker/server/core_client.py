@@ -1,0 +1,199 @@
+"""An API server's engine when the engine runs in an engine-core process (`l3worker serve`).
+
+It offers what the server asks of AsyncEngine (generate, abort, health, the metrics exposition,
+start and shutdown) over the wire of l3worker/core_wire.py. Each API server has one connection:
+its control DEALER (requests, aborts, scrapes in; health and refusals back) and an outputs PULL
+it binds, where the core's step loop sends one message per step.
+
+The engine core's death is seen at once: a pidfd on its process sits in the event loop, and its
+readiness fails every open stream and turns /health and new requests into 503s. All metrics live
+in the core, so whichever API server answers a scrape relays the same, whole registry.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import uuid
+from typing import AsyncIterator, Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from l3worker.core_wire import identity, output_from_wire, pack, params_to_wire, unpack
+from l3worker.engine import EngineDeadError
+from l3worker.errors import EngineBusyError, RequestFailedError
+from l3worker.params import RequestOutput, SamplingParams
+
+log = logging.getLogger("l3worker.server")
+METRICS_TIMEOUT_S = 10.0
+_REFUSED = {"value": ValueError, "type": TypeError, "busy": EngineBusyError, "dead": EngineDeadError}
+
+
+class CoreClient:
+    def __init__(self, index: int, control: str, outputs: str, core_pid: int,
+                 on_shutdown: Callable[["CoreClient"], Awaitable[None]] | None = None):
+        self.core_pid = core_pid
+        self.error: BaseException | None = None
+        self._on_shutdown = on_shutdown  # the launching API server's: stops the processes it started
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(outputs)  # before the core starts: nothing it sends is lost
+        self._control = self._ctx.socket(zmq.DEALER)
+        self._control.setsockopt(zmq.IDENTITY, identity(index))
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.connect(control)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._prompts: dict[str, list[int]] = {}
+        self._scrapes: dict[int, asyncio.Future] = {}
+        self._seq = itertools.count()
+        self._core_healthy = False
+        self._stopping = False
+        self._closed = False
+        self._pidfd: int | None = None
+        self._gone: asyncio.Future | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def dead(self) -> bool:
+        return self.error is not None
+
+    @property
+    def healthy(self) -> bool:
+        return not self._stopping and self.error is None and self._core_healthy
+
+    async def start(self) -> None:
+        """Waits until the engine core serves (it may still be loading the model). Raises
+        EngineDeadError if its process exits first."""
+        loop = asyncio.get_running_loop()
+        self._gone = loop.create_future()
+        self._pidfd = os.pidfd_open(self.core_pid)
+        loop.add_reader(self._pidfd, self._core_exited)
+        await self._control.send(pack(["hello"]))
+        hello = asyncio.ensure_future(self._control.recv())
+        await asyncio.wait({hello, self._gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not hello.done():
+            hello.cancel()
+            raise self.error or EngineDeadError("the engine-core process exited while starting")
+        kind, self._core_healthy = unpack(hello.result())
+        self._tasks = [asyncio.ensure_future(self._read_control()), asyncio.ensure_future(self._read_outputs())]
+
+    async def generate(self, prompt: list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate. The core checks the request; a refusal is raised before any output."""
+        if self._stopping or self._gone is None:
+            raise EngineDeadError("the engine is not running")
+        if self.error is not None:
+            raise self.error
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._prompts[request_id] = list(prompt)
+        finished = False
+        try:
+            await self._control.send(pack(["add", request_id, self._prompts[request_id], params_to_wire(params)]))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            self._prompts.pop(request_id, None)
+            if not finished and self.error is None and not self._closed:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._control.send(pack(["abort", request_id]))
+
+    async def metrics_text(self) -> bytes:
+        """The core's /metrics exposition (empty once it is gone)."""
+        if self._closed or self._gone is None or self._gone.done():
+            return b""
+        seq = next(self._seq)
+        self._scrapes[seq] = future = asyncio.get_running_loop().create_future()
+        try:
+            await self._control.send(pack(["metrics", seq]))
+            return await asyncio.wait_for(future, METRICS_TIMEOUT_S)
+        finally:
+            self._scrapes.pop(seq, None)
+
+    async def shutdown(self) -> None:
+        """Fails what still waits, stops the processes this server started (if it did), closes. Idempotent."""
+        if self._closed:
+            return
+        self._stopping = True
+        if self._on_shutdown is not None:
+            await self._on_shutdown(self)
+        self._closed = True
+        self._fail_waiters(EngineDeadError("the server is shutting down"))
+        for task in self._tasks:
+            task.cancel()
+        self._unwatch()
+        self._ctx.destroy(linger=0)
+
+    async def send_shutdown(self) -> None:
+        """Tells the engine core to stop (the launching API server, last)."""
+        await self._control.send(pack(["shutdown"]))
+
+    # -- readers -----------------------------------------------------------------------------------
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = unpack(await self._pull.recv())
+            if msg[0] == "out":
+                for item in msg[1]:
+                    queue = self._queues.get(item[0])
+                    if queue is not None:
+                        queue.put_nowait(output_from_wire(item, self._prompts[item[0]]))
+            elif msg[0] == "dead":
+                self._die(EngineDeadError(f"the engine stopped: {msg[1]}"))
+
+    async def _read_control(self) -> None:
+        while True:
+            msg = unpack(await self._control.recv())
+            kind = msg[0]
+            if kind == "health":
+                self._core_healthy = msg[1]
+            elif kind == "refused":
+                queue = self._queues.get(msg[1])
+                if queue is not None:
+                    queue.put_nowait(_REFUSED[msg[2]](msg[3]))
+            elif kind == "metrics":
+                future = self._scrapes.get(msg[1])
+                if future is not None and not future.done():
+                    future.set_result(msg[2])
+
+    def _core_exited(self) -> None:
+        self._unwatch()
+        if not self._gone.done():
+            self._gone.set_result(None)
+        if not self._stopping:
+            log.error("the engine-core process (pid %d) exited", self.core_pid)
+            self._die(EngineDeadError("the engine-core process exited"))
+
+    def _die(self, exc: EngineDeadError) -> None:
+        if self.error is None:
+            self.error = exc
+        self._fail_waiters(exc)
+
+    def _unwatch(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _fail_waiters(self, exc: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(exc)
+        for future in self._scrapes.values():
+            if not future.done():
+                future.set_exception(exc)
