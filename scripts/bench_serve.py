@@ -126,13 +126,25 @@ class Launched:
         return {"seconds": seconds, "server_cpu_s": spent[0], "children_cpu_s": sum(spent[1:]),
                 "cpu_percent": 100 * sum(spent) / seconds}
 
-    def cpu_s(self) -> float | None:
-        """The server process's CPU time (not its chip-children's), where psutil is installed."""
+    def cpu_s(self) -> dict | None:
+        """CPU seconds of the API server processes (`l3worker serve` and any --api-server-count
+        others) and of the engine-core process, not the chip-children's; None without psutil."""
         try:
             import psutil
         except ImportError:
             return None
-        return sum(psutil.Process(self.proc.pid).cpu_times()[:2])
+        main = psutil.Process(self.proc.pid)
+        spent = {"api_servers": sum(main.cpu_times()[:2]), "engine_core": 0.0}
+        for proc in main.children(recursive=True):
+            try:
+                cmdline, cpu = proc.cmdline(), sum(proc.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                continue
+            if "l3worker.server.api_server" in cmdline:
+                spent["api_servers"] += cpu
+            elif "l3worker.engine_core" in cmdline:
+                spent["engine_core"] += cpu
+        return spent
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -183,7 +195,9 @@ def print_report(args: argparse.Namespace, result: dict) -> None:
     for e in result["errors"]:
         print(f"  error: {e}")
     if s.get("server_cpu_us_per_token"):
-        print(f"{'server CPU per output token (us)':<40} {s['server_cpu_us_per_token']:.1f}")
+        print(f"{'API server CPU per output token (us)':<40} {s['server_cpu_us_per_token']:.1f}")
+    if s.get("engine_core_cpu_us_per_token"):
+        print(f"{'engine core CPU per output token (us)':<40} {s['engine_core_cpu_us_per_token']:.1f}")
     if result.get("idle"):
         i = result["idle"]
         print(f"{'idle server CPU':<40} {i['server_cpu_s']:.3f} s server + {i['children_cpu_s']:.3f} s children "
@@ -238,8 +252,10 @@ def main(argv=None) -> int:
             cpu0 = server.cpu_s() if server else None
             run["served"], outputs = serve_once(args, base_url, model, samples, args.request_rate[0])
             if cpu0 is not None:  # includes the test request's few tokens
-                run["served"]["server_cpu_us_per_token"] = \
-                    (server.cpu_s() - cpu0) / max(run["served"]["total_output_tokens"], 1) * 1e6
+                cpu1, tokens = server.cpu_s(), max(run["served"]["total_output_tokens"], 1)
+                run["served"]["server_cpu_us_per_token"] = (cpu1["api_servers"] - cpu0["api_servers"]) / tokens * 1e6
+                run["served"]["engine_core_cpu_us_per_token"] = \
+                    (cpu1["engine_core"] - cpu0["engine_core"]) / tokens * 1e6
             result["repeats"].append(run)
         result["server_after"] = scrape(base_url)
         result["per_request"] = [asdict(o) | {"tpot": o.tpot} for o in outputs]  # the last repeat's

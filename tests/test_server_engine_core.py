@@ -149,3 +149,31 @@ def test_the_wire_carries_params_and_outputs_field_for_field() -> None:
         delta_token_ids=[5], delta_text="e", delta_logprobs=[lp])], finished=True, num_cached_tokens=2,
         metrics=RequestMetrics(0.1, 0.2, 0.2, 0.0), error="failed alone")
     assert output_from_wire(unpack(pack(output_to_wire(final))), [1, 2, 3]) == final
+
+
+def test_a_lagging_stream_gets_the_steps_it_missed_as_one_output() -> None:
+    import asyncio
+
+    from l3worker.server.core_client import _Outputs
+
+    lp = [TokenLogprob(t, -1.0) for t in range(4)]
+
+    def step(tokens: list[int], text: str, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1], [CompletionOutput(
+            index=0, delta_token_ids=tokens, delta_text=text, delta_logprobs=[lp[t] for t in tokens],
+            finish_reason="length" if finished else None)], finished=finished)
+
+    async def run() -> list:
+        outputs = _Outputs()
+        outputs.put(step([0], "a"))
+        first = await outputs.get()  # a stream that keeps up sees every step
+        for k, tokens in enumerate(([1], [2], [3])):
+            outputs.put(step(tokens, "bcd"[k], finished=k == 2))
+        outputs.put(RuntimeError("after the end"))
+        return [first, await outputs.get(), await outputs.get()]
+
+    first, merged, error = asyncio.run(run())
+    assert first.outputs[0].delta_token_ids == [0]
+    s = merged.outputs[0]
+    assert (s.delta_token_ids, s.delta_text, s.delta_logprobs) == ([1, 2, 3], "bcd", lp[1:])
+    assert merged.finished and s.finish_reason == "length" and isinstance(error, RuntimeError)

@@ -5,4 +5,6 @@ generation endpoints share: envelope, usage, log line, SSE, disconnects), comple
 (what each of them adds: prompts, choice and delta shapes), chat_reply.py (reasoning and tool calls read from
 chat replies), tokenizer_info.py (GET /tokenizer_info), responses.py (OpenAI's output shapes), chat.py (chat
 templates), tokens.py (token text and bytes), engine_client.py (engine calls), middleware.py (log, API key, body
-limit), runner.py (engine and uvicorn lifetimes), cli.py (the command line)."""
+limit), runner.py (engine and uvicorn lifetimes), cli.py (the command line), launcher.py (the engine-core
+and extra API server processes `serve` starts), core_client.py (an API server's engine: the engine-core
+process over ZeroMQ), api_server.py (API servers 1..N-1 of --api-server-count)."""

@@ -31,6 +31,48 @@ METRICS_TIMEOUT_S = 10.0
 _REFUSED = {"value": ValueError, "type": TypeError, "busy": EngineBusyError, "dead": EngineDeadError}
 
 
+class _Outputs:
+    """A request's outputs its stream has not taken yet. When the stream falls behind (a busy API
+    server), the deltas of several steps merge into one output, so it writes one SSE event for
+    them instead of one per step (vLLM's output collector does the same); a stream that keeps up
+    sees every step."""
+
+    def __init__(self) -> None:
+        self._items: list[RequestOutput | BaseException] = []
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self._items[-1] = merge_outputs(last, item)
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.pop(0)
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """One output with the deltas of `old` then `new` (its successor), and `new`'s other fields."""
+    samples = {s.index: s for s in old.outputs}
+    for s in new.outputs:
+        prev = samples.get(s.index)
+        if prev is not None:
+            s.delta_token_ids = prev.delta_token_ids + s.delta_token_ids
+            s.delta_text = prev.delta_text + s.delta_text
+            if s.delta_logprobs is not None:
+                s.delta_logprobs = (prev.delta_logprobs or []) + s.delta_logprobs
+        samples[s.index] = s
+    new.outputs = sorted(samples.values(), key=lambda s: s.index)
+    if new.prompt_logprobs is None:
+        new.prompt_logprobs = old.prompt_logprobs
+    return new
+
+
 class CoreClient:
     def __init__(self, index: int, control: str, outputs: str, core_pid: int,
                  on_shutdown: Callable[["CoreClient"], Awaitable[None]] | None = None):
@@ -46,7 +88,7 @@ class CoreClient:
         self._control.setsockopt(zmq.IDENTITY, identity(index))
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.connect(control)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _Outputs] = {}
         self._prompts: dict[str, list[int]] = {}
         self._scrapes: dict[int, asyncio.Future] = {}
         self._seq = itertools.count()
@@ -90,8 +132,7 @@ class CoreClient:
             raise self.error
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        queue = self._queues[request_id] = _Outputs()
         self._prompts[request_id] = list(prompt)
         finished = False
         try:
@@ -153,7 +194,7 @@ class CoreClient:
                 for item in msg[1]:
                     queue = self._queues.get(item[0])
                     if queue is not None:
-                        queue.put_nowait(output_from_wire(item, self._prompts[item[0]]))
+                        queue.put(output_from_wire(item, self._prompts[item[0]]))
             elif msg[0] == "dead":
                 self._die(EngineDeadError(f"the engine stopped: {msg[1]}"))
 
@@ -166,7 +207,7 @@ class CoreClient:
             elif kind == "refused":
                 queue = self._queues.get(msg[1])
                 if queue is not None:
-                    queue.put_nowait(_REFUSED[msg[2]](msg[3]))
+                    queue.put(_REFUSED[msg[2]](msg[3]))
             elif kind == "metrics":
                 future = self._scrapes.get(msg[1])
                 if future is not None and not future.done():
@@ -193,7 +234,7 @@ class CoreClient:
 
     def _fail_waiters(self, exc: BaseException) -> None:
         for queue in self._queues.values():
-            queue.put_nowait(exc)
+            queue.put(exc)
         for future in self._scrapes.values():
             if not future.done():
                 future.set_exception(exc)
