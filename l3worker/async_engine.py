@@ -19,9 +19,19 @@ from l3worker.errors import RequestFailedError
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.worker import DistributedWorker
 
-__all__ = ["AsyncEngine", "EngineDeadError", "run_step_loop"]
+__all__ = ["AsyncEngine", "EngineDeadError", "checked", "run_step_loop"]
 
 WATCH_S = 0.25
+
+
+def checked(item: RequestOutput | BaseException) -> RequestOutput:
+    """A stream's next item, from a serving driver's queue: an exception put there (the engine
+    stopped) is raised, as is RequestFailedError for a request the engine gave up on."""
+    if isinstance(item, BaseException):
+        raise item
+    if item.error is not None:
+        raise RequestFailedError(item.error)
+    return item
 
 
 def run_step_loop(worker: DistributedWorker, stopping: Callable[[], bool],
@@ -100,16 +110,10 @@ class AsyncEngine:
         finished = False
         try:
             self.engine.submit(state)
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            while not finished:
+                item = checked(await queue.get())
                 finished = item.finished
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
                 yield item
-                if finished:
-                    return
         finally:
             self._queues.pop(state.request_id, None)
             if not finished:

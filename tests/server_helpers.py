@@ -40,6 +40,21 @@ def stream_raw(client: httpx.Client, path: str, body: dict) -> tuple[httpx.Respo
         return r, r.read()
 
 
+def stream_into(url: str, body: dict, raw: list[bytes], started: threading.Event) -> threading.Thread:
+    """A thread streaming POST /v1/completions into `raw`; `started` is set at the first bytes (and
+    at the end, so a waiter never outlives a stream that failed at once)."""
+    def read() -> None:
+        with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            for chunk in r.iter_raw():
+                raw.append(chunk)
+                started.set()
+        started.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    return t
+
+
 def metric(client: httpx.Client, name: str, labels: str = "") -> float:
     """A sample from GET /metrics, e.g. metric(c, "l3worker:num_requests_running")."""
     text = client.get("/metrics").text

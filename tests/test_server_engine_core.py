@@ -15,23 +15,10 @@ import psutil
 from fault_helpers import alive, shm_entries, wait_for
 from l3worker.core_wire import output_from_wire, output_to_wire, params_from_wire, params_to_wire, unpack, pack
 from l3worker.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
-from server_helpers import metric, sse_events, started_processes, wait_until
+from server_helpers import metric, sse_events, started_processes, stream_into
 
 GREEDY = {"prompt": [5, 6, 7], "max_tokens": 600, "temperature": 0, "ignore_eos": True}
 SMALL = ("--max-num-seqs", "2", "--max-model-len", "1024", "--block-size", "16")
-
-
-def _stream(url: str, body: dict, raw: list[bytes], started: threading.Event) -> threading.Thread:
-    def read() -> None:
-        with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
-            for chunk in r.iter_raw():
-                raw.append(chunk)
-                started.set()
-        started.set()
-
-    t = threading.Thread(target=read)
-    t.start()
-    return t
 
 
 def _new_shm(before: set[str]) -> set[str]:
@@ -55,7 +42,7 @@ def test_the_engine_core_owns_the_chip_children_and_a_killed_one_is_restarted_mi
 
     raw: list[bytes] = []
     started = threading.Event()
-    reader = _stream(url, {**GREEDY, "stream": True}, raw, started)
+    reader = stream_into(url, {**GREEDY, "stream": True}, raw, started)
     assert started.wait(60)
     child.kill()
     reader.join(120)
@@ -78,7 +65,7 @@ def test_a_dead_engine_core_is_503_at_once_and_sigterm_leaves_nothing(served) ->
     http = httpx.Client(base_url=url, timeout=60)
     raw: list[bytes] = []
     started = threading.Event()
-    reader = _stream(url, {**GREEDY, "max_tokens": 1000, "stream": True}, raw, started)
+    reader = stream_into(url, {**GREEDY, "max_tokens": 1000, "stream": True}, raw, started)
     assert started.wait(60)
     core.kill()
     reader.join(60)

@@ -11,7 +11,7 @@ import pytest
 
 from l3worker import DistributedWorker
 from l3worker.server.runner import ServeOptions, ServerThread
-from server_helpers import sse_events, wait_until
+from server_helpers import sse_events, stream_into, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +63,7 @@ def test_killed_child_gives_503_and_ends_open_streams(server, http) -> None:
     raw: list[bytes] = []
     started = threading.Event()
 
-    def read_stream() -> None:
-        with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
-            for chunk in r.iter_raw():
-                raw.append(chunk)
-                started.set()
-        started.set()
-
-    reader = threading.Thread(target=read_stream)
-    reader.start()
+    reader = stream_into(server.url, body, raw, started)
     assert started.wait(60)
     os.kill(server.engine.worker.child_pids[0], signal.SIGKILL)
     reader.join(60)

@@ -15,7 +15,7 @@ import pytest
 from fault_helpers import alive, assert_nothing_left, shm_entries, wait_for
 from l3worker import DistributedWorker
 from l3worker.server.runner import ServerThread
-from server_helpers import metric, sse_events, started_processes, stream_raw, wait_until
+from server_helpers import metric, sse_events, started_processes, stream_into, stream_raw, wait_until
 
 RESTARTS = "l3worker:engine_restarts_total"
 GREEDY = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -115,18 +115,6 @@ def test_a_full_queue_answers_503(server, http) -> None:
 
 
 # -- `l3worker serve` ------------------------------------------------------------------------------------
-def _stream_into(url: str, body: dict, raw: list[bytes], started: threading.Event) -> threading.Thread:
-    def read() -> None:
-        with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
-            for chunk in r.iter_raw():
-                raw.append(chunk)
-                started.set()
-
-    t = threading.Thread(target=read)
-    t.start()
-    return t
-
-
 def _nothing_left(s, children: list[psutil.Process]) -> None:
     assert wait_for(lambda: not any(alive(c) for c in children)), "chip-children outlived the server"
     assert os.listdir(s.tmpdir) == []  # the socket directory
@@ -139,7 +127,7 @@ def test_sigterm_ends_every_open_stream_with_done(served) -> None:
     # Long enough that none can finish before the signal, whatever the machine's speed.
     body = {"prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
     streams = [([], threading.Event()) for _ in range(3)]  # two running, one waiting for a row
-    readers = [_stream_into(url, body, raw, started) for raw, started in streams]
+    readers = [stream_into(url, body, raw, started) for raw, started in streams]
     with httpx.Client(base_url=url, timeout=60) as http:
         wait_until(lambda: metric(http, "l3worker:num_requests_running") == 2
                    and metric(http, "l3worker:num_requests_waiting") == 1, 60, "two running, one waiting")

@@ -9,17 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 
 from chip_child.loader import load_tokenizer
 from l3worker.server.core_client import CoreClient
 from l3worker.server.launcher import ApiServerConfig
-from l3worker.server.runner import ModelInfo, ServeOptions, model_for, serve
+from l3worker.server.runner import ModelInfo, ServeOptions, SignalStop, model_for, serve
 
 
-async def _serve(config: ApiServerConfig, stop: dict) -> None:
+async def _serve(config: ApiServerConfig, stop: SignalStop) -> None:
     options = ServeOptions(**config.options)
     info = ModelInfo(**config.model)
     model = model_for(info, load_tokenizer(info.model_dir), options)
@@ -29,8 +28,7 @@ async def _serve(config: ApiServerConfig, stop: dict) -> None:
     parent = os.pidfd_open(config.parent_pid)
 
     def on_server(server) -> None:
-        stop["server"] = server
-        server.should_exit = stop["requested"]
+        stop.on_server(server)
         loop.add_reader(parent, lambda: setattr(server, "should_exit", True))  # API server 0 is gone
 
     try:
@@ -44,17 +42,7 @@ def main(argv: list[str]) -> int:
     config = ApiServerConfig.from_json(argv[1])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    # Before uvicorn takes the signals over (and after it hands them back) a signal asks the same
-    # orderly stop; it never ends the clean-up half way.
-    stop = {"requested": False, "server": None}
-
-    def on_signal(signum, frame) -> None:
-        stop["requested"] = True
-        if stop["server"] is not None:
-            stop["server"].should_exit = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    stop = SignalStop()
     if os.getppid() != config.parent_pid:
         return 0
     asyncio.run(_serve(config, stop))

@@ -5,14 +5,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
 from l3worker.server.chat_reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
-from l3worker.server.runner import ModelInfo, ServeOptions, bind, serve, served_model
+from l3worker.server.runner import ModelInfo, ServeOptions, SignalStop, bind, serve, served_model
 
 log = logging.getLogger("l3worker.server")
 DEFAULT_MAX_WAITING = 4096  # enough for any burst a single worker can serve in reasonable time
@@ -129,17 +128,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.disable_log_requests:
         logging.getLogger("l3worker.server.requests").setLevel(logging.WARNING)
 
-    # Until uvicorn takes over the signals (and after it hands them back), a signal asks the same
-    # orderly stop; nothing raises KeyboardInterrupt through the engine's shutdown.
-    stop = {"requested": False, "server": None}
-
-    def on_signal(signum, frame) -> None:
-        stop["requested"] = True
-        if stop["server"] is not None:
-            stop["server"].should_exit = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    stop = SignalStop()
 
     from l3worker import DistributedWorker  # heavy imports after the arguments are known good
     from chip_child.loader import load_config
@@ -191,13 +180,8 @@ def serve_command(args: argparse.Namespace) -> int:
     if model.defaults.overrides():
         log.info("sampling defaults from generation_config.json: %s", model.defaults.overrides())
 
-    def on_server(server) -> None:
-        stop["server"] = server
-        if stop["requested"]:
-            server.should_exit = True
-
     def on_ready(running) -> None:
-        if stop["requested"]:
+        if stop.requested:
             return
         print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
               f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}"
@@ -213,7 +197,7 @@ def serve_command(args: argparse.Namespace) -> int:
         async def on_stop() -> None:
             launch.signal_api_servers()
 
-        asyncio.run(serve(client, model, options, sock, on_ready=on_ready, on_server=on_server, on_stop=on_stop))
+        asyncio.run(serve(client, model, options, sock, on_ready=on_ready, on_server=stop.on_server, on_stop=on_stop))
     except Exception:
         log.exception("l3worker serve failed")
         return 1

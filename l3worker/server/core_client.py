@@ -22,8 +22,9 @@ import zmq
 import zmq.asyncio
 
 from l3worker.core_wire import identity, output_from_wire, pack, params_to_wire, unpack
+from l3worker.async_engine import checked
 from l3worker.engine import EngineDeadError
-from l3worker.errors import EngineBusyError, RequestFailedError
+from l3worker.errors import EngineBusyError
 from l3worker.params import RequestOutput, SamplingParams
 
 log = logging.getLogger("l3worker.server")
@@ -137,16 +138,10 @@ class CoreClient:
         finished = False
         try:
             await self._control.send(pack(["add", request_id, self._prompts[request_id], params_to_wire(params)]))
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+            while not finished:
+                item = checked(await queue.get())
                 finished = item.finished
-                if item.error is not None:
-                    raise RequestFailedError(item.error)
                 yield item
-                if finished:
-                    return
         finally:
             self._queues.pop(request_id, None)
             self._prompts.pop(request_id, None)
