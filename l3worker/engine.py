@@ -340,10 +340,11 @@ class Engine:
 
     # -- gauges, read by the metrics registry ------------------------------------------------------
     def _num_running(self) -> int:
-        return sum(1 for s in self.requests.values() if any(q.row >= 0 and not q.finished for q in s.seqs))
+        # A copy (atomic): the engine-core process scrapes from a thread other than the loop's.
+        return sum(1 for s in list(self.requests.values()) if any(q.row >= 0 and not q.finished for q in s.seqs))
 
     def _num_waiting(self) -> int:
-        return sum(1 for s in self.requests.values() if all(q.row < 0 and not q.finished for q in s.seqs)) + \
+        return sum(1 for s in list(self.requests.values()) if all(q.row < 0 and not q.finished for q in s.seqs)) + \
             sum(1 for kind, _ in list(self._inbox) if kind == "add")
 
     def _num_queued(self) -> int:

@@ -1,7 +1,7 @@
 """The engine-core process of `l3worker serve`: the engine's step loop, away from HTTP.
 
-`python -m l3worker.engine_core CONFIG_JSON`, started by the launching API server
-(l3worker/server/launcher.py). It makes a DistributedWorker from the same arguments, prepares it
+`python -m l3worker.engine_core` (its CoreConfig as JSON on stdin), started by the launching API
+server (l3worker/server/launcher.py). It makes a DistributedWorker from the same arguments, prepares it
 (starting the chip-children) and serves its API servers over the wire of l3worker/core_wire.py:
 the main thread answers the control socket (adds, aborts, metrics scrapes, health), the loop thread
 drives Engine.step (run_step_loop, as AsyncEngine does in-process) and sends one message per step
@@ -92,7 +92,10 @@ class EngineCore:
                     break
                 while self.control.poll(0):
                     who, data = self.control.recv_multipart()
-                    self._handle(who, unpack(data))
+                    try:
+                        self._handle(who, unpack(data))
+                    except Exception:  # one bad message must not take the engine down
+                        log.exception("control message from %s failed", who.decode(errors="replace"))
                 self._send_health()
         finally:
             os.close(parent)
@@ -177,8 +180,8 @@ def _sigterm_when_parent_dies() -> None:
         pass
 
 
-def main(argv: list[str]) -> int:
-    config = CoreConfig.from_json(argv[1])
+def main() -> int:
+    config = CoreConfig.from_json(sys.stdin.read())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launching API server's to handle
@@ -204,4 +207,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

@@ -1,8 +1,9 @@
 """API server 1..N-1 of `l3worker serve --api-server-count N`: uvicorn on the listening socket it
 inherits from API server 0, with its own connection to the engine core.
 
-`python -m l3worker.server.api_server CONFIG_JSON`, started by server/launcher.py. It stops on
-SIGTERM (aborting its requests, as API server 0 does), and by itself when API server 0 goes away.
+`python -m l3worker.server.api_server` (its ApiServerConfig as JSON on stdin), started by
+server/launcher.py. It stops on SIGTERM (aborting its requests, as API server 0 does), and by
+itself when API server 0 goes away.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ async def _serve(config: ApiServerConfig, stop: SignalStop) -> None:
         os.close(parent)
 
 
-def main(argv: list[str]) -> int:
-    config = ApiServerConfig.from_json(argv[1])
+def main() -> int:
+    config = ApiServerConfig.from_json(sys.stdin.read())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     stop = SignalStop()
@@ -50,4 +51,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

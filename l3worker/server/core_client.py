@@ -116,12 +116,15 @@ class CoreClient:
         self._pidfd = os.pidfd_open(self.core_pid)
         loop.add_reader(self._pidfd, self._core_exited)
         await self._control.send(pack(["hello"]))
-        hello = asyncio.ensure_future(self._control.recv())
-        await asyncio.wait({hello, self._gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not hello.done():
-            hello.cancel()
-            raise self.error or EngineDeadError("the engine-core process exited while starting")
-        kind, self._core_healthy = unpack(hello.result())
+        while True:  # a health change may come before the reply
+            reply = asyncio.ensure_future(self._control.recv())
+            await asyncio.wait({reply, self._gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not reply.done():
+                reply.cancel()
+                raise self.error or EngineDeadError("the engine-core process exited while starting")
+            kind, self._core_healthy = unpack(reply.result())
+            if kind == "ready":
+                break
         self._tasks = [asyncio.ensure_future(self._read_control()), asyncio.ensure_future(self._read_outputs())]
 
     async def generate(self, prompt: list[int], params: SamplingParams | None = None,

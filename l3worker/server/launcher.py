@@ -58,7 +58,11 @@ def _endpoints(run_dir: str, api_server_count: int) -> tuple[str, list[str]]:
 
 
 def _spawn(module: str, config_json: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, config_json], start_new_session=True, **popen)
+    """`python -m module`, its configuration on stdin (not argv, where any user could read an API key)."""
+    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, start_new_session=True, **popen)
+    proc.stdin.write(config_json.encode())
+    proc.stdin.close()
+    return proc
 
 
 @dataclass
