@@ -32,7 +32,11 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = CLEANUP_S) -> bool:
 
 
 def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """/dev/shm's entries, less multiprocessing's semaphores (`sem.mp-*`): nothing here makes them,
+    and other programs on a shared machine come and go with theirs."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-")}
 
 
 def assert_nothing_left(children: list[psutil.Process], socket_dir: str, shm_before: set[str]) -> None:

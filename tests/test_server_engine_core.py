@@ -21,12 +21,6 @@ GREEDY = {"prompt": [5, 6, 7], "max_tokens": 600, "temperature": 0, "ignore_eos"
 SMALL = ("--max-num-seqs", "2", "--max-model-len", "1024", "--block-size", "16")
 
 
-def _new_shm(before: set[str]) -> set[str]:
-    """/dev/shm entries made since `before`, less multiprocessing's semaphores: `serve` makes none,
-    and other programs on the machine do (the machine's /dev/shm is shared)."""
-    return {name for name in shm_entries() - before if not name.startswith("sem.mp-")}
-
-
 def _gone(procs: list[psutil.Process]) -> bool:
     return not any(alive(p) for p in procs)
 
@@ -78,17 +72,18 @@ def test_a_dead_engine_core_is_503_at_once_and_sigterm_leaves_nothing(served) ->
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     assert wait_for(lambda: _gone(everything)), "a process outlived the server"
-    assert os.listdir(s.tmpdir) == [] and not _new_shm(shm_before)
+    assert os.listdir(s.tmpdir) == [] and not shm_entries() - shm_before
 
 
-def test_the_engine_core_exits_when_its_api_server_is_killed(served) -> None:
-    s = served(*SMALL)
+def test_the_engine_core_and_the_other_api_servers_exit_when_api_server_0_is_killed(served) -> None:
+    s = served(*SMALL, "--api-server-count", "2")
     s.ready()
     everything = psutil.Process(s.proc.pid).children(recursive=True)
-    assert started_processes(s.proc.pid, "l3worker.engine_core") and started_processes(s.proc.pid, "chip_child")
+    for module in ("l3worker.engine_core", "chip_child", "l3worker.server.api_server"):
+        assert started_processes(s.proc.pid, module), module
     s.proc.kill()
     s.proc.wait(30)
-    assert wait_for(lambda: _gone(everything)), "the engine core or its chip-child outlived its API server"
+    assert wait_for(lambda: _gone(everything)), "a process outlived the API server that started it"
     assert wait_for(lambda: os.listdir(s.tmpdir) == []), os.listdir(s.tmpdir)
 
 
@@ -120,7 +115,7 @@ def test_two_api_servers_share_the_port_and_the_engine_and_stop_together(served)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     assert not alive(other)
     assert wait_for(lambda: _gone(everything)), "a process outlived the server"
-    assert os.listdir(s.tmpdir) == [] and not _new_shm(shm_before)
+    assert os.listdir(s.tmpdir) == [] and not shm_entries() - shm_before
 
 
 def test_the_wire_carries_params_and_outputs_field_for_field() -> None:
