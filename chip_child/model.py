@@ -63,17 +63,20 @@ class Qwen3Weights:
 
     @classmethod
     def from_hf(cls, state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int = 0,
-                world: int = 1) -> "Qwen3Weights":
+                world: int = 1, expert_parallel: bool = False) -> "Qwen3Weights":
         """Fuses the HF tensors; with world > 1 keeps this rank's tensor-parallel shard: its
         slice of the heads and of the MLP's intermediate dimension (Megatron-style; each
-        expert's in a MoE layer), with o_proj and down_proj split by input so one all-reduce
-        after each completes the layer."""
+        expert's in a MoE layer, or with `expert_parallel` its num_experts / world experts
+        whole), with o_proj and down_proj split by input so one all-reduce after each completes
+        the layer."""
         hd = cfg.head_dim
         heads = _shard(rank, world, cfg.num_heads * hd)
         kv_heads = _shard(rank, world, cfg.num_kv_heads * hd)
         inter = _shard(rank, world, cfg.intermediate_size)
         moe = cfg.moe
-        expert_inter = _shard(rank, world, moe.intermediate_size) if moe is not None else None
+        if moe is not None:
+            expert_inter = slice(None) if expert_parallel else _shard(rank, world, moe.intermediate_size)
+            experts = _shard(rank, world, moe.num_experts) if expert_parallel else slice(0, moe.num_experts)
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -99,7 +102,7 @@ class Qwen3Weights:
                     gate_up=None if sparse else torch.cat([state[p + "mlp.gate_proj.weight"][inter],
                                                            state[p + "mlp.up_proj.weight"][inter]]).t(),
                     down=None if sparse else state[p + "mlp.down_proj.weight"][:, inter].contiguous().t(),
-                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter) if sparse else None,
+                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts) if sparse else None,
                 )
             )
         embed = state["model.embed_tokens.weight"]
@@ -120,6 +123,11 @@ class Qwen3Weights:
                             eps=to(self.eps), inv_hidden=to(self.inv_hidden), inv_head_dim=to(self.inv_head_dim),
                             eps_value=self.eps_value)
 
+    def held_experts(self) -> list[int] | None:
+        """[first, count] of the experts this rank holds (all unless expert parallel); None: no MoE."""
+        moe = next((lw.moe for lw in self.layers if lw.moe is not None), None)
+        return None if moe is None else [moe.first_expert, moe.gate_up.shape[0]]
+
     def prepack(self) -> None:
         """Replaces the projections and the lm_head by their oneDNN-prepacked copies (small ones
         stay plain: chip_child.prepack), in place and one matrix at a time, so loading peaks at one
@@ -137,16 +145,27 @@ def _shard(rank: int, world: int, size: int) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
-def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """The per-rank view of the model under tensor parallelism over `world` devices."""
+def shard_config(cfg: ModelConfig, world: int, expert_parallel: bool = False) -> ModelConfig:
+    """The per-rank view of the model under tensor parallelism over `world` devices; with
+    `expert_parallel` a MoE layer's experts are split across the ranks instead of each expert's
+    intermediate dimension (the view keeps the full router: every rank routes every token)."""
     sizes = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
              ("intermediate_size", cfg.intermediate_size)]
-    if cfg.moe is not None:
+    if expert_parallel:
+        if cfg.moe is None:
+            raise ValueError(f"enable_expert_parallel: {cfg.architecture} has no experts (only MoE models do)")
+        if world < 2:
+            raise ValueError("enable_expert_parallel splits the experts across tensor-parallel ranks: it needs "
+                             f"more than one device in device_ids, got {world}")
+        sizes.append(("num_experts", cfg.moe.num_experts))
+    elif cfg.moe is not None:
         sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
     for name, value in sizes:
         if value % world:
-            raise ValueError(f"device_ids: {world} devices do not divide the model's {name}={value}")
-    moe = cfg.moe and replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // world)
+            raise ValueError(f"device_ids: {world} devices do not divide the model's {name}={value}"
+                             f"{' (enable_expert_parallel)' if name == 'num_experts' else ''}")
+    moe = cfg.moe and (cfg.moe if expert_parallel else
+                       replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // world))
     return replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
                    intermediate_size=cfg.intermediate_size // world, moe=moe)
 

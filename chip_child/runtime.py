@@ -71,16 +71,18 @@ class ChipRuntime:
         self.device = resolve_device(cfg.device, cfg.device_id)
         if cfg.num_threads or self.device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or default_cpu_threads(cfg.tp_size))
-        full_cfg = load_config(cfg.model_dir)
+        full_cfg = load_config(cfg.model_dir, cfg.quantization)
         self.dtype = resolve_dtype(cfg.dtype, self.device.type, full_cfg)
-        self.model_cfg: ModelConfig = shard_config(full_cfg, cfg.tp_size)  # this rank's heads and MLP slice
+        # this rank's heads and MLP slice (its experts under expert parallelism)
+        self.model_cfg: ModelConfig = shard_config(full_cfg, cfg.tp_size, cfg.enable_expert_parallel)
         # The grammar compiler's token trie (seconds for a large vocabulary) builds while the weights load.
         grammar_compiler = ConstrainedRows.compiler_for(cfg.model_dir, self.model_cfg.vocab_size,
                                                         full_cfg.eos_token_ids)
         self._all_reduce = self._init_tensor_parallel() if cfg.tp_size > 1 else (lambda x: x)
         # Fuse and shard on the host (memory-mapped), so only this rank's weights reach the device.
         host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu")
-        self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size).to(self.device)
+        self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size,
+                                            cfg.enable_expert_parallel).to(self.device)
         del host
         self.cpu_prepack = resolve_cpu_prepack(cfg.cpu_prepack, self.device.type, self.dtype)
         if self.cpu_prepack:
