@@ -37,6 +37,7 @@ from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device
 from chip_child.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_of, resolve_decode_graphs
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
 from chip_child.fused import resolve_fused_kernels, triton_layer_ops
+from chip_child.moe_npu import npu_moe
 from chip_child.model import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.chunk_layout import ChunkInts, ChunkLayout, ChunkPlan, plan_chunks
 from chip_child.constrained_rows import ConstrainedRows
@@ -90,6 +91,8 @@ class ChipRuntime:
         mc = self.model_cfg
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
         self.ops = triton_layer_ops() if resolve_fused_kernels(cfg.fused_kernels, self.device.type) else TORCH_OPS
+        if self.device.type == "npu":
+            self.ops = replace(self.ops, moe=npu_moe)  # torch_npu's MoE ops
         self.limits = replace(cfg.limits(), vocab_size=mc.vocab_size)
         self.pool = TensorPool(self.device)
         # One step function; two names, so a step's kind shows in dispatch (and fault injection).
