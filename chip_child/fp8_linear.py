@@ -63,7 +63,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     pad[:, :k] = x.float()
     scale = pad.view(m, groups, group).abs().amax(-1).clamp(min=EPS) / FP8_MAX
     q = (pad.view(m, groups, group) / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(m, -1)[:, :k].contiguous(), scale
+    return q.view(m, groups * group)[:, :k].contiguous(), scale
 
 
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

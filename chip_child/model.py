@@ -8,7 +8,8 @@ matmuls. One forward serves every step: decode rows (one token each) and prefill
 by side on the token axis, and attention over the paged KV cache is the attention backend's
 (chip_child.attention): K/V written by slot mapping, read through the block table, no dense
 mask built on the host. On the cpu the projections and the lm_head can be prepacked for oneDNN
-at load (chip_child.prepack); `linear` takes either kind of weight.
+at load (chip_child.prepack); on cuda block-FP8 projections stay fp8 (chip_child.fp8_linear);
+`linear` takes any kind of weight.
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from chip_child.attention import AttentionBackend, StepPlan
+from chip_child.fp8_linear import Fp8Linear, projection
 from chip_child.loader import ModelConfig
 from chip_child.moe import MoeImpl, MoeWeights, torch_moe
 from chip_child.prepack import PackedLinear, prepacked
 from chip_child.rope import inv_freq
 
-Weight = torch.Tensor | PackedLinear  # a plain [in, out] view, or the same matrix prepacked
+Weight = torch.Tensor | PackedLinear | Fp8Linear  # a plain [in, out] view, prepacked, or block fp8 (cuda)
 
 
 @dataclass
@@ -78,6 +80,9 @@ class Qwen3Weights:
             expert_inter = slice(None) if expert_parallel else _shard(rank, world, moe.intermediate_size)
             experts = _shard(rank, world, moe.num_experts) if expert_parallel else slice(0, moe.num_experts)
         layers = []
+        every = slice(None)
+        dtype = state["model.embed_tokens.weight"].dtype  # the compute dtype
+        proj = lambda parts: projection(state, parts, cfg.quantization, dtype)  # noqa: E731
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
@@ -93,15 +98,15 @@ class Qwen3Weights:
             layers.append(
                 LayerWeights(
                     input_norm=state[p + "input_layernorm.weight"],
-                    qkv=torch.cat([state[attn + f"{n}_proj.weight"][rows[n]] for n in "qkv"]).t(),
+                    qkv=proj([(attn + f"{n}_proj.weight", rows[n], every) for n in "qkv"]),
                     qkv_bias=qkv_bias,
                     qk_norm=qk_norm,
-                    o_proj=state[attn + "o_proj.weight"][:, heads].contiguous().t(),
+                    o_proj=proj([(attn + "o_proj.weight", every, heads)]),
                     o_bias=o_bias,
                     post_norm=state[p + "post_attention_layernorm.weight"],
-                    gate_up=None if sparse else torch.cat([state[p + "mlp.gate_proj.weight"][inter],
-                                                           state[p + "mlp.up_proj.weight"][inter]]).t(),
-                    down=None if sparse else state[p + "mlp.down_proj.weight"][:, inter].contiguous().t(),
+                    gate_up=None if sparse else proj([(p + f"mlp.{n}_proj.weight", inter, every)
+                                                      for n in ("gate", "up")]),
+                    down=None if sparse else proj([(p + "mlp.down_proj.weight", every, inter)]),
                     moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts) if sparse else None,
                 )
             )
@@ -186,8 +191,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, inv_dim: 
 
 
 def linear(x: torch.Tensor, weight_t: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight_t [in, out] (+ bias): one mm, or one call of the prepacked op."""
-    if type(weight_t) is PackedLinear:
+    """x [T, in] @ weight_t [in, out] (+ bias): one mm, or one call of the prepacked or fp8 layer."""
+    if type(weight_t) is PackedLinear or type(weight_t) is Fp8Linear:
         return weight_t(x, bias)
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 

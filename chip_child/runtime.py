@@ -35,6 +35,7 @@ from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device
 from chip_child.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_of, resolve_decode_graphs
+from chip_child.fp8_linear import keeps_fp8_on
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
 from chip_child.fused import resolve_fused_kernels, triton_layer_ops
 from chip_child.moe_npu import npu_moe
@@ -81,7 +82,8 @@ class ChipRuntime:
                                                         full_cfg.eos_token_ids)
         self._all_reduce = self._init_tensor_parallel() if cfg.tp_size > 1 else (lambda x: x)
         # Fuse and shard on the host (memory-mapped), so only this rank's weights reach the device.
-        host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu")
+        host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu",
+                            keep_fp8=keeps_fp8_on(self.device, full_cfg.quantization))
         self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size,
                                             cfg.enable_expert_parallel).to(self.device)
         del host
