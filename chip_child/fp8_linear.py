@@ -23,10 +23,11 @@ from functools import lru_cache
 
 import torch
 
-from chip_child.fp8 import FP8, FP8_MAX, SCALE_SUFFIX, _per_element, dequantize_blocks, is_quantized_at_load
+from chip_child.fp8 import (FP8, FP8_MAX, SCALE_SUFFIX, _per_element, dequantize_blocks, is_quantized_at_load,
+                            quantize_blocks)
 from chip_child.quant import BlockFp8
 
-EPS = 1e-10  # fp8_kernels.EPS: the scale floor of an all-zero group
+EPS = 1e-10  # fp8_kernels.EPS (not imported from there: that imports triton): the floor of a group's scale
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores (Ada, Hopper and later); Triton has no e4m3 dot below
 SCALED_MM_BLOCK = (128, 128)  # the only weight block cuBLAS's blockwise recipe takes
 
@@ -130,8 +131,6 @@ def scaled_mm_works(device: torch.device, out_dtype: torch.dtype) -> bool:
         return False
     g = torch.Generator(device).manual_seed(0)
     w = torch.randn(256, 512, generator=g, device=device) / 16
-    from chip_child.fp8 import quantize_blocks
-
     weight, scale_inv = (t.to(device) for t in quantize_blocks(w.cpu(), SCALED_MM_BLOCK))
     for m in (1, 5, 64):
         x = torch.randn(m, 512, generator=g, device=device)

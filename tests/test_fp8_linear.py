@@ -181,7 +181,7 @@ def _run(path: Path, kept: bool, monkeypatch: pytest.MonkeyPatch, gemm: str | No
     return rt, LocalDriver(rt).run([LocalRequest(p, 8) for p in prompts], keep_logits=True)
 
 
-def test_cpu_runtime_dequantizes(fp8_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_runtime_dequantizes(fp8_pair) -> None:
     rt = ChipRuntime(RuntimeConfig(str(fp8_pair[0]), device="cpu", dtype="float32", max_batch_size=2,
                                    max_seq_len=64, page_size=8))
     lw = rt.weights.layers[0]
