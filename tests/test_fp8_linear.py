@@ -101,6 +101,31 @@ def test_projection_keeps_block_aligned_fp8_and_dequantizes_the_rest() -> None:
         assert torch.equal(plain, torch.cat([deq[n][r, c] for n, r, c in parts]).t())
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_model_projections_hold_the_dequantized_weights(fp8_pair, world: int) -> None:
+    """Qwen3Weights.from_hf on kept fp8 (blocks of 16 x 32), whole and as tensor-parallel shards:
+    each projection is an Fp8Linear whose blocks dequantize to the dequantized load's projection,
+    or, where a shard cuts a block (k/v rows of 24, o_proj and down columns of 48), that matrix itself."""
+    from chip_child.model import PROJECTIONS, Qwen3Weights
+
+    fp8_dir, _ = fp8_pair
+    cfg = load_config(fp8_dir)
+    kept = load_weights(fp8_dir, cfg, torch.float32, keep_fp8=True)
+    plain = load_weights(fp8_dir, cfg, torch.float32)
+    kinds = set()
+    for rank in range(world):
+        got, want = (Qwen3Weights.from_hf(state, cfg, rank, world) for state in (kept, plain))
+        for lw, ref in zip(got.layers, want.layers):
+            for name in PROJECTIONS:
+                p = getattr(lw, name)
+                kinds.add((name, type(p).__name__))
+                if isinstance(p, Fp8Linear):
+                    p = dequantize_blocks(p.weight, p.scale_inv, p.block, torch.float32).t()
+                assert torch.equal(p, getattr(ref, name)), (rank, name)
+    fp8 = {name for name, kind in kinds if kind == "Fp8Linear"}
+    assert fp8 == (set(PROJECTIONS) if world == 1 else {"gate_up"})
+
+
 # -- the kernels under the interpreter --------------------------------------------------------------
 
 @triton.jit
