@@ -225,3 +225,25 @@ def test_runtime_on_kept_fp8_runs_the_kernels_as_the_reference_math(fp8_pair, mo
     assert got.token_ids == want.token_ids
     for mine, ref in zip(got.logits, want.logits):
         torch.testing.assert_close(torch.stack(mine), torch.stack(ref), rtol=1e-4, atol=1e-4)
+
+
+@interpreted
+def test_scaled_mm_probe_accepts_the_recipe_only_with_the_right_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load-time probe of F.scaled_mm's blockwise recipe, with our GEMM standing in for cuBLAS:
+    it passes when the scales are read as laid out, fails when either operand's scales are read from
+    another block, and fails when the call raises."""
+    def stand_in(mix_weight: bool = False, mix_activation: bool = False, fail: bool = False):
+        def gemm(q, scale, weight, scale_inv_t, out_dtype):
+            if fail:
+                raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+            w_scale = scale_inv_t.t()
+            return triton_gemm(q, scale.flip(1) if mix_activation else scale, weight,
+                               w_scale.flip(0) if mix_weight else w_scale, (128, 128), out_dtype)
+        return gemm
+
+    for gemm, works in ((stand_in(), True), (stand_in(mix_weight=True), False),
+                        (stand_in(mix_activation=True), False), (stand_in(fail=True), False)):
+        monkeypatch.setattr(fp8_linear, "_scaled_mm", gemm)
+        fp8_linear.scaled_mm_works.cache_clear()
+        assert fp8_linear.scaled_mm_works(torch.device("cpu"), torch.bfloat16) is works
+    fp8_linear.scaled_mm_works.cache_clear()
