@@ -15,8 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-EPS = 1e-10  # an all-zero group gets a tiny scale, not a division by zero
+# constexpr: a compiled kernel may read only constexpr globals (the interpreter reads any).
+FP8_MAX = tl.constexpr(448.0)
+EPS = tl.constexpr(1e-10)  # an all-zero group gets a tiny scale, not a division by zero
 
 
 @triton.jit

@@ -247,3 +247,46 @@ def test_scaled_mm_probe_accepts_the_recipe_only_with_the_right_scales(monkeypat
         fp8_linear.scaled_mm_works.cache_clear()
         assert fp8_linear.scaled_mm_works(torch.device("cpu"), torch.bfloat16) is works
     fp8_linear.scaled_mm_works.cache_clear()
+
+
+# Compiles both kernels for one capability and prints what the test checks; run in a child without
+# TRITON_INTERPRET (under it @triton.jit makes interpreted functions, which cannot be compiled).
+COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from chip_child import fp8_kernels as k
+
+target = GPUTarget("cuda", int(sys.argv[1]), 32)
+quant = triton.compile(ASTSource(k.group_quant_kernel, constexprs={"GROUP": 128}, signature=dict(
+    x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", cols="i32", stride_x="i32", stride_q="i32", stride_sm="i32",
+    stride_sg="i32", GROUP="constexpr")), target=target)
+print("quant div.rn", "div.rn.f32" in quant.asm["ptx"], "div.full", "div.full" in quant.asm["ptx"])
+ints = ("M", "N", "K", "stride_am", "stride_asm", "stride_asg", "stride_bn", "stride_bsn", "stride_bsk", "stride_cm")
+signature = dict(a_ptr="*fp8e4nv", as_ptr="*fp32", b_ptr="*fp8e4nv", bs_ptr="*fp32", c_ptr="*bf16",
+                 **dict.fromkeys(ints, "i32"))
+for block_m, block_n in ((16, 64), (64, 128)):  # the decode and the prefill tiles
+    consts = dict(GROUP_N=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128)
+    gemm = triton.compile(ASTSource(k.block_fp8_gemm_kernel, constexprs=consts,
+                                    signature=signature | dict.fromkeys(consts, "constexpr")), target=target)
+    print("gemm", block_m, block_n, "cubin", "cubin" in gemm.asm)
+"""
+
+
+@pytest.mark.parametrize("capability", [89, 90])
+def test_kernels_compile_for_fp8_gpus(capability: int) -> None:
+    """Both kernels compiled ahead of time for sm_89 and sm_90 (no GPU needed: Triton's own ptxas):
+    the interpreter runs what a compiled kernel may not (it reads non-constexpr globals), so this
+    checks the source a GPU would build. The quantizer divides with IEEE rounding (div.rn, not the
+    approximate div.full Triton's `/` emits)."""
+    import subprocess
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="this triton has no cuda backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", COMPILE, str(capability)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == ["quant div.rn True div.full False", "gemm 16 64 cubin True",
+                                           "gemm 64 128 cubin True"], proc.stdout
