@@ -39,6 +39,8 @@ class RuntimeConfig:
     fused_kernels: bool | None = None  # None: on for cuda where triton imports (chip_child.fused)
     cpu_prepack: bool | None = None  # None: on for the cpu where oneDNN runs the dtype (chip_child.prepack)
     num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
+    quantization: str | None = None  # a method applied at load ("fp8"); None: as the checkpoint is stored
+    enable_expert_parallel: bool = False  # MoE experts split whole across the tensor-parallel ranks
     tp_rank: int = 0
     tp_size: int = 1
     dist_init: str | None = None  # torch.distributed init_method when tp_size > 1

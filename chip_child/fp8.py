@@ -4,7 +4,8 @@ Each (rows x cols) block of a float8_e4m3fn matrix has one float32 scale in `<na
 ([ceil(out / rows), ceil(in / cols)]); the weight is fp8 * scale. The product of an fp8 value
 (4 significant bits) and an fp32 scale is exact in fp32, so dequantizing to fp32 loses nothing and
 to bf16/fp16 rounds once, as a dequantized reference would. `quantize_blocks` is the inverse
-(per block amax / 448), used to write FP8 checkpoints from plain ones.
+(per block amax / 448): `quantization="fp8"` runs both on a plain checkpoint's projections at load
+(`round_trip`), so it computes with exactly the weights its FP8 checkpoint would hold.
 """
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ import torch
 SCALE_SUFFIX = "_scale_inv"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def is_quantized_at_load(name: str) -> bool:
+    """The weights quantization="fp8" quantizes: the linear layers' (attention, MLP and expert
+    projections), as the Qwen3-*-FP8 releases do; the embedding, lm_head, norms and the MoE
+    router stay plain."""
+    return name.endswith("_proj.weight")
 
 
 def _per_element(scale_inv: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
@@ -43,3 +51,8 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     scale_inv = amax / FP8_MAX
     q = (pad / _per_element(scale_inv, pad.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q[:out, :inp].contiguous(), scale_inv
+
+
+def round_trip(weight: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """`weight` quantized per block and dequantized into `dtype`: what its FP8 checkpoint loads as."""
+    return dequantize_blocks(*quantize_blocks(weight, block), block, dtype)

@@ -18,9 +18,10 @@ import tokenizers
 import torch
 from safetensors import safe_open
 
-from chip_child.fp8 import SCALE_SUFFIX, dequantize_blocks
+from chip_child.fp8 import SCALE_SUFFIX, dequantize_blocks, is_quantized_at_load, quantize_blocks, round_trip
+from chip_child.fp8_linear import is_kept
 from chip_child.moe import MoeConfig, expert_tensor_shapes, parse_moe
-from chip_child.quant import BlockFp8, parse_quantization
+from chip_child.quant import BlockFp8, parse_quantization, requested_quantization
 from chip_child.rope import RopeScaling, parse_rope
 
 _CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
@@ -84,7 +85,7 @@ class ModelConfig:
     architecture: str = "Qwen3ForCausalLM"  # a key of FAMILIES
     qk_norm: bool = True  # per-head RMSNorm of q and k before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None
-    quantization: BlockFp8 | None = None  # how the checkpoint's weights are stored; None: plain floats
+    quantization: BlockFp8 | None = None  # stored, or made at load (at_load); None: plain floats
     moe: MoeConfig | None = None  # Qwen3-MoE's experts; None: every MLP dense
 
 
@@ -140,7 +141,8 @@ def _require(raw: dict[str, Any], key: str, path: Path) -> Any:
     return raw[key]
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
+def load_config(model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
+    """The checkpoint's config; `quantization`: a method to apply at load (chip_child.quant.requested_quantization)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
@@ -150,7 +152,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     raw = _read_json(path)
     arch = _architecture(raw, path)
     family = FAMILIES[arch]
-    quantization = parse_quantization(raw, path)
+    quantization = requested_quantization(quantization, parse_quantization(raw, path), path)
     max_positions = _max_positions(raw, arch, path)
     # transformers 5 also lists per-layer attention kinds; only full attention is implemented.
     odd_layers = {t for t in raw.get("layer_types") or [] if t != "full_attention"}
@@ -268,18 +270,24 @@ def load_weights(
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
+    keep_fp8: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load exactly the expected tensors (extras such as a tied lm_head are ignored) in `dtype`;
-    block-FP8 weights of a checkpoint that declares them are dequantized (chip_child.fp8)."""
+    block-FP8 weights of a checkpoint that declares them are dequantized (chip_child.fp8), and a
+    plain checkpoint's projections quantized first when `cfg.quantization.at_load`. With
+    `keep_fp8` (chip_child.fp8_linear.keeps_fp8: cuda) the dense projections stay float8 instead,
+    each with its scales under `name + "_scale_inv"`, after the expected tensors."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     expected = expected_tensor_shapes(cfg)
     quant = cfg.quantization
-    scale_names = {n + SCALE_SUFFIX: n for n in expected} if quant is not None else {}
+    stored = quant if quant is not None and not quant.at_load else None  # the checkpoint holds fp8 data
+    scale_names = {n + SCALE_SUFFIX: n for n in expected} if stored is not None else {}
     loaded: dict[str, torch.Tensor] = {}
     fp8: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
+    kept: dict[str, torch.Tensor] = {}  # float8 projections and their scales, as stored or quantized here
     for file_name, names in _tensor_files(model_dir, list(expected), list(scale_names)).items():
         path = model_dir / file_name
         if not path.is_file():
@@ -300,23 +308,33 @@ def load_weights(
                         f"tensor {name!r} in {path} has shape {list(found)}, "
                         f"expected {list(expected[name])}"
                     )
-                stored = f.get_slice(name).get_dtype()
-                if stored == _FP8_STORAGE and quant is not None:
+                storage = f.get_slice(name).get_dtype()
+                if storage == _FP8_STORAGE and stored is not None:
                     fp8[name] = f.get_tensor(name)
                     continue
-                if stored not in _FLOAT_STORAGE:
-                    declared = "does not declare" if quant is None else f"declares as {quant.quant_method}, which stores {_FP8_STORAGE}"
+                if storage not in _FLOAT_STORAGE:
+                    declared = "does not declare" if stored is None else f"declares as {stored.quant_method}, which stores {_FP8_STORAGE}"
                     raise ValueError(
-                        f"tensor {name!r} in {path} is stored as {stored}, a quantized format that "
+                        f"tensor {name!r} in {path} is stored as {storage}, a quantized format that "
                         f"{model_dir / 'config.json'} {declared}; refusing to load it as a plain weight"
                     )
+                if quant is not None and quant.at_load and is_quantized_at_load(name):
+                    if keep_fp8 and is_kept(name):
+                        kept[name], kept[name + SCALE_SUFFIX] = quantize_blocks(f.get_tensor(name), quant.block)
+                        continue
+                    loaded[name] = round_trip(f.get_tensor(name), quant.block, dtype).to(device)
+                    continue
                 loaded[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     for name in list(fp8):
         if name not in scales:
             raise ValueError(f"block fp8 tensor {name!r} has no {name + SCALE_SUFFIX!r} in {model_dir}")
-        loaded[name] = dequantize_blocks(fp8.pop(name), scales.pop(name), quant.block, dtype).to(device)
-    # Keep the canonical order regardless of shard layout.
-    return {name: loaded[name] for name in expected}
+        if keep_fp8 and is_kept(name):
+            kept[name], kept[name + SCALE_SUFFIX] = fp8.pop(name), scales.pop(name)
+            continue
+        loaded[name] = dequantize_blocks(fp8.pop(name), scales.pop(name), stored.block, dtype).to(device)
+    loaded.update({name: t.to(device) for name, t in kept.items()})
+    # Keep the canonical order regardless of shard layout; kept scales after.
+    return {name: loaded[name] for name in [*expected, *(n for n in kept if n.endswith(SCALE_SUFFIX))]}
 
 
 def load_tokenizer(model_dir: str | Path) -> tokenizers.Tokenizer | None:

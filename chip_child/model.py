@@ -8,7 +8,8 @@ matmuls. One forward serves every step: decode rows (one token each) and prefill
 by side on the token axis, and attention over the paged KV cache is the attention backend's
 (chip_child.attention): K/V written by slot mapping, read through the block table, no dense
 mask built on the host. On the cpu the projections and the lm_head can be prepacked for oneDNN
-at load (chip_child.prepack); `linear` takes either kind of weight.
+at load (chip_child.prepack); on cuda block-FP8 projections stay fp8 (chip_child.fp8_linear);
+`linear` takes any kind of weight.
 """
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from chip_child.attention import AttentionBackend, StepPlan
+from chip_child.fp8_linear import Fp8Linear, projection
 from chip_child.loader import ModelConfig
 from chip_child.moe import MoeImpl, MoeWeights, torch_moe
 from chip_child.prepack import PackedLinear, prepacked
 from chip_child.rope import inv_freq
 
-Weight = torch.Tensor | PackedLinear  # a plain [in, out] view, or the same matrix prepacked
+Weight = torch.Tensor | PackedLinear | Fp8Linear  # a plain [in, out] view, prepacked, or block fp8 (cuda)
 
 
 @dataclass
@@ -63,18 +65,24 @@ class Qwen3Weights:
 
     @classmethod
     def from_hf(cls, state: dict[str, torch.Tensor], cfg: ModelConfig, rank: int = 0,
-                world: int = 1) -> "Qwen3Weights":
+                world: int = 1, expert_parallel: bool = False) -> "Qwen3Weights":
         """Fuses the HF tensors; with world > 1 keeps this rank's tensor-parallel shard: its
         slice of the heads and of the MLP's intermediate dimension (Megatron-style; each
-        expert's in a MoE layer), with o_proj and down_proj split by input so one all-reduce
-        after each completes the layer."""
+        expert's in a MoE layer, or with `expert_parallel` its num_experts / world experts
+        whole), with o_proj and down_proj split by input so one all-reduce after each completes
+        the layer."""
         hd = cfg.head_dim
         heads = _shard(rank, world, cfg.num_heads * hd)
         kv_heads = _shard(rank, world, cfg.num_kv_heads * hd)
         inter = _shard(rank, world, cfg.intermediate_size)
         moe = cfg.moe
-        expert_inter = _shard(rank, world, moe.intermediate_size) if moe is not None else None
+        if moe is not None:
+            expert_inter = slice(None) if expert_parallel else _shard(rank, world, moe.intermediate_size)
+            experts = _shard(rank, world, moe.num_experts) if expert_parallel else slice(0, moe.num_experts)
         layers = []
+        every = slice(None)
+        dtype = state["model.embed_tokens.weight"].dtype  # the compute dtype
+        proj = lambda parts: projection(state, parts, cfg.quantization, dtype)  # noqa: E731
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn = p + "self_attn."
@@ -90,16 +98,16 @@ class Qwen3Weights:
             layers.append(
                 LayerWeights(
                     input_norm=state[p + "input_layernorm.weight"],
-                    qkv=torch.cat([state[attn + f"{n}_proj.weight"][rows[n]] for n in "qkv"]).t(),
+                    qkv=proj([(attn + f"{n}_proj.weight", rows[n], every) for n in "qkv"]),
                     qkv_bias=qkv_bias,
                     qk_norm=qk_norm,
-                    o_proj=state[attn + "o_proj.weight"][:, heads].contiguous().t(),
+                    o_proj=proj([(attn + "o_proj.weight", every, heads)]),
                     o_bias=o_bias,
                     post_norm=state[p + "post_attention_layernorm.weight"],
-                    gate_up=None if sparse else torch.cat([state[p + "mlp.gate_proj.weight"][inter],
-                                                           state[p + "mlp.up_proj.weight"][inter]]).t(),
-                    down=None if sparse else state[p + "mlp.down_proj.weight"][:, inter].contiguous().t(),
-                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter) if sparse else None,
+                    gate_up=None if sparse else proj([(p + f"mlp.{n}_proj.weight", inter, every)
+                                                      for n in ("gate", "up")]),
+                    down=None if sparse else proj([(p + "mlp.down_proj.weight", every, inter)]),
+                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts) if sparse else None,
                 )
             )
         embed = state["model.embed_tokens.weight"]
@@ -120,6 +128,11 @@ class Qwen3Weights:
                             eps=to(self.eps), inv_hidden=to(self.inv_hidden), inv_head_dim=to(self.inv_head_dim),
                             eps_value=self.eps_value)
 
+    def held_experts(self) -> list[int] | None:
+        """[first, count] of the experts this rank holds (all unless expert parallel); None: no MoE."""
+        moe = next((lw.moe for lw in self.layers if lw.moe is not None), None)
+        return None if moe is None else [moe.first_expert, moe.gate_up.shape[0]]
+
     def prepack(self) -> None:
         """Replaces the projections and the lm_head by their oneDNN-prepacked copies (small ones
         stay plain: chip_child.prepack), in place and one matrix at a time, so loading peaks at one
@@ -137,16 +150,27 @@ def _shard(rank: int, world: int, size: int) -> slice:
     return slice(rank * step, (rank + 1) * step)
 
 
-def shard_config(cfg: ModelConfig, world: int) -> ModelConfig:
-    """The per-rank view of the model under tensor parallelism over `world` devices."""
+def shard_config(cfg: ModelConfig, world: int, expert_parallel: bool = False) -> ModelConfig:
+    """The per-rank view of the model under tensor parallelism over `world` devices; with
+    `expert_parallel` a MoE layer's experts are split across the ranks instead of each expert's
+    intermediate dimension (the view keeps the full router: every rank routes every token)."""
     sizes = [("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
              ("intermediate_size", cfg.intermediate_size)]
-    if cfg.moe is not None:
+    if expert_parallel:
+        if cfg.moe is None:
+            raise ValueError(f"enable_expert_parallel: {cfg.architecture} has no experts (only MoE models do)")
+        if world < 2:
+            raise ValueError("enable_expert_parallel splits the experts across tensor-parallel ranks: it needs "
+                             f"more than one device in device_ids, got {world}")
+        sizes.append(("num_experts", cfg.moe.num_experts))
+    elif cfg.moe is not None:
         sizes.append(("moe_intermediate_size", cfg.moe.intermediate_size))
     for name, value in sizes:
         if value % world:
-            raise ValueError(f"device_ids: {world} devices do not divide the model's {name}={value}")
-    moe = cfg.moe and replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // world)
+            raise ValueError(f"device_ids: {world} devices do not divide the model's {name}={value}"
+                             f"{' (enable_expert_parallel)' if name == 'num_experts' else ''}")
+    moe = cfg.moe and (cfg.moe if expert_parallel else
+                       replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // world))
     return replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
                    intermediate_size=cfg.intermediate_size // world, moe=moe)
 
@@ -167,8 +191,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, inv_dim: 
 
 
 def linear(x: torch.Tensor, weight_t: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight_t [in, out] (+ bias): one mm, or one call of the prepacked op."""
-    if type(weight_t) is PackedLinear:
+    """x [T, in] @ weight_t [in, out] (+ bias): one mm, or one call of the prepacked or fp8 layer."""
+    if type(weight_t) is PackedLinear or type(weight_t) is Fp8Linear:
         return weight_t(x, bias)
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 

@@ -12,11 +12,16 @@ captured in a device graph.
 
 Tensor parallelism shards each expert's intermediate dimension (as the dense MLP's): every rank
 routes all tokens with the full router and returns a partial sum that the layer's all-reduce
-completes.
+completes. Expert parallelism (`enable_expert_parallel`) splits the experts instead: a rank holds
+num_experts / world experts whole (`MoeWeights.first_expert` on), routes all tokens with the full
+router, runs only the (token, expert) pairs of its own experts and leaves the others' rows zero,
+and the same all-reduce sums the ranks' outputs. Tokens are replicated across the ranks in this
+runtime, so that is the whole dispatch: no all-to-all, at the price of every rank routing every
+token and an all-reduce of the full hidden states (the one TP already does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,28 +67,47 @@ def expert_tensor_shapes(prefix: str, moe: MoeConfig, hidden: int) -> dict[str, 
 
 @dataclass
 class MoeWeights:
-    """One sparse layer. Stored for `x @ w` like the dense projections: router [hidden, experts],
-    gate_up [experts, hidden, 2 * inter] (gate then up), down [experts, inter, hidden]."""
+    """One sparse layer. Stored for `x @ w` like the dense projections: router [hidden, experts]
+    (always all of them), gate_up [local experts, hidden, 2 * inter] (gate then up), down
+    [local experts, inter, hidden]; the local experts are first_expert, first_expert + 1, ...
+    (all of them unless expert parallel)."""
 
     router: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
     top_k: int
     norm_topk_prob: bool
+    first_expert: int = 0
 
     @classmethod
-    def from_hf(cls, state: dict[str, torch.Tensor], prefix: str, moe: MoeConfig, inter: slice) -> "MoeWeights":
-        """`inter`: this rank's slice of every expert's intermediate dimension."""
-        experts = [f"{prefix}experts.{e}." for e in range(moe.num_experts)]
+    def from_hf(cls, state: dict[str, torch.Tensor], prefix: str, moe: MoeConfig, inter: slice,
+                experts: slice | None = None) -> "MoeWeights":
+        """`inter`: this rank's slice of every expert's intermediate dimension; `experts`: the
+        experts it holds (None: all)."""
+        experts = experts or slice(0, moe.num_experts)
+        names = [f"{prefix}experts.{e}." for e in range(experts.start, experts.stop)]
         gate_up = torch.stack([torch.cat([state[p + "gate_proj.weight"][inter], state[p + "up_proj.weight"][inter]]).t()
-                               for p in experts])
-        down = torch.stack([state[p + "down_proj.weight"][:, inter].t() for p in experts])
+                               for p in names])
+        down = torch.stack([state[p + "down_proj.weight"][:, inter].t() for p in names])
         return cls(router=state[prefix + "gate.weight"].t(), gate_up=gate_up, down=down, top_k=moe.top_k,
-                   norm_topk_prob=moe.norm_topk_prob)
+                   norm_topk_prob=moe.norm_topk_prob, first_expert=experts.start)
+
+    @property
+    def is_partial(self) -> bool:
+        """Holds only some of the experts (expert parallel)."""
+        return self.gate_up.shape[0] < self.router.shape[1]
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Routed expert ids -> this rank's expert index, num_local for another rank's expert."""
+        if not self.is_partial:
+            return ids
+        n = self.gate_up.shape[0]
+        local = ids - self.first_expert
+        return torch.where((local >= 0) & (local < n), local, n)
 
     def to(self, device: torch.device) -> "MoeWeights":
-        return MoeWeights(self.router.to(device), self.gate_up.to(device), self.down.to(device), self.top_k,
-                          self.norm_topk_prob)
+        return replace(self, router=self.router.to(device), gate_up=self.gate_up.to(device),
+                       down=self.down.to(device))
 
 
 MoeImpl = Callable[[torch.Tensor, MoeWeights], torch.Tensor]  # x [T, hidden] -> y [T, hidden]
@@ -100,13 +124,16 @@ def route(x: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def torch_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
-    """The reference: (token, expert) pairs sorted by expert, one SwiGLU per expert over its slice."""
+    """The reference: (token, expert) pairs sorted by expert, one SwiGLU per expert over its slice.
+    Pairs of other ranks' experts (expert parallel) sort last and are left out."""
     weights, ids = route(x, w)
     k = w.top_k
-    flat = ids.flatten()
+    flat = w.local_ids(ids).flatten()
     order = flat.argsort(stable=True)  # pairs grouped by expert, tokens ascending within each
+    num_local = w.gate_up.shape[0]
+    counts = torch.bincount(flat, minlength=num_local).tolist()[:num_local]
+    order = order[:sum(counts)] if w.is_partial else order
     tokens = order // k
-    counts = torch.bincount(flat, minlength=w.gate_up.shape[0]).tolist()
     xs = x.index_select(0, tokens)
     ys = torch.empty_like(xs)
     start = 0

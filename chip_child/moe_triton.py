@@ -3,7 +3,8 @@
 expert id is read per block (chip_child.moe_kernels). The layout is built with device ops of
 fixed size (no host sync: the grid covers the worst-case padded length, and blocks past the
 used ones exit at once), so a decode graph could capture it. Routing is the reference's
-(chip_child.moe.route). Tested on the cpu under TRITON_INTERPRET=1 against `torch_moe`.
+(chip_child.moe.route); under expert parallelism only this rank's experts run. Tested on the
+cpu under TRITON_INTERPRET=1 against `torch_moe`.
 """
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ def triton_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     if tokens == 0:
         return torch.zeros_like(x)
     weights, ids = route(x, w)
-    sorted_pairs, block_expert = align_by_expert(ids, num_experts)
+    # Expert parallel: another rank's pairs gather under one more expert id, whose blocks the
+    # kernels skip (>= num_experts), so their rows of `out` stay zero.
+    sorted_pairs, block_expert = align_by_expert(w.local_ids(ids), num_experts + w.is_partial)
     pairs = ids.numel()
     act = torch.empty((sorted_pairs.numel(), inter), dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
@@ -57,7 +60,7 @@ def triton_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     k.gate_up_kernel[(blocks, -(-inter // BLOCK_N))](
         x, w.gate_up, act, sorted_pairs, block_expert, pairs, num_experts, hidden, inter, w.top_k, x.stride(0),
         *w.gate_up.stride(), act.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DOT_FP32=dot_fp32)
-    out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    out = (torch.zeros if w.is_partial else torch.empty)((pairs, hidden), dtype=x.dtype, device=x.device)
     k.down_kernel[(blocks, -(-hidden // BLOCK_N))](
         act, w.down, out, weights.flatten(), sorted_pairs, block_expert, pairs, num_experts, hidden, inter,
         act.stride(0), *w.down.stride(), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

@@ -4,7 +4,8 @@ every method this runtime does not implement.
 A quantization config that is ignored loads quantized tensors as if they were plain weights and
 generates other tokens without a word, so anything not implemented here is a ValueError naming
 it, raised by load_config (the parent calls it before any child starts). Implemented: block FP8
-as the Qwen3-*-FP8 releases store it (chip_child.fp8).
+as the Qwen3-*-FP8 releases store it (chip_child.fp8), and the same format made at load from a
+plain checkpoint when `quantization="fp8"` asks for it (vLLM's name for the argument).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 # The keys under which checkpoints declare quantization (compressed-tensors used the second).
 QUANT_KEYS = ("quantization_config", "compression_config")
 SUPPORTED = "fp8 with weight_block_size and activation_scheme 'dynamic'"
+METHODS = ("fp8",)  # what quantization= may name
+AT_LOAD_BLOCK = (128, 128)  # the block of the Qwen3-*-FP8 releases
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,23 @@ class BlockFp8:
 
     block: tuple[int, int]  # weight_block_size: [rows of the output dim, columns of the input dim]
     quant_method: str = "fp8"
+    at_load: bool = False  # the checkpoint is plain: the loader quantizes its projections (quantization="fp8")
+
+
+def requested_quantization(method: str | None, declared: BlockFp8 | None, path: Path) -> BlockFp8 | None:
+    """What `quantization=method` makes of a checkpoint that declares `declared`: None keeps the
+    declaration; "fp8" keeps a stored FP8 checkpoint as it is and quantizes a plain one at load
+    in the releases' format. Any other name, or one that contradicts the checkpoint, is a ValueError."""
+    if method is None:
+        return declared
+    if not isinstance(method, str):
+        raise TypeError(f"quantization must be a method name such as 'fp8' or None, got {method!r}")
+    if declared is not None and method != declared.quant_method:
+        raise ValueError(f"quantization={method!r} contradicts {path}: its quantization_config quant_method is "
+                         f"{declared.quant_method!r}")
+    if method not in METHODS:
+        raise ValueError(f"unsupported quantization {method!r}; supported: {', '.join(METHODS)}")
+    return declared or BlockFp8(block=AT_LOAD_BLOCK, at_load=True)
 
 
 def parse_quantization(raw: dict[str, Any], path: Path) -> BlockFp8 | None:

@@ -35,8 +35,10 @@ from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device
 from chip_child.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_of, resolve_decode_graphs
+from chip_child.fp8_linear import keeps_fp8_on
 from chip_child.loader import ModelConfig, load_config, load_weights, resolve_dtype
 from chip_child.fused import resolve_fused_kernels, triton_layer_ops
+from chip_child.moe_npu import npu_moe
 from chip_child.model import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.chunk_layout import ChunkInts, ChunkLayout, ChunkPlan, plan_chunks
 from chip_child.constrained_rows import ConstrainedRows
@@ -71,16 +73,19 @@ class ChipRuntime:
         self.device = resolve_device(cfg.device, cfg.device_id)
         if cfg.num_threads or self.device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or default_cpu_threads(cfg.tp_size))
-        full_cfg = load_config(cfg.model_dir)
+        full_cfg = load_config(cfg.model_dir, cfg.quantization)
         self.dtype = resolve_dtype(cfg.dtype, self.device.type, full_cfg)
-        self.model_cfg: ModelConfig = shard_config(full_cfg, cfg.tp_size)  # this rank's heads and MLP slice
+        # this rank's heads and MLP slice (its experts under expert parallelism)
+        self.model_cfg: ModelConfig = shard_config(full_cfg, cfg.tp_size, cfg.enable_expert_parallel)
         # The grammar compiler's token trie (seconds for a large vocabulary) builds while the weights load.
         grammar_compiler = ConstrainedRows.compiler_for(cfg.model_dir, self.model_cfg.vocab_size,
                                                         full_cfg.eos_token_ids)
         self._all_reduce = self._init_tensor_parallel() if cfg.tp_size > 1 else (lambda x: x)
         # Fuse and shard on the host (memory-mapped), so only this rank's weights reach the device.
-        host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu")
-        self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size).to(self.device)
+        host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu",
+                            keep_fp8=keeps_fp8_on(self.device, full_cfg.quantization))
+        self.weights = Qwen3Weights.from_hf(host, full_cfg, cfg.tp_rank, cfg.tp_size,
+                                            cfg.enable_expert_parallel).to(self.device)
         del host
         self.cpu_prepack = resolve_cpu_prepack(cfg.cpu_prepack, self.device.type, self.dtype)
         if self.cpu_prepack:
@@ -88,6 +93,8 @@ class ChipRuntime:
         mc = self.model_cfg
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
         self.ops = triton_layer_ops() if resolve_fused_kernels(cfg.fused_kernels, self.device.type) else TORCH_OPS
+        if self.device.type == "npu":
+            self.ops = replace(self.ops, moe=npu_moe)  # torch_npu's MoE ops
         self.limits = replace(cfg.limits(), vocab_size=mc.vocab_size)
         self.pool = TensorPool(self.device)
         # One step function; two names, so a step's kind shows in dispatch (and fault injection).

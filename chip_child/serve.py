@@ -123,7 +123,7 @@ def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
         "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
         "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
         "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
-        "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack,
+        "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack, "moe_experts": rt.weights.held_experts(),
         "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"], "layout_trial_s": layout["trial_s"],
     })

@@ -78,6 +78,8 @@ class DistributedWorker:
         decode_graphs: bool | None = None,
         fused_kernels: bool | None = None,
         cpu_prepack: bool | None = None,
+        quantization: str | None = None,
+        enable_expert_parallel: bool = False,
         overlap_steps: bool | None = None,
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
@@ -149,20 +151,23 @@ class DistributedWorker:
             else str(ensure_tiny_model())
         if model_dir is not None and Path(model_dir).expanduser().is_dir():
             self.model_name = Path(self.model_dir).name
-        self.model_config = load_config(self.model_dir)
+        self.model_config = load_config(self.model_dir, quantization)
         resolve_dtype(dtype, "cpu", self.model_config)  # rejects unknown names before any child starts
         resolve_cpu_prepack(cpu_prepack, kind, resolve_dtype(dtype, kind, self.model_config))
         if max_seq_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{self.model_config.max_position_embeddings}")
-        shard_config(self.model_config, len(device_ids))  # tensor parallelism must divide heads and MLP
+        if not isinstance(enable_expert_parallel, bool):
+            raise TypeError(f"enable_expert_parallel must be a bool, got {type(enable_expert_parallel).__name__}")
+        # tensor parallelism must divide heads and MLP (expert parallelism: the experts)
+        shard_config(self.model_config, len(device_ids), enable_expert_parallel)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.runtime_config = RuntimeConfig(
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, page_size=page_size, num_pages=num_pages,
             max_prefill_tokens=max_num_batched_tokens, copy_policy=copy_policy, num_threads=num_threads,
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
-            cpu_prepack=cpu_prepack,
+            cpu_prepack=cpu_prepack, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
         )
         self.device_ids = device_ids
         self.pipeline_depth = pipeline_depth
@@ -452,6 +457,7 @@ class DistributedWorker:
             "decode_graphs": info.get("decode_graphs"),  # the lane buckets captured; [] when off
             "fused_kernels": info.get("fused_kernels"),  # "triton" or "torch" (chip_child.fused)
             "cpu_prepack": info.get("cpu_prepack"),  # linear layers prepacked for oneDNN (chip_child.prepack)
+            "moe_experts": info.get("moe_experts"),  # [first, count] held by rank 0; None: not a MoE model
             "kv_pages_total": self.runtime_config.total_pages - 1,
             "kv_pages_free": self.engine.scheduler.pages.num_free if self.engine.scheduler else None,
             "generate_calls": self._generate_calls,

@@ -137,9 +137,11 @@ def sync(device: str) -> None:
 
 # -- variants: each returns (decode step seconds, tokens [batch, new_tokens]) ----------------------------
 class Floor(FloorBase):
-    def __init__(self, model_dir: str, args, max_batch: int, fused: bool | None = None):
+    def __init__(self, model_dir: str, args, max_batch: int, fused: bool | None = None,
+                 quantization: str | None = None):
         self.args = args
         super().__init__(ChipRuntime(RuntimeConfig(model_dir, device=args.device, dtype="bfloat16",
+                                                   quantization=quantization,
                                                    max_batch_size=max_batch,
                                                    max_seq_len=args.prompt_len + args.new_tokens,
                                                    page_size=args.page_size,

@@ -1,6 +1,7 @@
 """A stand-in `torch_npu` for machines without an NPU: the three ops the npu attention backend
 calls, written in plain torch from their documented semantics (a reference of the vendor ops,
-not of our backend), with the documented argument checks.
+not of our backend), with the documented argument checks; and the MoE ops of
+chip_child.moe_npu, from tests/npu_moe_reference.py.
 
 - npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
   compress_seq_offsets=None, seq_lens=None): key/value [T, N, D], caches [blocks, block_size, N, D];
@@ -33,6 +34,8 @@ from __future__ import annotations
 import types
 
 import torch
+
+from npu_moe_reference import MOE_OPS
 
 SENTINEL = 8192.0  # exact in float16 and bfloat16
 
@@ -199,8 +202,10 @@ def fake_torch_npu(with_scatter: bool = True) -> types.ModuleType:
     mod._npu_reshape_and_cache = _npu_reshape_and_cache
     if with_scatter:
         mod.npu_scatter_pa_kv_cache = npu_scatter_pa_kv_cache
+    for name, fn in MOE_OPS.items():
+        setattr(mod, name, fn)
     mod.calls = []
-    for name in ("npu_fused_infer_attention_score", "_npu_reshape_and_cache", "npu_scatter_pa_kv_cache"):
+    for name in ("npu_fused_infer_attention_score", "_npu_reshape_and_cache", "npu_scatter_pa_kv_cache", *MOE_OPS):
         fn = getattr(mod, name, None)
         if fn is not None:
             setattr(mod, name, _recorded(mod.calls, name, fn))

@@ -49,3 +49,16 @@ def test_step_bytes_count_each_weight_once_and_the_kv_read() -> None:
     # Untied: one more row also reads one more embedding row.
     e = SHAPES["8b"]
     assert e.step_bytes(2, 100, 2) - e.step_bytes(1, 100, 2) == 101 * e.kv_bytes_per_token(2) + e.hidden_size * 2
+
+
+def test_bench_fp8_smoke_run_on_the_cpu() -> None:
+    """scripts/bench_fp8.py on the cpu: every variant runs; there fp8 is dequantized at load, so its
+    tokens are the dequantized reference's exactly."""
+    script = SCRIPT.parent / "bench_fp8.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--models", "tiny", "--batches", "2",
+                           "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[tiny] fp8: projections plain" in proc.stdout
+    row = proc.stdout.strip().splitlines()[-1].split()
+    assert row[0] == "2" and row[-1] == "100.0%", proc.stdout

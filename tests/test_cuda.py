@@ -105,3 +105,51 @@ def test_cuda_worker_paths_give_identical_tokens(ckpt) -> None:
     }
     for name, kw in variants.items():
         assert live_tokens(ckpt, **kw) == base, f"{name} changed the tokens"
+
+
+# -- block FP8 kept as stored: W8A8 on the GPU ---------------------------------------------------------
+
+FP8_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=64)  # whole 128 x 128 blocks and K a multiple of 512: cuBLAS's recipe may take it
+
+
+def fp8_run(path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch, gemm: str | None = None):
+    from chip_child import fp8_linear
+
+    monkeypatch.undo()
+    if gemm is not None:
+        monkeypatch.setattr(fp8_linear, "choose_gemm", lambda *a: gemm)
+    # The torch reference runs eager: it is not written to be captured.
+    rt = runtime(path, "triton", gemm != "torch", dtype=dtype)
+    ps = prompts((5, 40, 130), 300, seed=4)
+    return rt, LocalDriver(rt).run([LocalRequest(p, 12) for p in ps], keep_logits=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_block_fp8_runs_w8a8_on_the_stored_weights(make_checkpoint, tmp_path: Path, dtype: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random block-FP8 checkpoint on the GPU keeps its projections fp8 and runs them through the
+    chosen GEMM (F.scaled_mm where its probe passed, else our Triton kernel) and the forced Triton
+    kernel; fp32: the tokens of the torch reference of the same W8A8 math on the same GPU and
+    logits within accumulation error; bf16: logits within a few bf16 steps of it."""
+    from chip_child.fp8 import FP8
+    from chip_child.fp8_linear import Fp8Linear
+    from test_fp8 import write_fp8_pair
+
+    fp8_dir, _ = write_fp8_pair(make_checkpoint("cuda-fp8", seed=6, **FP8_SHAPE), tmp_path, (128, 128))
+    rt, got = fp8_run(fp8_dir, dtype, monkeypatch)
+    _, want = fp8_run(fp8_dir, dtype, monkeypatch, gemm="torch")
+    layers = [getattr(lw, n) for lw in rt.weights.layers for n in ("qkv", "o_proj", "gate_up", "down")]
+    assert all(isinstance(p, Fp8Linear) and p.weight.dtype == FP8 and p.weight.is_cuda for p in layers)
+    chosen = {p.gemm for p in layers}
+    print(f"{dtype}: gemm {chosen}")  # which one this torch and GPU took (-s shows it)
+    results = {chosen.pop(): got}
+    if "triton" not in results:
+        results["triton"] = fp8_run(fp8_dir, dtype, monkeypatch, gemm="triton")[1]
+    for name, res in results.items():
+        for mine, ref in zip(res.logits, want.logits):
+            mine, ref = torch.stack(mine), torch.stack(ref)
+            rel = ((mine - ref).abs().max() / ref.abs().max()).item()
+            assert rel <= (1e-4 if dtype == "float32" else 0.03), f"{name}: relative logits error {rel:.2e}"
+        if dtype == "float32":
+            assert res.token_ids == want.token_ids, name

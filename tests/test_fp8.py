@@ -142,12 +142,16 @@ def test_fp8_model_equals_the_dequantized_model(make_checkpoint, hf_model, tmp_p
     assert_matches_transformers(hf_model(deq_dir), prompts, got.token_ids, got.logits, NEW_TOKENS)
 
 
+def greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuations of `prompts`."""
+    return [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+
+
 def test_fp8_tensor_parallel_two_children(make_checkpoint, hf_model, tmp_path: Path) -> None:
     fp8_dir, deq_dir = write_fp8_pair(make_checkpoint(), tmp_path, (32, 32), sharded=True)
-    model = hf_model(deq_dir)
     prompts = [[1, 2, 3, 4, 5], list(range(20, 45))]
-    ref = [model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-           for p in prompts]
+    ref = greedy(hf_model(deq_dir), prompts)
     with DistributedWorker(str(fp8_dir), device="cpu", device_ids=(0, 1), max_batch_size=4, max_seq_len=128,
                            page_size=8) as w:
         outs = w.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
@@ -165,3 +169,68 @@ def test_fp8_moe_experts_equal_the_dequantized_model(make_checkpoint, tmp_path: 
     assert got.token_ids == want.token_ids
     for a, b in zip(got.logits, want.logits):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# -- quantization="fp8": a plain checkpoint quantized at load ----------------------------------------
+
+AT_LOAD_SHAPE = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64)  # several 128 x 128 blocks per projection, ragged ones in k/v
+
+
+def bf16_copy(src: Path, out: Path) -> Path:
+    """`src` stored in bfloat16, as most released checkpoints are."""
+    out.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    raw["torch_dtype"] = raw["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(raw))
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(src / "model.safetensors").items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_quantization_fp8_loads_the_weights_its_fp8_checkpoint_holds(make_checkpoint, tmp_path: Path,
+                                                                      stored: str) -> None:
+    src = make_checkpoint("fp8-at-load", **AT_LOAD_SHAPE)
+    if stored == "bfloat16":
+        src = bf16_copy(src, tmp_path / "bf16")
+    cfg = load_config(src, "fp8")
+    assert cfg.quantization == BlockFp8(block=(128, 128), at_load=True)
+    fp8_dir, deq_dir = write_fp8_pair(src, tmp_path / "pair", (128, 128))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = load_weights(src, cfg, dtype)
+        assert list(got) == list(load_weights(fp8_dir, load_config(fp8_dir), dtype))
+        for name, want in load_weights(fp8_dir, load_config(fp8_dir), dtype).items():
+            assert torch.equal(got[name], want), name
+    plain = load_weights(src, load_config(src), torch.float32)
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(got[down].float(), plain[down].bfloat16().float())  # quantized: coarser than bf16
+    assert torch.equal(got["model.embed_tokens.weight"].float(), plain["model.embed_tokens.weight"].bfloat16().float())
+
+
+def test_quantization_fp8_worker_matches_transformers_on_the_round_tripped_weights(make_checkpoint, hf_model,
+                                                                                    tmp_path: Path) -> None:
+    """Through DistributedWorker (the argument reaches the child): greedy tokens equal transformers'
+    on the same weights quantized and dequantized per 128 x 128 block, in fp32."""
+    src = bf16_copy(make_checkpoint("fp8-at-load", **AT_LOAD_SHAPE), tmp_path / "bf16")
+    _, deq_dir = write_fp8_pair(src, tmp_path / "pair", (128, 128))
+    prompts = [[1, 2, 3, 4, 5], list(range(20, 45))]
+    ref = greedy(hf_model(deq_dir), prompts)
+    assert greedy(hf_model(src), prompts) != ref  # quantizing changes the tokens: a plain load would fail
+    with DistributedWorker(str(src), device="cpu", dtype="float32", quantization="fp8", max_batch_size=4,
+                           max_seq_len=128, page_size=8) as w:
+        outs = w.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert [o.token_ids for o in outs] == ref
+
+
+def test_quantization_argument_refusals(make_checkpoint, tmp_path: Path) -> None:
+    src = make_checkpoint()
+    for method in ("awq", "gptq", "bitsandbytes", "fp8_e5m2"):
+        with pytest.raises(ValueError, match=f"unsupported quantization '{method}'; supported: fp8"):
+            DistributedWorker(str(src), device="cpu", quantization=method)
+    with pytest.raises(TypeError, match="quantization must be a method name"):
+        load_config(src, True)
+    fp8_dir, _ = write_fp8_pair(src, tmp_path, (128, 128))
+    assert load_config(fp8_dir, "fp8").quantization == load_config(fp8_dir).quantization == BlockFp8((128, 128))
+    with pytest.raises(ValueError, match="quantization='awq' contradicts .*quant_method is 'fp8'"):
+        DistributedWorker(str(fp8_dir), device="cpu", quantization="awq")

@@ -109,7 +109,25 @@ def test_shard_config_divides_each_experts_intermediate(moe_checkpoint) -> None:
         shard_config(replace(cfg, moe=replace(cfg.moe, intermediate_size=33)), 2)
 
 
+def test_expert_parallel_config_and_refusals(moe_checkpoint, make_checkpoint) -> None:
+    cfg = load_config(moe_checkpoint("moe-norm"))
+    assert shard_config(cfg, 2, expert_parallel=True).moe == cfg.moe  # experts whole, the full router
+    with pytest.raises(ValueError, match="num_experts=5 .*enable_expert_parallel"):
+        shard_config(replace(cfg, moe=replace(cfg.moe, num_experts=5)), 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="needs more than one device in device_ids, got 1"):
+        DistributedWorker(str(moe_checkpoint("moe-norm")), device="cpu", max_seq_len=128, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM has no experts"):
+        DistributedWorker(str(make_checkpoint()), device="cpu", device_ids=(0, 1), max_seq_len=128,
+                          enable_expert_parallel=True)
+
+
 # -- the layer ------------------------------------------------------------------------------------
+
+def split_experts(w: MoeWeights, world: int) -> list[MoeWeights]:
+    """Each expert-parallel rank's weights: num_experts / world experts whole, the full router."""
+    n = w.gate_up.shape[0] // world
+    return [replace(w, gate_up=w.gate_up[r * n:(r + 1) * n], down=w.down[r * n:(r + 1) * n], first_expert=r * n)
+            for r in range(world)]
 
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("tokens", [1, 7, 64])
@@ -134,6 +152,10 @@ def test_torch_moe_matches_transformers_block(tokens: int, norm: bool) -> None:
     if norm:
         torch.testing.assert_close(weights.sum(-1), torch.ones(tokens))
     torch.testing.assert_close(torch_moe(x, w), want, rtol=1e-5, atol=1e-5)
+    for world in (2, 3, 6):  # expert parallel: the ranks' outputs sum to the layer's (the all-reduce)
+        parts = [torch_moe(x, part) for part in split_experts(w, world)]
+        assert all(part.is_partial for part in split_experts(w, world))
+        torch.testing.assert_close(torch.stack(parts).sum(0), want, rtol=1e-5, atol=1e-5)
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -150,7 +172,10 @@ def test_greedy_tokens_and_logits_match_transformers(moe_checkpoint, hf_model, n
     assert_matches_transformers(model, ps, res.token_ids, res.logits, NEW_TOKENS)
 
 
-def test_tensor_parallel_two_children_match_transformers(moe_checkpoint, hf_model) -> None:
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_tensor_parallel_two_children_match_transformers(moe_checkpoint, hf_model, expert_parallel: bool) -> None:
+    """Each expert's intermediate dimension split over two ranks, or (expert parallel) four of
+    the eight experts whole on each: the same tokens as transformers either way."""
     path = moe_checkpoint("moe-step2")
     model = hf_model(path)
     ps = prompts(model.config.vocab_size, (5, 3, 25), seed=2)
@@ -158,6 +183,7 @@ def test_tensor_parallel_two_children_match_transformers(moe_checkpoint, hf_mode
            for p in ps]
     assert_router_margins(model, [p + r for p, r in zip(ps, ref)])
     with DistributedWorker(str(path), device="cpu", device_ids=(0, 1), max_batch_size=4, max_seq_len=128,
-                           page_size=8) as w:
+                           page_size=8, enable_expert_parallel=expert_parallel) as w:
         outs = w.generate(ps, SamplingParams(max_new_tokens=NEW_TOKENS))
+        assert w.stats()["moe_experts"] == ([0, 4] if expert_parallel else [0, 8])  # rank 0's experts
     assert [o.token_ids for o in outs] == ref

@@ -3,6 +3,8 @@ interpreter: the sorted, padded layout, and the layer's output over several shap
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ from chip_child.local import LocalDriver, LocalRequest  # noqa: E402
 from chip_child.moe import MoeWeights, torch_moe  # noqa: E402
 from chip_child.runtime import ChipRuntime  # noqa: E402
 from chip_child.moe_triton import align_by_expert, triton_moe  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_moe import split_experts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -55,6 +60,19 @@ def test_triton_moe_matches_the_reference(tokens: int, experts: int, hidden: int
         # measured here: 2% of the largest output against fp32 math, the reference 0.6%.
         rel = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         assert rel <= 2 ** -5, f"relative error {rel:.2e}: more than a few bf16 rounding steps"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_triton_moe_expert_parallel_parts_sum_to_the_layer(world: int) -> None:
+    """Each expert-parallel rank runs only its experts' pairs (the others' rows stay zero): the
+    ranks' outputs sum to the whole layer's, as the all-reduce sums them."""
+    w = weights(8, 32, 48, 3, True, torch.float32)
+    x = torch.randn(11, 32, generator=torch.Generator().manual_seed(3))
+    parts = split_experts(w, world)
+    got = [triton_moe(x, part) for part in parts]
+    for part, out in zip(parts, got):
+        torch.testing.assert_close(out, torch_moe(x, part), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.stack(got).sum(0), torch_moe(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_runtime_with_fused_kernels_runs_the_fused_moe(make_checkpoint) -> None:

@@ -141,3 +141,18 @@ def test_auto_tool_choice_without_a_parser_is_a_usage_error(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["serve", "--enable-auto-tool-choice"])
     assert e.value.code == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+
+
+def test_quantization_and_expert_parallel_flags_reach_the_worker(served) -> None:
+    s = served("--quantization", "awq")
+    assert s.proc.wait(60) == 2
+    assert any("unsupported quantization 'awq'; supported: fp8" in line for line in s.stderr)
+    s = served("--enable-expert-parallel", "--device", "cpu", "--device-ids", "0,1")
+    assert s.proc.wait(60) == 2
+    assert any("enable_expert_parallel: Qwen3ForCausalLM has no experts" in line for line in s.stderr)
+    s = served("--quantization", "fp8", "--max-num-seqs", "1", "--max-model-len", "64", "--block-size", "16")
+    url = s.ready().group(1)
+    done = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 3}, timeout=60).json()
+    assert done["usage"]["completion_tokens"] == 3
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0

@@ -25,7 +25,7 @@ SEEDED = {**GREEDY, "temperature": 0.9, "top_p": 0.9, "seed": 7}
 @pytest.fixture(scope="module")
 def server():
     shm_before = shm_entries()
-    worker = DistributedWorker(None, device="cpu", max_batch_size=2, max_seq_len=256, page_size=16, num_threads=1,
+    worker = DistributedWorker(None, device="cpu", max_batch_size=2, max_seq_len=4096, page_size=16, num_threads=1,
                                max_waiting_requests=2, step_timeout_s=30.0)
     srv = ServerThread(worker).start()
     socket_dir, children = worker.socket_dir, []
@@ -87,7 +87,8 @@ def test_streams_open_across_a_death_end_as_undisturbed_ones() -> None:
 def test_a_full_queue_answers_503(server, http) -> None:
     """Two rows run, two requests wait (max_waiting_requests=2): the next one is refused."""
     stop = threading.Event()
-    long = {"prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    # Long enough that the running two cannot finish (and let the waiting two in) before the poll sees them.
+    long = {"prompt": [1, 2, 3], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
 
     def hold() -> None:
         with httpx.Client(base_url=server[0].url, timeout=60) as c, c.stream("POST", "/v1/completions",

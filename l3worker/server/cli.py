@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the window --max-restarts counts in (default: %(default)s)")
     p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=None,
                    help="cpu linear layers on oneDNN with weights prepacked at load (default: on where it runs)")
+    p.add_argument("--quantization", default=None, metavar="METHOD",
+                   help="quantize a plain checkpoint's linear weights at load: fp8 (128x128 block scales, the "
+                        "Qwen3-*-FP8 format); a stored fp8 checkpoint is already quantized")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models over several --device-ids: split the experts across the ranks instead of "
+                        "each expert's intermediate dimension")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $L3WORKER_API_KEY; none: no key)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
@@ -151,6 +157,7 @@ def serve_command(args: argparse.Namespace) -> int:
                              num_pages=args.num_gpu_blocks_override, dtype=args.dtype,
                              pipeline_depth=args.pipeline_depth, max_num_batched_tokens=serve_batched_tokens(args),
                              enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
+                             quantization=args.quantization, enable_expert_parallel=args.enable_expert_parallel,
                              max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
                              max_waiting_requests=args.max_waiting_requests)
         if args.api_server_count < 1:
