@@ -46,6 +46,8 @@ from chip_child.protocol import Chunk, Command
 from chip_child.row_fields import DEVICE_FIELDS, MAX_LOGPROBS
 from chip_child.row_state import RowState, row_slots
 from chip_child.sampling import Features, RowParams, sample, sample_with_features, vocab_hash
+from chip_child.speculative import Speculation
+from chip_child.speculative_config import SpeculativeConfig
 from chip_child.step_results import LaunchedStep, StepOutputs, StepResult
 from chip_child.warmup import time_steps, warm_up
 
@@ -111,7 +113,7 @@ class ChipRuntime:
         backend = get_backend(self.device.type, cfg.attention_backend)
         graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name,
                                        model_capturable=mc.moe is None)
-        graphs = graphs or graph_capturer is not None
+        graphs = (graphs or graph_capturer is not None) and cfg.speculative is None  # a verify step is eager
         # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
         options = {"decode_mirror": False} if graphs and backend.name == "torch" else {}
         self.attn = backend(spec, self.device, **options)
@@ -133,6 +135,7 @@ class ChipRuntime:
                                 "vocab_keys": self.state["vocab_keys"]}
                             for n in sorted(set(buckets))}
         self.graphs: DecodeGraphs | None = None  # set once warm-up captured them; warm-up itself runs eagerly
+        self.spec = Speculation(self, SpeculativeConfig.of(cfg.speculative)) if cfg.speculative else None
         self._pending_graphs = DecodeGraphs(graph_capturer or DeviceGraphs(self.device)) if graphs else None
 
         warm_up(self)
@@ -260,6 +263,8 @@ class ChipRuntime:
         if self.grammars.rows:  # their matchers take these ids before the next step samples
             sampled = np.flatnonzero(self.rows.active[:lanes] & self.rows.constrained[:lanes]).tolist()
             self.grammars.sampled(out if done is None else host, done, sampled)
+        if self.spec is not None and outputs is not None and outputs.spec_counts is not None:
+            self.spec.write_outputs(lanes, outputs)
         if n >= 0:
             outputs.logprobs[:lanes, :1 + n].copy_(v["lp_values"][:, :1 + n])
             outputs.logprob_ids[:lanes, :n].copy_(v["lp_ids"][:, :n])
@@ -322,6 +327,9 @@ class ChipRuntime:
         if facts.furthest >= self.cfg.max_seq_len:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
         page, lanes = self.cfg.page_size, facts.lanes
+        if self.spec is not None and self.spec.applies(plan, facts, not compute_slots):
+            self.submit_next_level("verify", (), lanes=lanes, facts=facts)
+            return -1, None, lanes
         if not compute_slots:
             slots = "given"
         elif rows.slot_steps > 0 and plan is None:
@@ -337,6 +345,8 @@ class ChipRuntime:
                                max_lane_len=facts.furthest + 1, any_random=facts.any_random,
                                any_filter=facts.any_filter, slots=slots, features=features)
         rows.advance()
+        if self.spec is not None:
+            self.spec.after_plain_step(lanes, plan)
         return (-1 if features is None else features.logprobs), plan, lanes
 
     def _step(self, *, plan: ChunkPlan | None, lanes: int, lane_lens: np.ndarray, max_lane_len: int,

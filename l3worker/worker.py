@@ -31,9 +31,11 @@ from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.prepack import resolve_cpu_prepack
+from chip_child.speculative_config import SpeculativeConfig
 from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.child import ChildProcess, child_spec
 from l3worker.shared import StepBuffers
+from l3worker.speculation import speculative_tokens
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine
 from l3worker.errors import ChildFailure, WorkerError
@@ -88,6 +90,7 @@ class DistributedWorker:
         max_restarts: int = 3,
         restart_window_s: float = 600.0,
         max_waiting_requests: int | None = None,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
         # test-only (see chip_child.serve): the fault of the first start; a sequence: one per
         # start, restarts included (None: none; starts past its end have none)
         fault_injection: str | Sequence[str | None] | None = None,
@@ -139,6 +142,13 @@ class DistributedWorker:
         for name, value in (("step_timeout_s", step_timeout_s), ("startup_timeout_s", startup_timeout_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
+        speculative = None if speculative_config is None else SpeculativeConfig.of(speculative_config)
+        if speculative is not None and copy_policy == "always":
+            raise ValueError("speculative_config cannot be combined with copy_policy='always': that policy rebuilds "
+                             "every row's position on the host, which does not know how many drafts were accepted")
+        if speculative is not None and decode_graphs:
+            raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
+                             "eagerly (leave decode_graphs None)")
         restart_policy = RestartPolicy(max_restarts, restart_window_s)
         restart_policy.validate()
         if max_waiting_requests is not None:
@@ -162,8 +172,9 @@ class DistributedWorker:
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, page_size=page_size, num_pages=num_pages,
             max_prefill_tokens=max_num_batched_tokens, copy_policy=copy_policy, num_threads=num_threads,
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
-            cpu_prepack=cpu_prepack,
+            cpu_prepack=cpu_prepack, speculative=None if speculative is None else speculative.to_dict(),
         )
+        self.speculative_config = speculative
         self.device_ids = device_ids
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s
@@ -204,7 +215,8 @@ class DistributedWorker:
         t0 = time.perf_counter()
         cfg = self.runtime_config
         try:
-            self._buffers = StepBuffers.create(self.pipeline_depth + 1, cfg.max_batch_size, cfg.prefill_capacity)
+            self._buffers = StepBuffers.create(self.pipeline_depth + 1, cfg.max_batch_size, cfg.prefill_capacity,
+                                               speculative_tokens(cfg))
             self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
@@ -457,6 +469,7 @@ class DistributedWorker:
             "generate_calls": self._generate_calls,
             "requests_served": self._requests_served,
             "last_generate": self._last.summary(),
+            "speculative": self.engine.speculation.summary() if self.speculative_config else None,
         }
 
     def step_records(self) -> list[dict]:
