@@ -107,9 +107,10 @@ class ChipRuntime:
             self._ids_events = [api.Event(), api.Event()]
 
         b, mb, v, p = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size, cfg.prefill_capacity
+        drafts = cfg.speculative["num_speculative_tokens"] if cfg.speculative else 0  # a verify step: b * (1 + drafts)
         spec = AttentionSpec(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size,
-                             dtype=self.dtype, max_tokens=b + p, max_seqs=2 * b, max_blocks=mb)
+                             dtype=self.dtype, max_tokens=b + max(p, b * drafts), max_seqs=2 * b, max_blocks=mb)
         backend = get_backend(self.device.type, cfg.attention_backend)
         graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name,
                                        model_capturable=mc.moe is None)

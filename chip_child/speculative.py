@@ -126,6 +126,7 @@ class Speculation:
         drafts, counts = ngram_drafts(self.history[act_t, :width], pos_t + 1, k, c.prompt_lookup_min,
                                       c.prompt_lookup_max)
         counts = torch.minimum(counts, room_t)
+        drafts.masked_fill_(torch.arange(k, device=dev)[None, :] >= counts[:, None], -1)  # past the room: none
         drafted = counts.cpu().numpy()
         q = drafted + 1
         r = len(act)

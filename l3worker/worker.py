@@ -101,6 +101,13 @@ class DistributedWorker:
             raise TypeError(f"dtype must be a name such as 'auto', 'bfloat16' or 'float32', got {dtype!r}")
         if copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {copy_policy!r}")
+        speculative = None if speculative_config is None else SpeculativeConfig.of(speculative_config)
+        if speculative is not None and copy_policy == "always":
+            raise ValueError("speculative_config cannot be combined with copy_policy='always': that policy rebuilds "
+                             "every row's position on the host, which does not know how many drafts were accepted")
+        if speculative is not None and decode_graphs:
+            raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
+                             "eagerly (leave decode_graphs None)")
         # The backend and graph choices hold for the device type whatever its id: refused here,
         # before any child starts, with the choices named.
         kind = device_type(device)
@@ -142,13 +149,6 @@ class DistributedWorker:
         for name, value in (("step_timeout_s", step_timeout_s), ("startup_timeout_s", startup_timeout_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
-        speculative = None if speculative_config is None else SpeculativeConfig.of(speculative_config)
-        if speculative is not None and copy_policy == "always":
-            raise ValueError("speculative_config cannot be combined with copy_policy='always': that policy rebuilds "
-                             "every row's position on the host, which does not know how many drafts were accepted")
-        if speculative is not None and decode_graphs:
-            raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
-                             "eagerly (leave decode_graphs None)")
         restart_policy = RestartPolicy(max_restarts, restart_window_s)
         restart_policy.validate()
         if max_waiting_requests is not None:
