@@ -103,7 +103,7 @@ ROW_FIELDS: tuple[RowField, ...] = (
     RowField("frequency_penalty", np.float32, 0.0, device=True, example=0.5),
     RowField("repetition_penalty", np.float32, 1.0, low=0, ends="(]", device=True, example=1.2),
     # Tokens the row generates at most (0: unbounded): a speculating row never drafts past them.
-    RowField("max_new_tokens", np.int64, 0, "int", 0, "max_seq_len", full_state=False, example=0),
+    RowField("max_new_tokens", np.int64, 0, "int", 0, "max_seq_len", full_state=False, example=8),
     RowField("min_tokens", np.int64, 0, "int", 0, "max_seq_len", example=2),  # stop_ids are masked until then
     RowField("stop_ids", np.int32, NO_IDS, "ids", example=_EXAMPLE_IDS),
     RowField("logprobs", np.int64, -1, "int", -1, MAX_LOGPROBS, example=MAX_LOGPROBS),  # -1: none; N: the top N too
