@@ -328,7 +328,7 @@ class ChipRuntime:
         if facts.furthest >= self.cfg.max_seq_len:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
         page, lanes = self.cfg.page_size, facts.lanes
-        if self.spec is not None and self.spec.applies(plan, facts, not compute_slots):
+        if self.spec is not None and self.spec.applies(plan, facts, not compute_slots) and self.spec.propose(lanes):
             self.submit_next_level("verify", (), lanes=lanes, facts=facts)
             return -1, None, lanes
         if not compute_slots:

@@ -84,6 +84,7 @@ class Speculation:
         self.history = torch.zeros(b, s + 1, dtype=torch.int64, device=dev)
         self.step_ids = torch.zeros(b, self.k + 1, dtype=torch.int64, device=dev)  # each row's tokens of the last step
         self.counts = np.zeros(b, np.int32)  # tokens each row produced in the last step (0: none)
+        self._proposal: tuple | None = None  # propose()'s drafts, for the verify step that follows
         self.drafted = np.zeros(b, np.int32)  # drafts each row verified in the last step
         rt.register_callable("verify", self.verify)
 
@@ -112,22 +113,35 @@ class Speculation:
 
     # -- the speculative step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def verify(self, *, lanes: int, facts: BatchFacts) -> None:
-        """Drafts for every active lane's row, one forward over all of them, acceptance."""
+    def propose(self, lanes: int) -> bool:
+        """Drafts for every active lane's row; False when no row has any (the step then runs
+        plain, at a plain step's cost)."""
         rt, k = self.rt, self.k
-        rows, dev = rt.rows, rt.device
+        rows = rt.rows
         act = np.flatnonzero(rows.active[:lanes])
         pos = rows.positions[act]  # each row's input position
         room = np.clip(self._limits(act) - 1 - pos, 0, k)  # drafts that stay within max_new_tokens
-        act_dev = rt._h2d(np.stack([act, pos, room]).astype(np.int64))
-        act_t, pos_t, room_t = act_dev.unbind(0)
-        width = int(pos.max()) + 1
+        if not room.any():
+            return False
+        act_t, pos_t, room_t = rt._h2d(np.stack([act, pos, room]).astype(np.int64)).unbind(0)
         c = self.config
-        drafts, counts = ngram_drafts(self.history[act_t, :width], pos_t + 1, k, c.prompt_lookup_min,
+        drafts, counts = ngram_drafts(self.history[act_t, :int(pos.max()) + 1], pos_t + 1, k, c.prompt_lookup_min,
                                       c.prompt_lookup_max)
         counts = torch.minimum(counts, room_t)
-        drafts.masked_fill_(torch.arange(k, device=dev)[None, :] >= counts[:, None], -1)  # past the room: none
         drafted = counts.cpu().numpy()
+        if not drafted.any():
+            return False
+        drafts.masked_fill_(torch.arange(k, device=rt.device)[None, :] >= counts[:, None], -1)  # past the room: none
+        self._proposal = (act, pos, act_t, pos_t, drafts, drafted)
+        return True
+
+    @torch.inference_mode()
+    def verify(self, *, lanes: int, facts: BatchFacts) -> None:
+        """One forward over every active row's input id and drafts (propose's), then acceptance."""
+        rt, k = self.rt, self.k
+        rows, dev = rt.rows, rt.device
+        act, pos, act_t, pos_t, drafts, drafted = self._proposal
+        self._proposal = None
         q = drafted + 1
         r = len(act)
         # The packed axis: per row, its input id then its drafts, at positions pos .. pos + q - 1.

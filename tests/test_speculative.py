@@ -84,6 +84,32 @@ def test_batch_compositions_and_a_second_call(plain) -> None:
         assert _tokens(w.generate(PROMPTS[:4], PARAMS[:4])) == plain[:4]
 
 
+def test_logprobs_stop_strings_and_streams_see_exactly_the_plain_tokens() -> None:
+    """A row asking for log-probabilities (its steps run plain) beside speculating ones, n=2
+    samples, a stop string on the built-in model's text, and a stream whose deltas add up."""
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    params = [SamplingParams(max_new_tokens=20, temperature=0.0, logprobs=2),
+              SamplingParams(max_new_tokens=18, temperature=0.8, seed=2, n=2),
+              SamplingParams(max_new_tokens=24, temperature=0.0, stop=["a"])]
+
+    def run(w: DistributedWorker):
+        outs = w.generate(prompts, params)
+        samples = [(list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
+        logprobs = [(lp.logprob, lp.token_id) for lp in outs[0].outputs[0].logprobs]
+        streamed: dict[tuple, list[int]] = {}
+        for out in w.stream(prompts[1:], params[1:]):
+            for c in out.outputs:
+                streamed.setdefault((out.request_id, c.index), []).extend(c.delta_token_ids)
+        return samples, logprobs, sorted(streamed.values())
+
+    with DistributedWorker(**SMALL) as w:
+        expected = run(w)
+    with DistributedWorker(**SMALL, speculative_config=NGRAM) as w:
+        assert run(w) == expected
+        assert w.stats()["speculative"]["num_accepted_tokens"] > 0
+    assert sorted(t for t, *_ in expected[0][1:]) == expected[2]  # the stream's deltas are the final tokens
+
+
 def test_restart_mid_speculation_resumes_identically(plain) -> None:
     with DistributedWorker(**SMALL, speculative_config=NGRAM, fault_injection="verify:exit@3") as w:
         assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
