@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from chip_child.attention import AttentionMetadata
 from chip_child.chunk_layout import ChunkPlan
 from chip_child.model import final_logits, forward
+from chip_child.packed_axis import packed_axis
 from chip_child.row_state import BatchFacts
 from chip_child.sampling import sample
 from chip_child.speculative_config import SpeculativeConfig
@@ -147,25 +147,11 @@ class Speculation:
         # The packed axis: per row, its input id then its drafts, at positions pos .. pos + q - 1.
         within = np.arange(k + 1)[None, :] < q[:, None]
         flat = np.flatnonzero(within.reshape(-1))
-        tok_rows = np.repeat(act, q)
-        tok_pos = np.concatenate([np.arange(p, p + n) for p, n in zip(pos, q)])
-        seq_lens = pos + q
-        starts = np.concatenate([[0], np.cumsum(q)])
-        ints = rt._h2d(np.concatenate([flat, tok_pos, tok_rows, starts, seq_lens]).astype(np.int64))
-        t = len(flat)
-        flat_t, tok_pos_t, tok_rows_t = ints[:t], ints[t:2 * t], ints[2 * t:3 * t]
-        starts_t, seq_lens_t = ints[3 * t:3 * t + r + 1], ints[3 * t + r + 1:]
-        table = rt.state["block_table"]
+        axis = packed_axis(act, pos, q, rt.state["block_table"], rt.cfg.page_size, rt._h2d, flat)
+        flat_t, tok_pos_t, tok_rows_t = axis.extra, axis.positions, axis.rows
         grid = torch.cat([rt.state["input_ids"][act_t][:, None], drafts], 1)
-        tokens = grid.reshape(-1)[flat_t]
-        page = rt.cfg.page_size
-        slots = table[tok_rows_t, tok_pos_t // page].long() * page + tok_pos_t % page
-        longest = int(seq_lens.max())
-        meta = AttentionMetadata(starts_t.to(torch.int32), seq_lens_t.to(torch.int32),
-                                 table.index_select(0, act_t)[:, :-(-longest // page)], slots, int(q.max()), longest,
-                                 query_lens_host=q.tolist(), seq_lens_host=seq_lens.tolist())
-        hidden = forward(rt.model_cfg, rt.weights, rt.attn, rt.attn.plan(meta), rt.rope, tokens, tok_pos_t,
-                         rt._all_reduce, rt.ops)
+        hidden = forward(rt.model_cfg, rt.weights, rt.attn, rt.attn.plan(axis.meta), rt.rope, grid.reshape(-1)[flat_t],
+                         tok_pos_t, rt._all_reduce, rt.ops)
         logits = final_logits(rt.weights, hidden, ops=rt.ops)
         st = rt.state
         sampled = sample(logits, st["temperature"][tok_rows_t], st["top_k"][tok_rows_t], st["top_p"][tok_rows_t],
