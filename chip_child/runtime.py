@@ -238,6 +238,8 @@ class ChipRuntime:
             self.finish_rows(cmd.finished_rows)
         if cmd.admits:
             self.rows.set_up(cmd.admits)
+            if self.spec is not None:
+                self.spec.admitted([a.row for a in cmd.admits])
             for a in cmd.admits:
                 if a.grammar:
                     self.grammars.admit(a.row, a.grammar, a.grammar_after, a.grammar_replay)
@@ -328,7 +330,7 @@ class ChipRuntime:
         if facts.furthest >= self.cfg.max_seq_len:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
         page, lanes = self.cfg.page_size, facts.lanes
-        if self.spec is not None and self.spec.applies(plan, facts, not compute_slots) and self.spec.propose(lanes):
+        if self.spec is not None and self.spec.applies(plan, facts, not compute_slots) and self.spec.propose(lanes, facts):
             self.submit_next_level("verify", (), lanes=lanes, facts=facts)
             return -1, None, lanes
         if not compute_slots:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from chip_child.chunk_layout import ChunkPlan
+from chip_child.draft_model import DraftModel
 from chip_child.model import final_logits, forward
 from chip_child.packed_axis import packed_axis
 from chip_child.row_state import BatchFacts
@@ -86,6 +87,7 @@ class Speculation:
         self.counts = np.zeros(b, np.int32)  # tokens each row produced in the last step (0: none)
         self._proposal: tuple | None = None  # propose()'s drafts, for the verify step that follows
         self.drafted = np.zeros(b, np.int32)  # drafts each row verified in the last step
+        self.draft = DraftModel(rt, config.model, self.k) if config.method == "draft_model" else None
         rt.register_callable("verify", self.verify)
 
     # -- which steps speculate --------------------------------------------------------------------
@@ -113,7 +115,7 @@ class Speculation:
 
     # -- the speculative step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, lanes: int) -> bool:
+    def propose(self, lanes: int, facts: BatchFacts) -> bool:
         """Drafts for every active lane's row; False when no row has any (the step then runs
         plain, at a plain step's cost)."""
         rt, k = self.rt, self.k
@@ -124,6 +126,10 @@ class Speculation:
         if not room.any():
             return False
         act_t, pos_t, room_t = rt._h2d(np.stack([act, pos, room]).astype(np.int64)).unbind(0)
+        if self.draft is not None:  # the draft model proposes as many as the room allows
+            drafts = self.draft.propose(act, pos, room, self.history, facts.any_random, facts.any_filter)
+            self._proposal = (act, pos, act_t, pos_t, drafts, room)
+            return True
         c = self.config
         drafts, counts = ngram_drafts(self.history[act_t, :int(pos.max()) + 1], pos_t + 1, k, c.prompt_lookup_min,
                                       c.prompt_lookup_max)
@@ -175,8 +181,15 @@ class Speculation:
         self.drafted[:lanes] = 0
         self.drafted[act] = drafted
         rows.positions[act] += made
+        if self.draft is not None:
+            self.draft.accepted(act, made - 1)
         rows.changed()  # positions moved by more than one: facts and slots are recomputed
         self._stop_finished(lanes)
+
+    def admitted(self, rows: list[int]) -> None:
+        """Rows taken by new sequences (their histories fill from their chunks)."""
+        if self.draft is not None:
+            self.draft.admitted(rows)
 
     def write_outputs(self, lanes: int, outputs: "StepOutputs") -> None:
         """The last step's per-row counts and tokens into the ring slot's views."""

@@ -9,8 +9,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)  # the methods this build verifies; others are refused by name
-PLANNED = ("draft_model", "eagle3")  # vLLM's other method names: refused as not supported yet
+METHODS = ("ngram", "draft_model")  # the methods this build verifies; others are refused by name
+PLANNED = ("eagle3",)  # vLLM's other method names: refused as not supported yet
 MAX_SPECULATIVE_TOKENS = 16  # drafts per row and step: the verify chunk is k + 1 tokens a row
 MAX_LOOKUP = 64  # the longest n-gram the lookup matches
 
@@ -20,13 +20,16 @@ class SpeculativeConfig:
     """`{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     "prompt_lookup_max": b}`: each step, a speculating row proposes the k tokens that followed
     the latest earlier occurrence of its last n tokens (n from b down to a), and one forward
-    verifies them. As in vLLM, a lookup bound left out takes the other's value (both out: 5)."""
+    verifies them. As in vLLM, a lookup bound left out takes the other's value (both out: 5).
+
+    `{"method": "draft_model", "model": DIR, "num_speculative_tokens": k}`: a checkpoint with the
+    target's vocabulary, run in the same child, proposes k tokens per row and step."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    model: str | None = None  # draft_model / eagle3 (not supported yet)
+    model: str | None = None  # draft_model: the draft checkpoint's directory
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -36,6 +39,18 @@ class SpeculativeConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an int in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method == "ngram":
+            self._check_lookup()
+            if self.model is not None:
+                raise ValueError(f"speculative_config: method 'ngram' takes no model, got {self.model!r}")
+        else:
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config: method {self.method!r} needs 'model' (a checkpoint directory)")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config: {name} applies to method 'ngram' only")
+
+    def _check_lookup(self) -> None:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         low, high = (low if low is not None else high if high is not None else 5,
                      high if high is not None else low if low is not None else 5)
@@ -44,8 +59,6 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {name} must be an int in [1, {MAX_LOOKUP}], got {value!r}")
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
-        if self.model is not None:
-            raise ValueError(f"speculative_config: method {self.method!r} takes no model, got {self.model!r}")
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
 

@@ -166,6 +166,13 @@ class DistributedWorker:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{self.model_config.max_position_embeddings}")
         shard_config(self.model_config, len(device_ids))  # tensor parallelism must divide heads and MLP
+        if speculative is not None and speculative.model is not None:  # the draft: readable, same vocabulary
+            speculative = replace(speculative, model=str(Path(speculative.model).expanduser().resolve()))
+            draft = load_config(speculative.model)
+            shard_config(draft, len(device_ids))
+            if draft.vocab_size != self.model_config.vocab_size:
+                raise ValueError(f"speculative_config: the draft model's vocab_size {draft.vocab_size} differs from "
+                                 f"the target's {self.model_config.vocab_size}")
         self.tokenizer = load_tokenizer(self.model_dir)
         self.runtime_config = RuntimeConfig(
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,

@@ -1,4 +1,4 @@
-"""Speculative decoding (ngram): tokens identical to plain decoding, greedy and seeded, through real
+"""Speculative decoding (ngram, draft model): tokens identical to plain decoding, greedy and seeded, through real
 chip-children, across batch compositions, chunked prefill, preemption, pipeline depths and a
 restart; drafts accepted where the text repeats; counts that add up; refusals."""
 from __future__ import annotations
@@ -132,12 +132,50 @@ def test_a_text_that_repeats_accepts_every_draft(tmp_path) -> None:
         assert s["mean_accepted_length"] > 2
 
 
+# -- draft_model ------------------------------------------------------------------------------------------
+
+def _draft(model) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("options", [{}, {"num_pages": 14, "enable_prefix_caching": False}],
+                         ids=["depth2", "preempted"])
+def test_a_draft_model_equal_to_the_target_accepts_every_draft(plain, options) -> None:
+    from chip_child.tiny_model import ensure_tiny_model
+
+    with DistributedWorker(**SMALL, speculative_config=_draft(ensure_tiny_model()), **options) as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        s = _check_counts(w)
+        assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("options", [{"pipeline_depth": 1}, {"max_num_batched_tokens": 8}],
+                         ids=["depth1", "chunked"])
+def test_another_draft_model_gives_the_plain_tokens(plain, make_checkpoint, options) -> None:
+    draft = make_checkpoint("spec-draft", seed=5, vocab_size=320, num_hidden_layers=1)
+    with DistributedWorker(**SMALL, speculative_config=_draft(draft), **options) as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        s = _check_counts(w)
+        assert s["num_draft_tokens"] > s["num_accepted_tokens"]  # a random draft: some are rejected
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(make_checkpoint) -> None:
+    draft = make_checkpoint("spec-draft-300", vocab_size=300)
+    with pytest.raises(ValueError, match="vocab_size 300 differs from the target's 320"):
+        DistributedWorker(**SMALL, speculative_config=_draft(draft))
+
+
 @pytest.mark.parametrize("config, message", [
     ({"method": "ngram"}, "'num_speculative_tokens' is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int in [1, 16]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes no model"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "applies to method 'ngram' only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key(s) ['lookahead']"),
     ("{not json", "not valid JSON"),
 ])
