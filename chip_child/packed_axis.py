@@ -36,7 +36,8 @@ def packed_axis(rows: np.ndarray, first: np.ndarray, q: np.ndarray, block_table:
     ints = h2d(np.concatenate([tok_pos, np.repeat(rows, q), starts, seq_lens, rows, extra]).astype(np.int64))
     tok_pos_t, tok_rows_t = ints[:t], ints[t:2 * t]
     at = 2 * t
-    starts_t, seq_lens_t, rows_t = ints[at:at + s + 1], ints[at + s + 1:at + 2 * s + 1], ints[at + 2 * s + 1:at + 3 * s + 1]
+    starts_t, seq_lens_t = ints[at:at + s + 1], ints[at + s + 1:at + 2 * s + 1]
+    rows_t = ints[at + 2 * s + 1:at + 3 * s + 1]
     slots = block_table[tok_rows_t, tok_pos_t // page_size].long() * page_size + tok_pos_t % page_size
     longest = int(seq_lens.max())
     meta = AttentionMetadata(starts_t.to(torch.int32), seq_lens_t.to(torch.int32),

@@ -116,6 +116,9 @@ ROW_FIELDS: tuple[RowField, ...] = (
     RowField("grammar", np.uint8, b"", "bytes", full_state=False, example=b"start: /(?s:.*)/"),
     RowField("grammar_after", np.int64, -1, "int", -1, 2**31, "[)", full_state=False, example=0),
     RowField("grammar_replay", np.int32, NO_IDS, "ids", full_state=False, example=_EXAMPLE_IDS),
+    # Speculative decoding: the ids of the leading positions the row's chunks skip (a prefix-cache
+    # hit), for the child's per-row token history (chip_child.speculative).
+    RowField("cached_ids", np.int32, NO_IDS, "ids", full_state=False, example=_EXAMPLE_IDS),
 )
 FIELDS_BY_NAME = {f.name: f for f in ROW_FIELDS}
 SCALAR_FIELDS = tuple(f for f in ROW_FIELDS if f.kind not in ("ids", "bytes"))  # the ones with host copies

@@ -21,6 +21,10 @@ kept between admissions: a batch that uses none runs exactly the plain sampler. 
 state (output token counts, prompt tokens, stop ids) is set at admission and updated on the
 device from the sampled ids; a grammar's matcher is host state (chip_child.constrained_rows),
 advanced with the sampled ids, its mask filled while the forward runs.
+
+With speculative decoding configured (chip_child.speculative), a decode-only step with the plain
+sampler where some row has drafts runs the "verify" callable instead: each row moves on by 1 to
+k + 1 tokens, and the step's per-row tokens go to the ring beside the sampled ids.
 """
 from __future__ import annotations
 
@@ -107,7 +111,7 @@ class ChipRuntime:
             self._ids_events = [api.Event(), api.Event()]
 
         b, mb, v, p = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size, cfg.prefill_capacity
-        drafts = cfg.speculative["num_speculative_tokens"] if cfg.speculative else 0  # a verify step: b * (1 + drafts)
+        drafts = cfg.speculative["num_speculative_tokens"] if cfg.speculative else 0  # verify: b * (1 + drafts)
         spec = AttentionSpec(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size,
                              dtype=self.dtype, max_tokens=b + max(p, b * drafts), max_seqs=2 * b, max_blocks=mb)
@@ -239,7 +243,7 @@ class ChipRuntime:
         if cmd.admits:
             self.rows.set_up(cmd.admits)
             if self.spec is not None:
-                self.spec.admitted([a.row for a in cmd.admits])
+                self.spec.admitted(cmd.admits)
             for a in cmd.admits:
                 if a.grammar:
                     self.grammars.admit(a.row, a.grammar, a.grammar_after, a.grammar_replay)
@@ -330,7 +334,8 @@ class ChipRuntime:
         if facts.furthest >= self.cfg.max_seq_len:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
         page, lanes = self.cfg.page_size, facts.lanes
-        if self.spec is not None and self.spec.applies(plan, facts, not compute_slots) and self.spec.propose(lanes, facts):
+        spec = self.spec
+        if spec is not None and spec.applies(plan, facts, not compute_slots) and spec.propose(lanes, facts):
             self.submit_next_level("verify", (), lanes=lanes, facts=facts)
             return -1, None, lanes
         if not compute_slots:

@@ -186,10 +186,15 @@ class Speculation:
         rows.changed()  # positions moved by more than one: facts and slots are recomputed
         self._stop_finished(lanes)
 
-    def admitted(self, rows: list[int]) -> None:
-        """Rows taken by new sequences (their histories fill from their chunks)."""
+    def admitted(self, admits: list) -> None:
+        """Rows taken by new sequences: their histories start with the ids their chunks skip
+        (a prefix-cache hit) and fill from their chunks."""
+        for a in admits:
+            if len(a.cached_ids):
+                n = min(len(a.cached_ids), self.scratch)
+                self.history[a.row, :n] = torch.from_numpy(np.asarray(a.cached_ids[:n], np.int64)).to(self.rt.device)
         if self.draft is not None:
-            self.draft.admitted(rows)
+            self.draft.admitted([a.row for a in admits])
 
     def write_outputs(self, lanes: int, outputs: "StepOutputs") -> None:
         """The last step's per-row counts and tokens into the ring slot's views."""

@@ -105,7 +105,8 @@ class Sequence:
                           grammar=spec.grammar_text if constrained else None,
                           grammar_after=self.params.reasoning_end_token_id if constrained else None,
                           # a resumed sample's matcher in the child replays the tokens it already produced
-                          grammar_replay=self.tokens if constrained and self.preemptions else None)
+                          grammar_replay=self.tokens if constrained and self.preemptions else None,
+                          cached_ids=None)  # set at admission, where a prefix-cache hit is known
 
     @property
     def kv_end(self) -> int:
@@ -113,8 +114,7 @@ class Sequence:
         return self.prompt_len + self.steps_needed - 1
 
     def pages_needed(self, page_size: int) -> int:
-        # The last sampled token is never fed back, so the cache holds prompt + steps - 1.
-        return -(-(self.prompt_len + self.steps_needed - 1) // page_size)
+        return -(-self.kv_end // page_size)
 
 
 @dataclass
@@ -364,7 +364,10 @@ class Scheduler:
                 seq.admitted_at = time.perf_counter()
             seq.admit_order = next(self._admissions)
             self.rows[seq.row] = seq
-            admits.append(Admit(seq.row, **seq.row_values()))
+            values = seq.row_values()
+            if self.k and hit.num_tokens:  # the child's token history needs the ids its chunks skip
+                values["cached_ids"] = seq.ids[:hit.num_tokens]
+            admits.append(Admit(seq.row, **values))
             used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples, first_block=0)
         return admits
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Speculative decoding (ngram) against plain decoding on the cpu, through DistributedWorker.
+"""Speculative decoding against plain decoding on the cpu, through DistributedWorker.
 
-Two workers on the same model, one plain and one with `{"method": "ngram", ...}`, are prepared
-once; each repeat runs every (workload, batch) case on both, alternating, and takes tokens/s of
-generated tokens over the generate() wall time. Workloads:
+Workers on the same model, one plain and one per method, are prepared once; each repeat runs
+every (workload, batch) case on each, alternating, and takes tokens/s of generated tokens over
+the generate() wall time. Methods (`--methods`): `ngram` (k drafts by prompt lookup, 2..4) and
+`draft_self` (draft_model with the target itself as the draft: every draft is accepted, so it is
+the upper bound of acceptance, at the cost of k draft forwards a step). Workloads:
 
   repetitive      greedy, prompts that are a story repeated (editing or summarising a given text:
                   the answer copies long runs of its input)
@@ -24,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -63,39 +66,44 @@ def run_case(worker: DistributedWorker, prompts, params) -> tuple[float, list[li
 
 def bench_model(name: str, model_dir: str | None) -> tuple[list[dict], bool]:
     common = dict(device="cpu", max_batch_size=max(ARGS.batches), max_seq_len=1024, page_size=64)
-    spec = {"method": "ngram", "num_speculative_tokens": ARGS.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": ARGS.k, "prompt_lookup_min": 2,
+                         "prompt_lookup_max": 4},
+               "draft_self": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": ARGS.k}}
     rows, same = [], True
-    with DistributedWorker(model_dir, **common) as plain, \
-            DistributedWorker(model_dir, **common, speculative_config=spec) as ngram:
-        tokenizer = plain.tokenizer if model_dir is None or name == "story" else None
+    with ExitStack() as stack:
+        plain = stack.enter_context(DistributedWorker(model_dir, **common))
+        workers = {m: stack.enter_context(DistributedWorker(model_dir, **common, speculative_config=configs[m]))
+                   for m in ARGS.methods}
+        tokenizer = plain.tokenizer if name == "story" else None
         vocab = plain.model_config.vocab_size
         cases = [(w, b) for w in ("repetitive", "non-repetitive") for b in ARGS.batches]
-        rates = {(c, v): [] for c in cases for v in ("plain", "ngram")}
-        accept = {c: [] for c in cases}
+        rates = {(c, v): [] for c in cases for v in ("plain", *workers)}
+        accept = {(c, m): [] for c in cases for m in workers}
         for case in cases:  # warm: the first generate of each shape pays one-time costs
-            run_case(plain, *prompts_for(*case, tokenizer, vocab))
-            run_case(ngram, *prompts_for(*case, tokenizer, vocab))
+            for w in (plain, *workers.values()):
+                run_case(w, *prompts_for(*case, tokenizer, vocab))
         for _ in range(ARGS.repeats):
             for case in cases:
                 prompts, params = prompts_for(*case, tokenizer, vocab)
                 r_plain, t_plain = run_case(plain, prompts, params)
-                before = dict(ngram.engine.speculation.summary())
-                r_spec, t_spec = run_case(ngram, prompts, params)
-                after = ngram.engine.speculation.summary()
-                same &= t_plain == t_spec
                 rates[case, "plain"].append(r_plain)
-                rates[case, "ngram"].append(r_spec)
-                drafts = after["num_drafts"] - before["num_drafts"]
-                tokens = after["num_draft_tokens"] - before["num_draft_tokens"]
-                accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
-                accept[case].append((drafts, tokens, accepted))
+                for m, w in workers.items():
+                    before = dict(w.engine.speculation.summary())
+                    r_spec, t_spec = run_case(w, prompts, params)
+                    after = w.engine.speculation.summary()
+                    same &= t_plain == t_spec
+                    rates[case, m].append(r_spec)
+                    accept[case, m].append(tuple(after[f] - before[f] for f in
+                                                 ("num_drafts", "num_draft_tokens", "num_accepted_tokens")))
         for case in cases:
-            p, s = statistics.median(rates[case, "plain"]), statistics.median(rates[case, "ngram"])
-            drafts, tokens, accepted = (sum(x[i] for x in accept[case]) for i in range(3))
-            rows.append({"model": name, "workload": case[0], "batch": case[1], "plain_tok_s": round(p, 1),
-                         "ngram_tok_s": round(s, 1), "ratio": round(s / p, 2),
-                         "acceptance": round(accepted / tokens, 3) if tokens else None,
-                         "mean_accepted_length": round(1 + accepted / drafts, 2) if drafts else None})
+            p = statistics.median(rates[case, "plain"])
+            for m in workers:
+                s = statistics.median(rates[case, m])
+                drafts, tokens, accepted = (sum(x[i] for x in accept[case, m]) for i in range(3))
+                rows.append({"model": name, "method": m, "workload": case[0], "batch": case[1],
+                             "plain_tok_s": round(p, 1), "spec_tok_s": round(s, 1), "ratio": round(s / p, 2),
+                             "acceptance": round(accepted / tokens, 3) if tokens else None,
+                             "mean_accepted_length": round(1 + accepted / drafts, 2) if drafts else None})
     return rows, same
 
 
@@ -115,11 +123,11 @@ def main() -> int:
             rows, ok = bench_model(name, model_dir)
             all_rows += rows
             same &= ok
-    print(f"{'model':8} {'workload':15} {'batch':>5} {'plain tok/s':>12} {'ngram tok/s':>12} {'ratio':>6} "
-          f"{'accept':>7} {'mean len':>8}")
+    print(f"{'model':8} {'method':10} {'workload':15} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} "
+          f"{'ratio':>6} {'accept':>7} {'mean len':>8}")
     for r in all_rows:
-        print(f"{r['model']:8} {r['workload']:15} {r['batch']:>5} {r['plain_tok_s']:>12} {r['ngram_tok_s']:>12} "
-              f"{r['ratio']:>6} {str(r['acceptance']):>7} {str(r['mean_accepted_length']):>8}")
+        print(f"{r['model']:8} {r['method']:10} {r['workload']:15} {r['batch']:>5} {r['plain_tok_s']:>12} "
+              f"{r['spec_tok_s']:>11} {r['ratio']:>6} {str(r['acceptance']):>7} {str(r['mean_accepted_length']):>8}")
     print("tokens identical to plain decoding:", same)
     return 0 if same else 1
 
@@ -127,6 +135,7 @@ def main() -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["story", "compute"], choices=["story", "compute"])
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_self"], choices=["ngram", "draft_self"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default: 3)")
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -125,11 +125,15 @@ def test_a_text_that_repeats_accepts_every_draft(tmp_path) -> None:
     prompt = [10, *chain, 10]
     params = SamplingParams(max_new_tokens=len(chain), temperature=0.0)
     with DistributedWorker(model, **SMALL, speculative_config=NGRAM) as w:
-        (out,) = w.generate([prompt], params)
-        assert list(out.outputs[0].token_ids) == chain
-        s = _check_counts(w)
-        assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
-        assert s["mean_accepted_length"] > 2
+        for _ in range(2):  # the second time, its prompt's first pages come from the prefix cache
+            before = w.stats()["speculative"]
+            (out,) = w.generate([prompt], params)
+            assert list(out.outputs[0].token_ids) == chain
+            s = _check_counts(w)
+            drafted = s["num_draft_tokens"] - before["num_draft_tokens"]
+            assert drafted > 0 and s["num_accepted_tokens"] - before["num_accepted_tokens"] == drafted
+            assert s["mean_accepted_length"] > 2
+        assert out.num_cached_tokens > 0
 
 
 # -- draft_model ------------------------------------------------------------------------------------------
@@ -144,6 +148,17 @@ def test_a_draft_model_equal_to_the_target_accepts_every_draft(plain, options) -
     from chip_child.tiny_model import ensure_tiny_model
 
     with DistributedWorker(**SMALL, speculative_config=_draft(ensure_tiny_model()), **options) as w:
+        for _ in range(2):  # with prefix caching on, the second call's prompts hit the cache
+            assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+            s = _check_counts(w)
+            assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
+
+
+def test_tensor_parallel_ranks_agree_on_every_draft(plain) -> None:
+    """Two ranks draft, verify and accept alike (each from its own shard's forward)."""
+    from chip_child.tiny_model import ensure_tiny_model
+
+    with DistributedWorker(**SMALL, device_ids=(0, 1), speculative_config=_draft(ensure_tiny_model())) as w:
         assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
         s = _check_counts(w)
         assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
@@ -204,7 +219,8 @@ def test_unsupported_combinations_are_refused(options, message) -> None:
 def test_serve_flag_checks_its_json(capsys) -> None:
     from l3worker.server.cli import build_parser, main
 
-    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    flag = '{"method": "ngram", "num_speculative_tokens": 2}'
+    args = build_parser().parse_args(["serve", "--speculative-config", flag])
     assert args.speculative_config["num_speculative_tokens"] == 2
     with pytest.raises(SystemExit) as e:
         main(["serve", "--speculative-config", '{"method": "ngram", "k": 2}'])
