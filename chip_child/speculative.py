@@ -1,8 +1,9 @@
-"""Speculative decoding in the chip-child: ngram drafts, verified as k + 1 tokens per row.
+"""Speculative decoding in the chip-child: drafts verified as k + 1 tokens per row.
 
-Each row's token history (prompt and every token it produced) is kept on the device. A
-speculative step proposes, for every active row, up to k tokens by n-gram lookup in that
-history, then runs one forward over a packed axis holding, per row, its input token and its
+Each row's token history (prompt and every token it produced; the ids a prefix-cache hit let its
+chunks skip come with its admit) is kept on the device. A speculative step proposes, for every
+active row, up to k tokens, by n-gram lookup in that history or from a draft model
+(chip_child.draft_model), then runs one forward over a packed axis holding, per row, its input token and its
 drafts (the chunked-prefill attention path: each row is a chunk attending to its pages and
 causally to itself). The target samples at every position with the sampler's hashed noise of
 (seed, position, token), so the token it samples there is fixed by its logits: a draft is
