@@ -12,8 +12,8 @@ the upper bound of acceptance, at the cost of k draft forwards a step). Workload
   non-repetitive  seeded sampling at temperature 1.0 from random prompts: drafts rarely match
 
 Models: `story` (the built-in trained story model: real text, a tiny step where per-step work
-dominates) and `compute` (a random Qwen3 of tens of millions of parameters: the weights dominate
-a step, as on a real model). Reports per case the median tokens/s of each variant, their ratio
+dominates) and `compute` (a random Qwen3 of about 58M parameters: the weights dominate a step, as
+on a real model). Reports per case the median tokens/s of each variant, their ratio
 (speculative / plain, from the same run), the acceptance rate and mean accepted length, and
 whether the tokens were identical (exit status 1 if not). Timings are not checked: compare
 ratios from one run.
