@@ -44,6 +44,7 @@ class RuntimeConfig:
     tp_rank: int = 0
     tp_size: int = 1
     dist_init: str | None = None  # torch.distributed init_method when tp_size > 1
+    speculative: dict | None = None  # chip_child.speculative_config.SpeculativeConfig's fields; None: off
 
     @property
     def max_blocks_per_row(self) -> int:

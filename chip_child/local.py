@@ -14,13 +14,14 @@ from chip_child.runtime import ChipRuntime, StepOutputs
 
 LocalRequest = make_dataclass(
     "LocalRequest", [("prompt", list[int]), ("max_new_tokens", int),
-                     *(spec for spec in dataclass_fields(required=False) if spec[0] != "prompt_len")],
+                     *(spec for spec in dataclass_fields(required=False)
+                       if spec[0] not in ("prompt_len", "max_new_tokens"))],
     namespace={"__module__": __name__, "__doc__": """A prompt, how many tokens to generate, and any per-row
     field of chip_child.row_fields by its Admit name (neutral by default: greedy, no options)."""})
 
 
 def _row_values(r: LocalRequest) -> dict:
-    return row_values(r, prompt_len=len(r.prompt))
+    return row_values(r, prompt_len=len(r.prompt))  # max_new_tokens: the request's own
 
 
 @dataclass

@@ -102,6 +102,8 @@ ROW_FIELDS: tuple[RowField, ...] = (
     RowField("presence_penalty", np.float32, 0.0, device=True, example=0.5),
     RowField("frequency_penalty", np.float32, 0.0, device=True, example=0.5),
     RowField("repetition_penalty", np.float32, 1.0, low=0, ends="(]", device=True, example=1.2),
+    # Tokens the row generates at most (0: unbounded): a speculating row never drafts past them.
+    RowField("max_new_tokens", np.int64, 0, "int", 0, "max_seq_len", full_state=False, example=8),
     RowField("min_tokens", np.int64, 0, "int", 0, "max_seq_len", example=2),  # stop_ids are masked until then
     RowField("stop_ids", np.int32, NO_IDS, "ids", example=_EXAMPLE_IDS),
     RowField("logprobs", np.int64, -1, "int", -1, MAX_LOGPROBS, example=MAX_LOGPROBS),  # -1: none; N: the top N too
@@ -114,6 +116,9 @@ ROW_FIELDS: tuple[RowField, ...] = (
     RowField("grammar", np.uint8, b"", "bytes", full_state=False, example=b"start: /(?s:.*)/"),
     RowField("grammar_after", np.int64, -1, "int", -1, 2**31, "[)", full_state=False, example=0),
     RowField("grammar_replay", np.int32, NO_IDS, "ids", full_state=False, example=_EXAMPLE_IDS),
+    # Speculative decoding: the ids of the leading positions the row's chunks skip (a prefix-cache
+    # hit), for the child's per-row token history (chip_child.speculative).
+    RowField("cached_ids", np.int32, NO_IDS, "ids", full_state=False, example=_EXAMPLE_IDS),
 )
 FIELDS_BY_NAME = {f.name: f for f in ROW_FIELDS}
 SCALAR_FIELDS = tuple(f for f in ROW_FIELDS if f.kind not in ("ids", "bytes"))  # the ones with host copies

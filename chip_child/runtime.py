@@ -21,6 +21,10 @@ kept between admissions: a batch that uses none runs exactly the plain sampler. 
 state (output token counts, prompt tokens, stop ids) is set at admission and updated on the
 device from the sampled ids; a grammar's matcher is host state (chip_child.constrained_rows),
 advanced with the sampled ids, its mask filled while the forward runs.
+
+With speculative decoding configured (chip_child.speculative), a decode-only step with the plain
+sampler where some row has drafts runs the "verify" callable instead: each row moves on by 1 to
+k + 1 tokens, and the step's per-row tokens go to the ring beside the sampled ids.
 """
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ from chip_child.protocol import Chunk, Command
 from chip_child.row_fields import DEVICE_FIELDS, MAX_LOGPROBS
 from chip_child.row_state import RowState, row_slots
 from chip_child.sampling import Features, RowParams, sample, sample_with_features, vocab_hash
+from chip_child.speculative import Speculation
+from chip_child.speculative_config import SpeculativeConfig
 from chip_child.step_results import LaunchedStep, StepOutputs, StepResult
 from chip_child.warmup import time_steps, warm_up
 
@@ -112,13 +118,14 @@ class ChipRuntime:
             self._ids_events = [api.Event(), api.Event()]
 
         b, mb, v, p = cfg.max_batch_size, cfg.max_blocks_per_row, mc.vocab_size, cfg.prefill_capacity
+        drafts = cfg.speculative["num_speculative_tokens"] if cfg.speculative else 0  # verify: b * (1 + drafts)
         spec = AttentionSpec(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size,
-                             dtype=self.dtype, max_tokens=b + p, max_seqs=2 * b, max_blocks=mb)
+                             dtype=self.dtype, max_tokens=b + max(p, b * drafts), max_seqs=2 * b, max_blocks=mb)
         backend = get_backend(self.device.type, cfg.attention_backend)
         graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name,
                                        model_capturable=mc.moe is None)
-        graphs = graphs or graph_capturer is not None
+        graphs = (graphs or graph_capturer is not None) and cfg.speculative is None  # a verify step is eager
         # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
         options = {"decode_mirror": False} if graphs and backend.name == "torch" else {}
         self.attn = backend(spec, self.device, **options)
@@ -140,6 +147,7 @@ class ChipRuntime:
                                 "vocab_keys": self.state["vocab_keys"]}
                             for n in sorted(set(buckets))}
         self.graphs: DecodeGraphs | None = None  # set once warm-up captured them; warm-up itself runs eagerly
+        self.spec = Speculation(self, SpeculativeConfig.of(cfg.speculative)) if cfg.speculative else None
         self._pending_graphs = DecodeGraphs(graph_capturer or DeviceGraphs(self.device)) if graphs else None
 
         warm_up(self)
@@ -241,6 +249,8 @@ class ChipRuntime:
             self.finish_rows(cmd.finished_rows)
         if cmd.admits:
             self.rows.set_up(cmd.admits)
+            if self.spec is not None:
+                self.spec.admitted(cmd.admits)
             for a in cmd.admits:
                 if a.grammar:
                     self.grammars.admit(a.row, a.grammar, a.grammar_after, a.grammar_replay)
@@ -267,6 +277,8 @@ class ChipRuntime:
         if self.grammars.rows:  # their matchers take these ids before the next step samples
             sampled = np.flatnonzero(self.rows.active[:lanes] & self.rows.constrained[:lanes]).tolist()
             self.grammars.sampled(out if done is None else host, done, sampled)
+        if self.spec is not None and outputs is not None and outputs.spec_counts is not None:
+            self.spec.write_outputs(lanes, outputs)
         if n >= 0:
             outputs.logprobs[:lanes, :1 + n].copy_(v["lp_values"][:, :1 + n])
             outputs.logprob_ids[:lanes, :n].copy_(v["lp_ids"][:, :n])
@@ -329,6 +341,10 @@ class ChipRuntime:
         if facts.furthest >= self.cfg.max_seq_len:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
         page, lanes = self.cfg.page_size, facts.lanes
+        spec = self.spec
+        if spec is not None and spec.applies(plan, facts, not compute_slots) and spec.propose(lanes, facts):
+            self.submit_next_level("verify", (), lanes=lanes, facts=facts)
+            return -1, None, lanes
         if not compute_slots:
             slots = "given"
         elif rows.slot_steps > 0 and plan is None:
@@ -344,6 +360,8 @@ class ChipRuntime:
                                max_lane_len=facts.furthest + 1, any_random=facts.any_random,
                                any_filter=facts.any_filter, slots=slots, features=features)
         rows.advance()
+        if self.spec is not None:
+            self.spec.after_plain_step(lanes, plan)
         return (-1 if features is None else features.logprobs), plan, lanes
 
     def _step(self, *, plan: ChunkPlan | None, lanes: int, lane_lens: np.ndarray, max_lane_len: int,

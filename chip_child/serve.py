@@ -155,6 +155,10 @@ def map_ring(spec: ChildSpec) -> Ring:
     if leader and all(n in spec.buffers for n in names):
         views = [open_shared(spec.buffers[n]).unbind(0) for n in names]
         outputs = [StepOutputs(*per_slot) for per_slot in zip(*views)]
+        if "spec_counts" in spec.buffers:  # speculative decoding: each row's tokens of the step
+            for out, counts, ids in zip(outputs, open_shared(spec.buffers["spec_counts"]).unbind(0),
+                                        open_shared(spec.buffers["spec_ids"]).unbind(0)):
+                out.spec_counts, out.spec_ids = counts, ids
     return Ring(out=list(sampled.unbind(0)), staging=list(open_shared(spec.buffers["staging"]).numpy()),
                 outputs=outputs, step_stats=open_shared(spec.buffers["step_stats"]).numpy(),
                 doorbell=open_shared(spec.buffers["doorbell"]).numpy())
@@ -274,6 +278,7 @@ def serve(spec: ChildSpec) -> None:
         ring = map_ring(spec)
         sock.send(ready_message(rt, layout))
         overlap = spec.overlap_steps if spec.overlap_steps is not None else rt.device.type != "cpu"
+        overlap = overlap and rt.spec is None  # a speculative step's lengths come from the one before
         StepLoop(spec, sock, rt, ring, overlap).run()
     finally:
         if rt is not None:

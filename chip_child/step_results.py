@@ -22,6 +22,11 @@ class StepOutputs:
     logprob_ids: torch.Tensor  # int32 [max_batch_size, K]
     prompt_logprobs: torch.Tensor  # float32 [prefill_capacity, 1 + K]
     prompt_logprob_ids: torch.Tensor  # int32 [prefill_capacity, K]
+    # Speculative decoding (chip_child.speculative), else None: per row, the tokens the step
+    # produced and the drafts it verified (int32 [max_batch_size, 2]), and those tokens in order
+    # (int32 [max_batch_size, k + 1]; sampled ids hold the last).
+    spec_counts: torch.Tensor | None = None
+    spec_ids: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_batch_size: int, prefill_capacity: int) -> "StepOutputs":

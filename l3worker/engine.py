@@ -35,6 +35,7 @@ from l3worker.recovery import RestartBudget, RestartPolicy, blame
 from l3worker.requests import InputProcessor, RequestState
 from l3worker.scheduler import Scheduled, Scheduler
 from l3worker.shared import StepBuffers
+from l3worker.speculation import SpecCounts, speculative_tokens
 from l3worker.stats import GenerateStats, StepRecord
 
 log = logging.getLogger("l3worker.engine")
@@ -75,6 +76,7 @@ class Engine:
         self.input_processor = InputProcessor(model_config, runtime_config, tokenizer, model_dir)
         self.output_processor = OutputProcessor(tokenizer, self.metrics,
                                                 lambda seq, reason, stop: self.scheduler.finish(seq, reason, stop))
+        self.speculation = SpecCounts(speculative_tokens(runtime_config), self.metrics)
         self.error: BaseException | None = None
         self.driven_by_loop_thread = False  # an AsyncEngine owns step()
         self._children: list[ChildProcess] = []
@@ -102,6 +104,7 @@ class Engine:
             max_batch_size=cfg.max_batch_size, page_size=cfg.page_size, max_blocks_per_row=cfg.max_blocks_per_row,
             num_pages=cfg.total_pages - 1, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, full_state=cfg.copy_policy == "always",
+            speculative_tokens=self.speculation.k,
         )
         self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
         self._inflight.clear()
@@ -315,12 +318,34 @@ class Engine:
         now = time.perf_counter()
         buffers = self._buffers
         slot = step % buffers.slots
-        advanced = self.scheduler.on_tokens(entry.scheduled.producers, buffers.sampled[slot].numpy(), now)
-        self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot],
-                                      entry.scheduled.prompt_logprobs)
+        if buffers.spec_counts is None:
+            advanced = self.scheduler.on_tokens(entry.scheduled.producers, buffers.sampled[slot].numpy(), now)
+            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot],
+                                          entry.scheduled.prompt_logprobs)
+        else:
+            self._take_speculative(entry.scheduled, slot, now, outputs)
         if self.recorder is not None:
             self._record(entry, slot, now, t_wait)
         self._last_done = now
+
+    def _take_speculative(self, scheduled: Scheduled, slot: int, now: float, outputs: list[RequestOutput]) -> None:
+        """A speculative run's step: each row gave 0 to k + 1 tokens. They are taken one token
+        position at a time, so stops, max_tokens and stop strings end a row exactly where plain
+        decoding would, and the tokens after are dropped. Log-probabilities come only with steps
+        that gave one token a row (rows asking for them make the child's step a plain one)."""
+        buffers, sched = self._buffers, self.scheduler
+        counts, ids = buffers.spec_counts[slot].numpy(), buffers.spec_ids[slot].numpy()
+        producers = scheduled.producers
+        self.speculation.count([row for row, seq, epoch in producers if not seq.finished and epoch == seq.epoch],
+                               counts)
+        for j in range(self.speculation.k + 1):
+            taking = [p for p in producers if counts[p[0], 0] > j]
+            if j and not taking:
+                break
+            advanced = sched.on_tokens(taking, ids[:, j], now)
+            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot] if j == 0 else None,
+                                          scheduled.prompt_logprobs if j == 0 else ())
+        sched.settle(producers)
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         """The ids of finished requests may be used again."""

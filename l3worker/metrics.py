@@ -40,6 +40,16 @@ class EngineMetrics:
                                    registry=r)
         self.engine_restarts = Counter("l3worker:engine_restarts", "Restarts of the chip-children after one died, "
                                        "raised or hung", registry=r)
+        # Speculative decoding, vLLM's meanings (l3worker.speculation): zero without it.
+        self.spec_drafts = Counter("l3worker:spec_decode_num_drafts", "Draft proposals verified (one per row "
+                                   "and step)", registry=r)
+        self.spec_draft_tokens = Counter("l3worker:spec_decode_num_draft_tokens", "Draft tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("l3worker:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=r)
+        self.spec_accepted_per_position = Counter("l3worker:spec_decode_num_accepted_tokens_per_pos",
+                                                  "Draft tokens accepted, by position in the draft", ["position"],
+                                                  registry=r)
         self.ttft = Histogram("l3worker:time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("l3worker:inter_token_latency_seconds", "Between two tokens of a sample",

@@ -11,6 +11,11 @@ already produced (mostly prefix-cache hits), which gives the same tokens as an u
 The scheduler knows every row's position at every future step, so with several commands in
 flight it still sends each page triple before the step that needs it. A sequence finished or
 preempted while commands are in flight gets nothing from them: `epoch` tells stale tokens apart.
+
+With speculative decoding (k drafts a row per step, verified in the child) a decode step moves a
+row on by 1 to k + 1 positions, which the parent learns only when it reads the step. `fed` is
+then an upper bound (each step in flight counts k + 1, tightened as steps are read), pages are
+provided up to it, and a row leaves once its steps in flight surely produced its max_new_tokens.
 """
 from __future__ import annotations
 
@@ -45,13 +50,15 @@ class Sequence:
     row: int = -1
     pages: list[int] = field(default_factory=list)
     cursor: CacheCursor | None = None
-    fed: int = 0  # positions whose K/V the sent commands write
+    fed: int = 0  # positions whose K/V the sent commands write (speculating: at most)
     prefill_end: int = 0  # positions to prefill since admission: the prompt, plus tokens on a resume
     scheduled: int = 0  # tokens the sent commands sample (a scoring prefill's counts, though dropped)
     epoch: int = 0  # bumped by preemption: tokens of commands sent before it are dropped
     admit_order: int = -1  # for choosing the preemption victim: the newest goes first
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
     preemptions: int = 0
+    inflight: int = 0  # speculating: commands sent that give it tokens, not yet read
+    blocks_sent: int = 0  # speculating: blocks whose page triple was sent since admission
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -98,11 +105,16 @@ class Sequence:
                           grammar=spec.grammar_text if constrained else None,
                           grammar_after=self.params.reasoning_end_token_id if constrained else None,
                           # a resumed sample's matcher in the child replays the tokens it already produced
-                          grammar_replay=self.tokens if constrained and self.preemptions else None)
+                          grammar_replay=self.tokens if constrained and self.preemptions else None,
+                          cached_ids=None)  # set at admission, where a prefix-cache hit is known
+
+    @property
+    def kv_end(self) -> int:
+        """Positions whose K/V it ever writes: the last sampled token is never fed back."""
+        return self.prompt_len + self.steps_needed - 1
 
     def pages_needed(self, page_size: int) -> int:
-        # The last sampled token is never fed back, so the cache holds prompt + steps - 1.
-        return -(-(self.prompt_len + self.steps_needed - 1) // page_size)
+        return -(-self.kv_end // page_size)
 
 
 @dataclass
@@ -118,11 +130,13 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, *, max_batch_size: int, page_size: int, max_blocks_per_row: int, num_pages: int,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool, full_state: bool):
+                 max_num_batched_tokens: int, enable_prefix_caching: bool, full_state: bool,
+                 speculative_tokens: int = 0):
         self.page_size = page_size
         self.max_blocks = max_blocks_per_row
         self.budget = max_num_batched_tokens
         self.full_state = full_state  # copy_policy="always"
+        self.k = speculative_tokens  # drafts a row verifies per step at most (0: no speculation)
         self._pool_args = (num_pages, page_size, enable_prefix_caching)
         self.pages = self._new_pool()
         self.rows: list[Sequence | None] = [None] * max_batch_size
@@ -150,7 +164,10 @@ class Scheduler:
         for row, seq in enumerate(self.rows):
             if seq is None or seq.prefilling or row in chunk_rows:
                 continue
-            if seq.fed % self.page_size == 0:  # this step's input starts a new page
+            if self.k:  # every page up to its bound, each sent once
+                triples.extend((row, block, seq.pages[block]) for block in range(seq.blocks_sent, len(seq.pages)))
+                seq.blocks_sent = len(seq.pages)
+            elif seq.fed % self.page_size == 0:  # this step's input starts a new page
                 triples.append((row, seq.fed // self.page_size, seq.pages[seq.fed // self.page_size]))
             decode_rows.append(row)
         for c in chunks:
@@ -159,7 +176,7 @@ class Scheduler:
         for row in decode_rows:
             seq = self.rows[row]
             producers.append((row, seq, seq.epoch))
-            seq.fed += 1
+            seq.fed = min(seq.fed + self.k + 1, seq.kv_end) if self.k else seq.fed + 1
             seq.scheduled += 1
         if not chunks and not decode_rows:
             return None  # finished rows, if any, go out with the next command
@@ -169,6 +186,7 @@ class Scheduler:
             cmd.full_state = self._full_state([(r, s) for r, s, _ in producers])
         self.step += 1
         for _, seq, _ in producers:
+            seq.inflight += 1
             self._commit(seq)
             if seq.scheduled >= seq.steps_needed:
                 self._release(seq)  # nothing more to compute: row and pages free for the next command
@@ -199,6 +217,15 @@ class Scheduler:
                 self.finish(seq, "length")
             advanced.append((row, seq))
         return advanced
+
+    def settle(self, producers: list[tuple[int, Sequence, int]]) -> None:
+        """Speculating: a step's tokens were all read (on_tokens, once per token position); each
+        live sequence's bound on its fed positions tightens to what its steps in flight can add."""
+        for _, seq, epoch in producers:
+            if seq.finished or epoch != seq.epoch:
+                continue
+            seq.inflight -= 1
+            seq.fed = min(seq.fed, seq.known - 1 + (self.k + 1) * seq.inflight)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Ends a sequence (stop, length or abort) and frees its row and pages; a waiting one
@@ -237,9 +264,11 @@ class Scheduler:
         """Gives every decoding row the page its next input needs, preempting when dry."""
         for seq in sorted((s for s in self.rows if s is not None and not s.prefilling),
                           key=lambda s: s.admit_order):
-            if seq.row < 0 or seq.fed // self.page_size < len(seq.pages):
+            # Positions this step may write: its input's, and with speculation k drafts after it.
+            end = min(seq.fed + self.k + 1, seq.kv_end) if self.k else seq.fed + 1
+            if seq.row < 0 or self.pages.pages_for(end) <= len(seq.pages):
                 continue
-            while seq.row >= 0 and not self._extend(seq, seq.fed + 1):
+            while seq.row >= 0 and not self._extend(seq, end):
                 self._preempt_newest()
 
     def _extend(self, seq: Sequence, end: int) -> bool:
@@ -263,7 +292,7 @@ class Scheduler:
         self._release(victim)
         victim.epoch += 1
         victim.preemptions += resumed
-        victim.fed = 0
+        victim.fed = victim.inflight = victim.blocks_sent = 0
         victim.scheduled = len(victim.tokens)
         self.waiting.appendleft(victim)
 
@@ -293,6 +322,7 @@ class Scheduler:
                 break
             self._preempt_newest()
         triples.extend((seq.row, block, seq.pages[block]) for block in range(have, len(seq.pages)))
+        seq.blocks_sent = len(seq.pages)
         offset = sum(len(ids) for _, ids in staging)
         start = seq.fed
         last = start + length == seq.prefill_end
@@ -334,14 +364,19 @@ class Scheduler:
                 seq.admitted_at = time.perf_counter()
             seq.admit_order = next(self._admissions)
             self.rows[seq.row] = seq
-            admits.append(Admit(seq.row, **seq.row_values()))
+            values = seq.row_values()
+            if self.k and hit.num_tokens:  # the child's token history needs the ids its chunks skip
+                values["cached_ids"] = seq.ids[:hit.num_tokens]
+            admits.append(Admit(seq.row, **values))
             used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples, first_block=0)
         return admits
 
     def _commit(self, seq: Sequence) -> None:
         """Registers the sequence's full pages whose ids are final and whose K/V a sent command writes."""
         if seq.cursor is not None and seq.row >= 0:
-            self.pages.commit(seq.cursor, seq.pages, seq.ids, min(seq.known, seq.fed))
+            # Speculating, `fed` is a bound: only positions before the last known token surely hold K/V.
+            written = min(seq.known - 1, seq.fed) if self.k else min(seq.known, seq.fed)
+            self.pages.commit(seq.cursor, seq.pages, seq.ids, written)
 
     def _release(self, seq: Sequence) -> None:
         """Frees the row and pages now; the child deactivates the row at the start of the next

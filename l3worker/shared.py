@@ -57,9 +57,14 @@ class StepBuffers:
     prompt_logprobs: torch.Tensor
     prompt_logprob_ids: torch.Tensor  # int32 [slots, prefill_capacity, K]
     specs: dict[str, BufferSpec]
+    # Speculative decoding with k drafts (else None): int32 [slots, max_batch_size, 2], each row's
+    # tokens produced and drafts verified, and int32 [slots, max_batch_size, k + 1] those tokens.
+    spec_counts: torch.Tensor | None = None
+    spec_ids: torch.Tensor | None = None
 
     @classmethod
-    def create(cls, slots: int, max_batch_size: int, prefill_capacity: int) -> "StepBuffers":
+    def create(cls, slots: int, max_batch_size: int, prefill_capacity: int,
+               speculative_tokens: int = 0) -> "StepBuffers":
         k = MAX_LOGPROBS
         shapes = {"sampled": ((slots, max_batch_size), torch.int32),
                   "staging": ((slots, prefill_capacity), torch.int32),
@@ -68,6 +73,9 @@ class StepBuffers:
                   "logprob_ids": ((slots, max_batch_size, k), torch.int32),
                   "prompt_logprobs": ((slots, prefill_capacity, 1 + k), torch.float32),
                   "prompt_logprob_ids": ((slots, prefill_capacity, k), torch.int32)}
+        if speculative_tokens:
+            shapes["spec_counts"] = ((slots, max_batch_size, 2), torch.int32)
+            shapes["spec_ids"] = ((slots, max_batch_size, speculative_tokens + 1), torch.int32)
         made = {name: make_shared(shape, dtype) for name, (shape, dtype) in shapes.items()}
         made["doorbell"][0][1] = -1
         return cls(**{name: tensor for name, (tensor, _) in made.items()},

@@ -31,9 +31,11 @@ from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.prepack import resolve_cpu_prepack
+from chip_child.speculative_config import SpeculativeConfig
 from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.child import ChildProcess, child_spec
 from l3worker.shared import StepBuffers
+from l3worker.speculation import speculative_tokens
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine
 from l3worker.errors import ChildFailure, WorkerError
@@ -90,6 +92,7 @@ class DistributedWorker:
         max_restarts: int = 3,
         restart_window_s: float = 600.0,
         max_waiting_requests: int | None = None,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
         # test-only (see chip_child.serve): the fault of the first start; a sequence: one per
         # start, restarts included (None: none; starts past its end have none)
         fault_injection: str | Sequence[str | None] | None = None,
@@ -100,6 +103,13 @@ class DistributedWorker:
             raise TypeError(f"dtype must be a name such as 'auto', 'bfloat16' or 'float32', got {dtype!r}")
         if copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {copy_policy!r}")
+        speculative = None if speculative_config is None else SpeculativeConfig.of(speculative_config)
+        if speculative is not None and copy_policy == "always":
+            raise ValueError("speculative_config cannot be combined with copy_policy='always': that policy rebuilds "
+                             "every row's position on the host, which does not know how many drafts were accepted")
+        if speculative is not None and decode_graphs:
+            raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
+                             "eagerly (leave decode_graphs None)")
         # The backend and graph choices hold for the device type whatever its id: refused here,
         # before any child starts, with the choices named.
         kind = device_type(device)
@@ -161,6 +171,13 @@ class DistributedWorker:
             raise TypeError(f"enable_expert_parallel must be a bool, got {type(enable_expert_parallel).__name__}")
         # tensor parallelism must divide heads and MLP (expert parallelism: the experts)
         shard_config(self.model_config, len(device_ids), enable_expert_parallel)
+        if speculative is not None and speculative.model is not None:  # the draft: readable, same vocabulary
+            speculative = replace(speculative, model=str(Path(speculative.model).expanduser().resolve()))
+            draft = load_config(speculative.model)
+            shard_config(draft, len(device_ids))
+            if draft.vocab_size != self.model_config.vocab_size:
+                raise ValueError(f"speculative_config: the draft model's vocab_size {draft.vocab_size} differs from "
+                                 f"the target's {self.model_config.vocab_size}")
         self.tokenizer = load_tokenizer(self.model_dir)
         self.runtime_config = RuntimeConfig(
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
@@ -168,7 +185,9 @@ class DistributedWorker:
             max_prefill_tokens=max_num_batched_tokens, copy_policy=copy_policy, num_threads=num_threads,
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
             cpu_prepack=cpu_prepack, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
+            speculative=None if speculative is None else speculative.to_dict(),
         )
+        self.speculative_config = speculative
         self.device_ids = device_ids
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s
@@ -209,7 +228,8 @@ class DistributedWorker:
         t0 = time.perf_counter()
         cfg = self.runtime_config
         try:
-            self._buffers = StepBuffers.create(self.pipeline_depth + 1, cfg.max_batch_size, cfg.prefill_capacity)
+            self._buffers = StepBuffers.create(self.pipeline_depth + 1, cfg.max_batch_size, cfg.prefill_capacity,
+                                               speculative_tokens(cfg))
             self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
@@ -463,6 +483,7 @@ class DistributedWorker:
             "generate_calls": self._generate_calls,
             "requests_served": self._requests_served,
             "last_generate": self._last.summary(),
+            "speculative": self.engine.speculation.summary() if self.speculative_config else None,
         }
 
     def step_records(self) -> list[dict]:

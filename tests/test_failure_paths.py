@@ -78,8 +78,8 @@ LIMITS = Limits(max_batch_size=4, max_blocks_per_row=4, num_pages=9, max_seq_len
 
 def _admit(**overrides) -> list:
     fields = dict(row=0, prompt_len=10, temperature=0.0, top_p=1.0, top_k=0, seed=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
-                  repetition_penalty=1.0, min_tokens=0, stop_ids=b"", logprobs=-1, prompt_logprobs=-1, grammar=b"",
-                  grammar_after=-1, grammar_replay=b"")
+                  repetition_penalty=1.0, max_new_tokens=0, min_tokens=0, stop_ids=b"", logprobs=-1, prompt_logprobs=-1,
+                  grammar=b"", grammar_after=-1, grammar_replay=b"", cached_ids=b"")
     fields.update(overrides)
     return list(fields.values())
 

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from chip_child.speculative_config import SpeculativeConfig
 from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
 from l3worker.server.chat_reply import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -22,6 +23,14 @@ def _device_ids(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.replace(" ", "").split(",") if x != "")
     except ValueError:
         raise argparse.ArgumentTypeError(f"--device-ids takes comma-separated integers, got {text!r}") from None
+
+
+def _speculative_config(text: str) -> dict:
+    """The JSON object of --speculative-config, checked: a bad one is a usage error naming the key."""
+    try:
+        return SpeculativeConfig.of(text).to_dict()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "every request resumes (default: %(default)s; 0: a failure stops the engine)")
     p.add_argument("--restart-window-s", type=float, default=600.0, metavar="S",
                    help="the window --max-restarts counts in (default: %(default)s)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4}\' (default: off)')
     p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=None,
                    help="cpu linear layers on oneDNN with weights prepacked at load (default: on where it runs)")
     p.add_argument("--quantization", default=None, metavar="METHOD",
@@ -159,7 +171,8 @@ def serve_command(args: argparse.Namespace) -> int:
                              enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
                              quantization=args.quantization, enable_expert_parallel=args.enable_expert_parallel,
                              max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
-                             max_waiting_requests=args.max_waiting_requests)
+                             max_waiting_requests=args.max_waiting_requests,
+                             speculative_config=args.speculative_config)
         if args.api_server_count < 1:
             raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
         # Checks every argument and reads the model here, before any process starts; the engine

@@ -1,0 +1,222 @@
+"""Speculative decoding in the chip-child: drafts verified as k + 1 tokens per row.
+
+Each row's token history (prompt and every token it produced; the ids a prefix-cache hit let its
+chunks skip come with its admit) is kept on the device. A speculative step proposes, for every
+active row, up to k tokens, by n-gram lookup in that history or from a draft model
+(chip_child.draft_model), then runs one forward over a packed axis holding, per row, its input token and its
+drafts (the chunked-prefill attention path: each row is a chunk attending to its pages and
+causally to itself). The target samples at every position with the sampler's hashed noise of
+(seed, position, token), so the token it samples there is fixed by its logits: a draft is
+accepted exactly when it equals that token, and the first mismatch is replaced by the target's
+own. Output is identical to plain decoding, greedy or seeded.
+
+A row then moves on by its accepted count + 1: positions, the next input id and the history are
+updated on the device, the counts also on the host (the step's one synchronisation, as the
+sampled ids are for a plain step), since the next step's attention metadata needs them. K/V
+written at rejected positions is overwritten by later steps before anything reads it.
+
+Drafts never run past a row's max_new_tokens, and a row that reached it stops being active
+here (the parent, which schedules ahead without knowing acceptance, may still send steps for
+it). Steps with prompt chunks, a full state (copy_policy="always"), or a row using an optional
+sampler stage (penalties, min_p, the min_tokens stop mask, log-probabilities, a grammar) run
+as plain steps: every row then moves on by one token.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from chip_child.chunk_layout import ChunkPlan
+from chip_child.draft_model import DraftModel
+from chip_child.model import final_logits, forward
+from chip_child.packed_axis import packed_axis
+from chip_child.row_state import BatchFacts
+from chip_child.sampling import sample
+from chip_child.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from chip_child.runtime import ChipRuntime
+    from chip_child.step_results import StepOutputs
+
+
+def ngram_drafts(history: torch.Tensor, lengths: torch.Tensor, k: int, lookup_min: int,
+                 lookup_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of `history` [R, W] (its first `lengths` [R] entries are its tokens): the k
+    tokens that followed the latest earlier occurrence of its last n tokens, the longest n in
+    [lookup_min, lookup_max] that occurs, as drafts [R, k] (-1 past the count) and counts [R]."""
+    r, w = history.shape
+    dev = history.device
+    drafts = torch.full((r, k), -1, dtype=torch.int64, device=dev)
+    counts = torch.zeros(r, dtype=torch.int64, device=dev)
+    found = torch.zeros(r, dtype=torch.bool, device=dev)
+    for n in range(min(lookup_max, w - 1), lookup_min - 1, -1):
+        starts = (lengths - n).clamp(min=0)
+        pattern = history.gather(1, starts[:, None] + torch.arange(n, device=dev)[None, :])  # [R, n]
+        windows = history.unfold(1, n, 1)  # [R, W - n + 1, n]: the n tokens from each start
+        match = (windows == pattern[:, None, :]).all(-1)
+        # A window must end before the row's last token, so at least one token follows it.
+        index = torch.arange(windows.shape[1], device=dev)
+        match &= index[None, :] < (lengths - n)[:, None]
+        hit = match.any(1) & ~found
+        latest = (match * (index[None, :] + 1)).argmax(1)  # the latest matching start
+        follow = latest + n
+        take = (lengths - follow).clamp(min=0, max=k)
+        cols = (follow[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
+        got = history.gather(1, cols)
+        valid = torch.arange(k, device=dev)[None, :] < take[:, None]
+        drafts = torch.where(hit[:, None] & valid, got, drafts)
+        counts = torch.where(hit, take, counts)
+        found |= hit
+    return drafts, counts
+
+
+class Speculation:
+    """The runtime's speculative state: row histories, the last step's per-row tokens and
+    counts, and the verify step (registered as the callable "verify")."""
+
+    def __init__(self, rt: "ChipRuntime", config: SpeculativeConfig):
+        self.rt = rt
+        self.config = config
+        self.k = config.num_speculative_tokens
+        b, s = rt.cfg.max_batch_size, rt.cfg.max_seq_len
+        dev = rt.device
+        self.scratch = s  # history column idle lanes write to
+        self.history = torch.zeros(b, s + 1, dtype=torch.int64, device=dev)
+        self.step_ids = torch.zeros(b, self.k + 1, dtype=torch.int64, device=dev)  # each row's tokens of the last step
+        self.counts = np.zeros(b, np.int32)  # tokens each row produced in the last step (0: none)
+        self._proposal: tuple | None = None  # propose()'s drafts, for the verify step that follows
+        self.drafted = np.zeros(b, np.int32)  # drafts each row verified in the last step
+        self.draft = DraftModel(rt, config.model, self.k) if config.method == "draft_model" else None
+        rt.register_callable("verify", self.verify)
+
+    # -- which steps speculate --------------------------------------------------------------------
+    @staticmethod
+    def applies(plan: ChunkPlan | None, facts: BatchFacts, full_state: bool) -> bool:
+        """Whether a step speculates: decode-only, plain sampler, no full state (host facts alone,
+        so tensor-parallel ranks agree)."""
+        return plan is None and facts.plain and not full_state and facts.any_active
+
+    # -- bookkeeping around a plain step ----------------------------------------------------------
+    def after_plain_step(self, lanes: int, plan: ChunkPlan | None) -> None:
+        """A plain step ran (every active row moved on by one): the chunks' ids and the sampled
+        ids join the histories; each active row produced one token."""
+        rt, v = self.rt, self.rt._lane_views[lanes]
+        if plan is not None:
+            ints = plan.layout.unpack(rt.prefill_state["chunk_ints"])
+            self.history[ints.rows, ints.positions] = ints.ids
+        # positions have advanced: the sampled id sits at its row's new input position.
+        columns = torch.where(v["active"], v["positions"], self.scratch)
+        self.history[:lanes].scatter_(1, columns[:, None], v["input_ids"][:, None])
+        self.step_ids[:lanes, 0] = v["input_ids"]
+        self.counts[:lanes] = rt.rows.active[:lanes]
+        self.drafted[:lanes] = 0
+        self._stop_finished(lanes)
+
+    # -- the speculative step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, lanes: int, facts: BatchFacts) -> bool:
+        """Drafts for every active lane's row; False when no row has any (the step then runs
+        plain, at a plain step's cost)."""
+        rt, k = self.rt, self.k
+        rows = rt.rows
+        act = np.flatnonzero(rows.active[:lanes])
+        pos = rows.positions[act]  # each row's input position
+        room = np.clip(self._limits(act) - 1 - pos, 0, k)  # drafts that stay within max_new_tokens
+        if not room.any():
+            return False
+        act_t, pos_t, room_t = rt._h2d(np.stack([act, pos, room]).astype(np.int64)).unbind(0)
+        if self.draft is not None:  # the draft model proposes as many as the room allows
+            drafts = self.draft.propose(act, pos, room, self.history, facts.any_random, facts.any_filter)
+            self._proposal = (act, pos, act_t, pos_t, drafts, room)
+            return True
+        c = self.config
+        drafts, counts = ngram_drafts(self.history[act_t, :int(pos.max()) + 1], pos_t + 1, k, c.prompt_lookup_min,
+                                      c.prompt_lookup_max)
+        counts = torch.minimum(counts, room_t)
+        drafted = counts.cpu().numpy()
+        if not drafted.any():
+            return False
+        drafts.masked_fill_(torch.arange(k, device=rt.device)[None, :] >= counts[:, None], -1)  # past the room: none
+        self._proposal = (act, pos, act_t, pos_t, drafts, drafted)
+        return True
+
+    @torch.inference_mode()
+    def verify(self, *, lanes: int, facts: BatchFacts) -> None:
+        """One forward over every active row's input id and drafts (propose's), then acceptance."""
+        rt, k = self.rt, self.k
+        rows, dev = rt.rows, rt.device
+        act, pos, act_t, pos_t, drafts, drafted = self._proposal
+        self._proposal = None
+        q = drafted + 1
+        r = len(act)
+        # The packed axis: per row, its input id then its drafts, at positions pos .. pos + q - 1.
+        within = np.arange(k + 1)[None, :] < q[:, None]
+        flat = np.flatnonzero(within.reshape(-1))
+        axis = packed_axis(act, pos, q, rt.state["block_table"], rt.cfg.page_size, rt._h2d, flat)
+        flat_t, tok_pos_t, tok_rows_t = axis.extra, axis.positions, axis.rows
+        grid = torch.cat([rt.state["input_ids"][act_t][:, None], drafts], 1)
+        hidden = forward(rt.model_cfg, rt.weights, rt.attn, rt.attn.plan(axis.meta), rt.rope, grid.reshape(-1)[flat_t],
+                         tok_pos_t, rt._all_reduce, rt.ops)
+        logits = final_logits(rt.weights, hidden, ops=rt.ops)
+        st = rt.state
+        sampled = sample(logits, st["temperature"][tok_rows_t], st["top_k"][tok_rows_t], st["top_p"][tok_rows_t],
+                         st["seed_keys"][tok_rows_t], tok_pos_t, st["vocab_keys"], facts.any_random,
+                         facts.any_filter)
+        target = torch.full((r, k + 1), -1, dtype=torch.int64, device=dev)
+        target.view(-1)[flat_t] = sampled
+        # Draft j is accepted while every draft before it was, and it equals the target's token.
+        agree = (drafts == target[:, :k]) & (drafts >= 0)
+        accepted = agree.to(torch.int64).cumprod(1).sum(1)
+        produced = accepted + 1
+        st["input_ids"][act_t] = target.gather(1, accepted[:, None]).squeeze(1)
+        st["positions"][act_t] += produced
+        steps = torch.arange(k + 1, device=dev)[None, :]
+        columns = torch.where(steps < produced[:, None], pos_t[:, None] + 1 + steps, self.scratch)
+        self.history[act_t[:, None], columns] = target
+        self.step_ids[act_t] = target
+        made = produced.cpu().numpy()  # the step's synchronisation: the next step's lengths need it
+        self.counts[:lanes] = 0
+        self.counts[act] = made
+        self.drafted[:lanes] = 0
+        self.drafted[act] = drafted
+        rows.positions[act] += made
+        if self.draft is not None:
+            self.draft.accepted(act, made - 1)
+        rows.changed()  # positions moved by more than one: facts and slots are recomputed
+        self._stop_finished(lanes)
+
+    def admitted(self, admits: list) -> None:
+        """Rows taken by new sequences: their histories start with the ids their chunks skip
+        (a prefix-cache hit) and fill from their chunks."""
+        for a in admits:
+            if len(a.cached_ids):
+                n = min(len(a.cached_ids), self.scratch)
+                self.history[a.row, :n] = torch.from_numpy(np.asarray(a.cached_ids[:n], np.int64)).to(self.rt.device)
+        if self.draft is not None:
+            self.draft.admitted([a.row for a in admits])
+
+    def write_outputs(self, lanes: int, outputs: "StepOutputs") -> None:
+        """The last step's per-row counts and tokens into the ring slot's views."""
+        outputs.spec_counts[:lanes, 0] = torch.from_numpy(self.counts[:lanes])
+        outputs.spec_counts[:lanes, 1] = torch.from_numpy(self.drafted[:lanes])
+        outputs.spec_ids[:lanes].copy_(self.step_ids[:lanes])
+
+    # -- internals --------------------------------------------------------------------------------
+    def _limits(self, rows: np.ndarray) -> np.ndarray:
+        """Each row's last input position + 1: prompt_len + max_new_tokens - 1 (unbounded: max_seq_len)."""
+        host = self.rt.rows.host
+        most = host["max_new_tokens"][rows]
+        return np.where(most > 0, host["prompt_lens"][rows] + most - 1, self.rt.cfg.max_seq_len)
+
+    def _stop_finished(self, lanes: int) -> None:
+        """Rows that produced their max_new_tokens stop being active: the parent may still send
+        steps for them (it schedules ahead of acceptance), which must not move them further."""
+        rows = self.rt.rows
+        act = np.flatnonzero(rows.active[:lanes])
+        done = act[rows.positions[act] >= self._limits(act)]
+        if done.size:
+            self.rt.state["active"][self.rt._h2d(done.astype(np.int64))] = False
+            rows.active[done] = False
+            rows.changed()

@@ -1,0 +1,227 @@
+"""Speculative decoding (ngram, draft model): tokens identical to plain decoding, greedy and seeded, through real
+chip-children, across batch compositions, chunked prefill, preemption, pipeline depths and a
+restart; drafts accepted where the text repeats; counts that add up; refusals."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from chip_child.speculative_config import SpeculativeConfig
+from l3worker import DistributedWorker, SamplingParams
+from scripted_model import EOS_TOKEN, TOOL_CHAIN, _ids, build_tokenizer, write_scripted_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SMALL = dict(device="cpu", max_batch_size=4, max_seq_len=256, page_size=8)
+
+
+def _repetitive(seed: int, period: int, length: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    unit = rng.integers(5, 250, period).tolist()
+    return (unit * (length // period + 1))[:length]
+
+
+# Rows that repeat, rows that do not, greedy and seeded, a stop id, min_tokens and penalties (which
+# make the steps they run in plain ones), and a prompt long enough to be prefilled in chunks.
+PROMPTS = [_repetitive(1, 4, 23), list(range(30, 41)), _repetitive(2, 3, 40), [7, 8, 9],
+           _repetitive(3, 5, 70), list(np.random.default_rng(4).integers(5, 250, 19))]
+PARAMS = [SamplingParams(max_new_tokens=30, temperature=0.0),
+          SamplingParams(max_new_tokens=21, temperature=0.9, top_k=20, seed=11),
+          SamplingParams(max_new_tokens=27, temperature=0.0, stop_token_ids=[17]),
+          SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=5),
+          SamplingParams(max_new_tokens=25, temperature=0.0, min_tokens=6),
+          SamplingParams(max_new_tokens=15, temperature=0.0, repetition_penalty=1.3)]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    with DistributedWorker(**SMALL) as w:
+        return _tokens(w.generate(PROMPTS, PARAMS))
+
+
+def _check_counts(w: DistributedWorker) -> dict:
+    s = w.stats()["speculative"]
+    m = w.engine.metrics
+    assert s["num_drafts"] == m.value("l3worker:spec_decode_num_drafts_total")
+    assert s["num_draft_tokens"] == m.value("l3worker:spec_decode_num_draft_tokens_total")
+    assert s["num_accepted_tokens"] == m.value("l3worker:spec_decode_num_accepted_tokens_total")
+    # Position j is accepted only after every position before it: counts never grow with j.
+    per = s["accepted_per_position"]
+    assert sum(per) == s["num_accepted_tokens"] and per == sorted(per, reverse=True)
+    for j, n in enumerate(per):
+        assert m.value("l3worker:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(j)}) == n
+    assert s["num_accepted_tokens"] <= s["num_draft_tokens"] <= 3 * s["num_drafts"]
+    return s
+
+
+@pytest.mark.parametrize("options", [
+    {},  # run-ahead (pipeline_depth 2)
+    {"pipeline_depth": 1},
+    {"max_num_batched_tokens": 8},  # every prompt prefilled in chunks beside decoding rows
+    {"num_pages": 14, "enable_prefix_caching": False},  # too few pages: rows are preempted and resumed
+], ids=["depth2", "depth1", "chunked", "preempted"])
+def test_ngram_tokens_identical_to_plain_decoding(plain, options) -> None:
+    with DistributedWorker(**SMALL, speculative_config=NGRAM, **options) as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        s = _check_counts(w)
+        assert s["num_accepted_tokens"] > 0  # the repeating rows accept drafts
+        if "num_pages" in options:
+            assert w.engine.scheduler.num_preemptions > 0
+        stats = w.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+        # Generated tokens the parent took in: at least the accepted ones beyond one a step.
+        assert w.engine.metrics.value("l3worker:generation_tokens_total") == sum(len(t) for t in plain)
+
+
+def test_batch_compositions_and_a_second_call(plain) -> None:
+    """Each request alone, then all of them again: the same tokens whatever shares the batch."""
+    with DistributedWorker(**SMALL, speculative_config=NGRAM) as w:
+        for i in (0, 1, 4):
+            assert _tokens(w.generate([PROMPTS[i]], [PARAMS[i]])) == [plain[i]]
+        assert _tokens(w.generate(PROMPTS[:4], PARAMS[:4])) == plain[:4]
+
+
+def test_logprobs_stop_strings_and_streams_see_exactly_the_plain_tokens() -> None:
+    """A row asking for log-probabilities (its steps run plain) beside speculating ones, n=2
+    samples, a stop string on the built-in model's text, and a stream whose deltas add up."""
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    params = [SamplingParams(max_new_tokens=20, temperature=0.0, logprobs=2),
+              SamplingParams(max_new_tokens=18, temperature=0.8, seed=2, n=2),
+              SamplingParams(max_new_tokens=24, temperature=0.0, stop=["a"])]
+
+    def run(w: DistributedWorker):
+        outs = w.generate(prompts, params)
+        samples = [(list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
+        logprobs = [(lp.logprob, lp.token_id) for lp in outs[0].outputs[0].logprobs]
+        streamed: dict[tuple, list[int]] = {}
+        for out in w.stream(prompts[1:], params[1:]):
+            for c in out.outputs:
+                streamed.setdefault((out.request_id, c.index), []).extend(c.delta_token_ids)
+        return samples, logprobs, sorted(streamed.values())
+
+    with DistributedWorker(**SMALL) as w:
+        expected = run(w)
+    with DistributedWorker(**SMALL, speculative_config=NGRAM) as w:
+        assert run(w) == expected
+        assert w.stats()["speculative"]["num_accepted_tokens"] > 0
+    assert sorted(t for t, *_ in expected[0][1:]) == expected[2]  # the stream's deltas are the final tokens
+
+
+def test_restart_mid_speculation_resumes_identically(plain) -> None:
+    with DistributedWorker(**SMALL, speculative_config=NGRAM, fault_injection="verify:exit@3") as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        assert w.engine.metrics.value("l3worker:engine_restarts_total") == 1
+
+
+def test_a_text_that_repeats_accepts_every_draft(tmp_path) -> None:
+    """The scripted bigram model writes a known chain after "\\n"; a prompt that already holds the
+    chain gives drafts that are all the target's tokens."""
+    model = write_scripted_model(tmp_path / "scripted")
+    tok = build_tokenizer()
+    chain = _ids(tok, TOOL_CHAIN) + [tok.token_to_id(EOS_TOKEN)]
+    prompt = [10, *chain, 10]
+    params = SamplingParams(max_new_tokens=len(chain), temperature=0.0)
+    with DistributedWorker(model, **SMALL, speculative_config=NGRAM) as w:
+        for _ in range(2):  # the second time, its prompt's first pages come from the prefix cache
+            before = w.stats()["speculative"]
+            (out,) = w.generate([prompt], params)
+            assert list(out.outputs[0].token_ids) == chain
+            s = _check_counts(w)
+            drafted = s["num_draft_tokens"] - before["num_draft_tokens"]
+            assert drafted > 0 and s["num_accepted_tokens"] - before["num_accepted_tokens"] == drafted
+            assert s["mean_accepted_length"] > 2
+        assert out.num_cached_tokens > 0
+
+
+# -- draft_model ------------------------------------------------------------------------------------------
+
+def _draft(model) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("options", [{}, {"num_pages": 14, "enable_prefix_caching": False}],
+                         ids=["depth2", "preempted"])
+def test_a_draft_model_equal_to_the_target_accepts_every_draft(plain, options) -> None:
+    from chip_child.tiny_model import ensure_tiny_model
+
+    with DistributedWorker(**SMALL, speculative_config=_draft(ensure_tiny_model()), **options) as w:
+        for _ in range(2):  # with prefix caching on, the second call's prompts hit the cache
+            assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+            s = _check_counts(w)
+            assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
+
+
+def test_tensor_parallel_ranks_agree_on_every_draft(plain) -> None:
+    """Two ranks draft, verify and accept alike (each from its own shard's forward)."""
+    from chip_child.tiny_model import ensure_tiny_model
+
+    with DistributedWorker(**SMALL, device_ids=(0, 1), speculative_config=_draft(ensure_tiny_model())) as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        s = _check_counts(w)
+        assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("options", [{"pipeline_depth": 1}, {"max_num_batched_tokens": 8}],
+                         ids=["depth1", "chunked"])
+def test_another_draft_model_gives_the_plain_tokens(plain, make_checkpoint, options) -> None:
+    draft = make_checkpoint("spec-draft", seed=5, vocab_size=320, num_hidden_layers=1)
+    with DistributedWorker(**SMALL, speculative_config=_draft(draft), **options) as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        s = _check_counts(w)
+        assert s["num_draft_tokens"] > s["num_accepted_tokens"]  # a random draft: some are rejected
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(make_checkpoint) -> None:
+    draft = make_checkpoint("spec-draft-300", vocab_size=300)
+    with pytest.raises(ValueError, match="vocab_size 300 differs from the target's 320"):
+        DistributedWorker(**SMALL, speculative_config=_draft(draft))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "ngram"}, "'num_speculative_tokens' is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an int in [1, 16]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes no model"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "applies to method 'ngram' only"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown key(s) ['lookahead']"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_configs_are_refused_by_name(config, message) -> None:
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig.of(config)
+    assert message in str(e.value)
+
+
+def test_lookup_bounds_default_as_vllm() -> None:
+    one = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (4, 4)
+    none = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2})
+    assert (none.prompt_lookup_min, none.prompt_lookup_max) == (5, 5)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"copy_policy": "always"}, "copy_policy='always'"),
+    ({"decode_graphs": True}, "decode_graphs=True"),
+])
+def test_unsupported_combinations_are_refused(options, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        DistributedWorker(**SMALL, speculative_config=NGRAM, **options)
+
+
+def test_serve_flag_checks_its_json(capsys) -> None:
+    from l3worker.server.cli import build_parser, main
+
+    flag = '{"method": "ngram", "num_speculative_tokens": 2}'
+    args = build_parser().parse_args(["serve", "--speculative-config", flag])
+    assert args.speculative_config["num_speculative_tokens"] == 2
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--speculative-config", '{"method": "ngram", "k": 2}'])
+    assert e.value.code == 2 and "unknown key(s) ['k']" in capsys.readouterr().err
