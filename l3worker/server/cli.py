@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the window --max-restarts counts in (default: %(default)s)")
     p.add_argument("--cpu-prepack", action=argparse.BooleanOptionalAction, default=None,
                    help="cpu linear layers on oneDNN with weights prepacked at load (default: on where it runs)")
+    p.add_argument("--cpu-layout", choices=("auto", "every_core", "spare_core"), default="auto",
+                   help="cpu: every_core (a thread per core), spare_core (a core left for the server and the "
+                        "sockets) or auto (by the model's size, checked by a start-up trial; default)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $L3WORKER_API_KEY; none: no key)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
@@ -158,6 +161,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                    dtype=args.dtype, pipeline_depth=args.pipeline_depth,
                                    max_num_batched_tokens=serve_batched_tokens(args),
                                    enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
+                                   cpu_layout=args.cpu_layout,
                                    max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
                                    max_waiting_requests=args.max_waiting_requests)
         options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(names),
@@ -192,6 +196,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
               f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}"
               f"{', chat template' if model.chat_template else ', no chat template'}"
+              f"{f', cpu layout {worker.cpu_layout_in_use}' if worker.cpu_layout_in_use else ''}"
               f"{', API key required' if options.api_key else ''})", flush=True)
 
     try:
