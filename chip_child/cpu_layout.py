@@ -13,8 +13,9 @@ took 11.5 ms on every core against 2.8 quiet, 3.6 on spare_core either way.
 A choice by timing alone flipped between back-to-back starts of one model: one round that met a
 burst of load elsewhere was enough. So the rule sets the layout, and the trial moves it only where
 the other layout's slowest round beats the preferred one's fastest by a margin plus the rounds'
-own spread: sustained load (every_core several times slower in every round) still moves a child
-to spare_core, a burst in one round does not move anything. Where the other layout truly is
+own spread, or where other processes kept more than half a core busy over the trial (then
+spare_core: under load the rounds' times swing too much to show it reliably, every_core's loss
+is certain); a burst within one round moves nothing. Where the other layout truly is
 faster by about the margin, noise can still decide: the rule is meant to be right away from it.
 """
 from __future__ import annotations
@@ -33,6 +34,9 @@ EVERY_CORE_MIN_WEIGHTS = 1 << 19
 # Where one more core adds at least a third to the compute; beyond that the parent's own core is
 # worth more than the extra thread (and a larger team waits on more threads). Measured on 2 cores.
 EVERY_CORE_MAX_CORES = 4
+# Cores other processes kept busy during the trial (on average) from which the machine counts as
+# loaded: every_core's team would wait for a descheduled thread, whatever the rounds' times say.
+LOADED_CORES = 0.5
 # The other layout's slowest decode round must beat the preferred layout's fastest by this much
 # more than the rounds' spread.
 SWITCH_MARGIN = 0.10
@@ -63,11 +67,14 @@ def preferred_cpu_layout(step_weights: int, cores: int) -> str:
     return "every_core" if big and 2 <= cores <= EVERY_CORE_MAX_CORES else "spare_core"
 
 
-def decide_cpu_layout(decode_s: dict[str, list[float]], preferred: str) -> str:
-    """`preferred`, unless the other layout's slowest decode step (one time per round) beat the
+def decide_cpu_layout(decode_s: dict[str, list[float]], preferred: str, other_cores: float = 0.0) -> str:
+    """spare_core where other processes kept more than LOADED_CORES busy during the trial; else
+    `preferred`, unless the other layout's slowest decode step (one time per round) beat the
     preferred layout's fastest by more than SWITCH_MARGIN plus the trial's own spread (the
     largest relative range of one layout's rounds): noise that moves every round of one layout
     the same way still cannot flip the choice, a layout several times slower does."""
+    if other_cores > LOADED_CORES:
+        return "spare_core"
     other = "spare_core" if preferred == "every_core" else "every_core"
     spread = max(max(times) / min(times) - 1 for times in decode_s.values())
     if max(decode_s[other]) * (1 + SWITCH_MARGIN + spread) < min(decode_s[preferred]):
@@ -81,9 +88,11 @@ def choose_cpu_layout(time_steps: Callable[[], tuple[float, float]], spare_threa
     `spare_core` layout (the caller's threads and affinities as they are, `spare_threads`
     threads) and the `every_core` one (every thread of this process allowed on `every_cores`,
     one intra-op thread per core), alternated over `rounds`; sets the threads as
-    decide_cpu_layout says. Returns the choice, the preferred layout, the median times and how
+    decide_cpu_layout says, given the rounds' decode times and the cores other processes kept
+    busy meanwhile. Returns the choice, the preferred layout, the median times, that load and how
     long the trial took."""
     t0 = time.perf_counter()
+    busy0 = _others_busy_s()
     pinned = _thread_affinities()
     times: dict[str, list[tuple[float, float]]] = {"spare_core": [], "every_core": []}
     try:
@@ -94,12 +103,27 @@ def choose_cpu_layout(time_steps: Callable[[], tuple[float, float]], spare_threa
     except BaseException:
         set_layout("spare_core", spare_threads, every_cores, pinned)
         raise
-    chosen = decide_cpu_layout({layout: [d for _, d in t] for layout, t in times.items()}, preferred)
+    busy1 = _others_busy_s()
+    other_cores = (busy1 - busy0) / (time.perf_counter() - t0) if busy0 is not None and busy1 is not None else 0.0
+    chosen = decide_cpu_layout({layout: [d for _, d in t] for layout, t in times.items()}, preferred, other_cores)
     set_layout(chosen, spare_threads, every_cores, pinned)
     median = lambda xs: float(sorted(xs)[len(xs) // 2])  # noqa: E731
     step_s = {layout: {"prefill": median([p for p, _ in t]), "decode": median([d for _, d in t])}
               for layout, t in times.items()}
-    return {"layout": chosen, "preferred": preferred, "step_s": step_s, "trial_s": time.perf_counter() - t0}
+    return {"layout": chosen, "preferred": preferred, "step_s": step_s, "other_cores": max(other_cores, 0.0),
+            "trial_s": time.perf_counter() - t0}
+
+
+def _others_busy_s() -> float | None:
+    """Busy core-seconds of the whole machine so far less this process's own CPU time (every
+    thread's); None without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+    return busy - sum(os.times()[:2])
 
 
 def _thread_affinities() -> dict[int, set[int]]:

@@ -105,7 +105,7 @@ def start_runtime(spec: ChildSpec) -> tuple[ChipRuntime, dict]:
         os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
     rt = ChipRuntime(RuntimeConfig(**spec.runtime))
     try:
-        layout = {"layout": None, "preferred": None, "step_s": None, "trial_s": None}
+        layout = {"layout": None, "preferred": None, "step_s": None, "other_cores": None, "trial_s": None}
         if spec.layout_cores:
             preferred = preferred_cpu_layout(step_weight_elements(rt.model_cfg), len(spec.layout_cores))
             layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
@@ -128,7 +128,7 @@ def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
         "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack,
         "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_layout": layout["layout"], "layout_preferred": layout["preferred"], "layout_step_s": layout["step_s"],
-        "layout_trial_s": layout["trial_s"],
+        "layout_other_cores": layout["other_cores"], "layout_trial_s": layout["trial_s"],
     })
 
 

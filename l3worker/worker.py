@@ -460,6 +460,7 @@ class DistributedWorker:
             "cpu_layout": self.cpu_layout_in_use,  # what the cpu children run with; None off the cpu
             "cpu_layout_preferred": info.get("layout_preferred"),  # auto's timing-free rule; None: no trial
             "cpu_layout_step_s": info.get("layout_step_s"),  # the trial's prefill and decode steps under each
+            "cpu_layout_other_cores": info.get("layout_other_cores"),  # cores other processes kept busy then
             "cpu_layout_trial_s": info.get("layout_trial_s"),  # how long that took
             "prepare_s": self._prepare_s,
             "pipeline_depth": self.pipeline_depth,

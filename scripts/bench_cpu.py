@@ -111,6 +111,7 @@ class L3Runner(L3):
         return {"child_threads": s["child_threads"], "child_cores": s["child_cores"], "pids": s["child_pids"],
                 "spin_s": self.w._doorbell.spin_s, "cpu_layout": s["cpu_layout"],
                 "cpu_layout_preferred": s["cpu_layout_preferred"],
+                "cpu_layout_other_cores": s["cpu_layout_other_cores"],
                 "cpu_layout_step_ms": {layout: {k: round(v * 1e3, 3) for k, v in t.items()}
                                        for layout, t in (s["cpu_layout_step_s"] or {}).items()},
                 "cpu_layout_trial_ms": s["cpu_layout_trial_s"] and round(s["cpu_layout_trial_s"] * 1e3, 1)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -95,6 +96,13 @@ def test_one_round_disturbed_moves_nothing() -> None:
                              "spare_core") == "every_core"
 
 
+def test_other_processes_busy_through_the_trial_mean_spare_core() -> None:
+    quiet_times = {"spare_core": [3.6, 3.7, 3.5], "every_core": [2.8, 2.9, 2.8]}
+    assert decide_cpu_layout(quiet_times, "every_core", other_cores=cpu_layout.LOADED_CORES) == "every_core"
+    assert decide_cpu_layout(quiet_times, "every_core", other_cores=1.2) == "spare_core"
+    assert decide_cpu_layout({"spare_core": [1.0] * 3, "every_core": [0.3] * 3}, "spare_core", 1.2) == "spare_core"
+
+
 class FakeSteps:
     """time_steps() under whichever layout the threads are set to: every_core is a thread per
     core with this thread on every core; noisy times, a fresh seed per start."""
@@ -113,6 +121,16 @@ class FakeSteps:
         return 10 * s, s
 
 
+class FakeLoad:
+    """_others_busy_s: `cores` busy elsewhere per second of the (real) clock."""
+
+    def __init__(self, cores: float):
+        self.cores = cores
+
+    def __call__(self) -> float:
+        return self.cores * time.perf_counter()
+
+
 @pytest.fixture
 def restore_threads():
     cores, threads = allowed_cores(), torch.get_num_threads()
@@ -126,19 +144,32 @@ def restore_threads():
     ("every_core", 0.5, "every_core"), ("every_core", 3.0, "spare_core"),
     ("spare_core", 0.95, "spare_core"), ("spare_core", 0.3, "every_core"),
 ])
-def test_the_threads_run_as_chosen(restore_threads, preferred, every_s, chosen) -> None:
+def test_the_threads_run_as_chosen(restore_threads, monkeypatch, preferred, every_s, chosen) -> None:
     cores = restore_threads
+    monkeypatch.setattr(cpu_layout, "_others_busy_s", FakeLoad(0.0))
     os.sched_setaffinity(0, cores[-1:])  # this thread pinned, as a spare_core child's are
     torch.set_num_threads(1)
     steps = FakeSteps(cores, 1.0, every_s, seed=0)
     result = choose_cpu_layout(steps, 1, cores, preferred)
     assert result["layout"] == chosen and result["preferred"] == preferred and result["trial_s"] >= 0
+    assert result["other_cores"] == pytest.approx(0.0)
     assert set(result["step_s"]) == {"spare_core", "every_core"}
     assert steps.seen == ["spare_core", "every_core"] * cpu_layout.ROUNDS  # alternated
     if chosen == "every_core":
         assert torch.get_num_threads() == len(cores) and os.sched_getaffinity(0) == set(cores)
     else:  # back as it was
         assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {cores[-1]}
+
+
+@needs_affinity
+def test_a_trial_on_a_loaded_machine_keeps_a_core_spare(restore_threads, monkeypatch) -> None:
+    cores = restore_threads
+    monkeypatch.setattr(cpu_layout, "_others_busy_s", FakeLoad(1.0))
+    os.sched_setaffinity(0, cores[-1:])
+    torch.set_num_threads(1)
+    result = choose_cpu_layout(FakeSteps(cores, 1.0, 0.5, seed=0), 1, cores, "every_core")
+    assert result["layout"] == "spare_core" and result["other_cores"] == pytest.approx(1.0, rel=0.05)
+    assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {cores[-1]}
 
 
 @needs_affinity
@@ -153,6 +184,7 @@ def test_back_to_back_starts_choose_the_same_layout_and_report_it(make_checkpoin
     import msgpack
 
     cores = restore_threads
+    monkeypatch.setattr(cpu_layout, "_others_busy_s", FakeLoad(0.0))
     if min_weights is not None:
         monkeypatch.setattr(cpu_layout, "EVERY_CORE_MIN_WEIGHTS", min_weights)
     rc = RuntimeConfig(str(make_checkpoint("default")), device="cpu", dtype="float32", max_batch_size=2,
