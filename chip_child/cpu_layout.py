@@ -1,5 +1,6 @@
 """How `cpu_layout="auto"` picks a cpu child's layout: a rule from the model's size and the core
-count, which a start-up trial overrides only where the other layout wins beyond its noise.
+count, which a start-up trial overrides only where the machine is loaded or the other layout
+wins beyond the trial's noise.
 
 The two layouts (chip_child.device.default_cpu_threads): `every_core`, a thread per core and the
 parent sleeping through each step; `spare_core`, a core left to the parent and the socket
@@ -15,8 +16,8 @@ burst of load elsewhere was enough. So the rule sets the layout, and the trial m
 the other layout's slowest round beats the preferred one's fastest by a margin plus the rounds'
 own spread, or where other processes kept more than half a core busy over the trial (then
 spare_core: under load the rounds' times swing too much to show it reliably, every_core's loss
-is certain); a burst within one round moves nothing. Where the other layout truly is
-faster by about the margin, noise can still decide: the rule is meant to be right away from it.
+is certain); a burst within one round moves nothing. Where the other layout truly is faster by
+about the margin, noise can still decide: the rule is meant to be right away from it.
 """
 from __future__ import annotations
 
