@@ -123,7 +123,7 @@ class EngineCore:
 
             self._reply(who, ["metrics", msg[1], generate_latest(self.engine.metrics.registry)])
         elif kind == "hello":
-            self._reply(who, ["ready", self.engine.healthy])
+            self._reply(who, ["ready", self.engine.healthy, self.worker.cpu_layout_in_use])
         elif kind == "shutdown":
             self.stop.set()
         else:

@@ -274,6 +274,21 @@ class DistributedWorker:
             self._layout_cores = None
         self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget(),
                                   self.engine.stopping)
+        self.engine.metrics.set_cpu_layout(self.cpu_layout_in_use)
+
+    @property
+    def cpu_layout_in_use(self) -> str | None:
+        """The layout the cpu children run with: what the start-up trial chose, else the one
+        asked for, else (`auto` without a trial) what their threads amount to: every_core where
+        they take every core. None off the cpu or before the children started."""
+        info = self._children[0].info if self._children else {}
+        if info.get("device") != "cpu":
+            return None
+        if info.get("cpu_layout"):
+            return info["cpu_layout"]
+        if self.cpu_layout != "auto":
+            return self.cpu_layout
+        return "every_core" if info.get("threads", 1) * len(self._children) >= available_cores() else "spare_core"
 
     def _relaunch(self) -> tuple[list[ChildProcess], Doorbell]:
         """The engine's restart: stops every child (tensor-parallel ranks go together), then
@@ -301,10 +316,10 @@ class DistributedWorker:
         return self.runtime_config.num_threads or default_cpu_threads(children, layout)
 
     def _layout_trial(self, children: int) -> list[int] | None:
-        """With cpu_layout="auto", one cpu child and more than one core, the child times its decode
-        step with a core spared for the parent and with every core, and keeps the faster (see
-        chip_child.device.choose_cpu_layout): every core wins on models of a few million
-        parameters on a quiet machine, and loses on tiny models and on a loaded one. Returns the
+        """With cpu_layout="auto", one cpu child and more than one core, the child prefers a layout
+        by the model's size and the core count, and times its decode step with a core spared for
+        the parent and with every core: only a clear win of the other layout, beyond the trial's
+        noise, moves it (chip_child.cpu_layout; every core loses on a loaded machine). Returns the
         cores every_core would take; None: no trial (tensor-parallel children step together and
         keep spare_core; a cache of fewer than 3 positions has no room for the timed steps)."""
         cfg = self.runtime_config
@@ -467,8 +482,10 @@ class DistributedWorker:
             "child_setup_s": info.get("setup_s"),
             "child_threads": info.get("threads"),
             "child_cores": info.get("cores"),
-            "cpu_layout": info.get("cpu_layout"),  # what cpu_layout="auto" chose; None: no trial
-            "cpu_layout_step_s": info.get("layout_step_s"),  # its prefill and decode steps under each
+            "cpu_layout": self.cpu_layout_in_use,  # what the cpu children run with; None off the cpu
+            "cpu_layout_preferred": info.get("layout_preferred"),  # auto's timing-free rule; None: no trial
+            "cpu_layout_step_s": info.get("layout_step_s"),  # the trial's prefill and decode steps under each
+            "cpu_layout_other_cores": info.get("layout_other_cores"),  # cores other processes kept busy then
             "cpu_layout_trial_s": info.get("layout_trial_s"),  # how long that took
             "prepare_s": self._prepare_s,
             "pipeline_depth": self.pipeline_depth,

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models over several --device-ids: split the experts across the ranks instead of "
                         "each expert's intermediate dimension")
+    p.add_argument("--cpu-layout", choices=("auto", "every_core", "spare_core"), default="auto",
+                   help="cpu: every_core (a thread per core), spare_core (a core left for the server and the "
+                        "sockets) or auto (by the model's size, checked by a start-up trial; default)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $L3WORKER_API_KEY; none: no key)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
@@ -169,6 +172,7 @@ def serve_command(args: argparse.Namespace) -> int:
                              num_pages=args.num_gpu_blocks_override, dtype=args.dtype,
                              pipeline_depth=args.pipeline_depth, max_num_batched_tokens=serve_batched_tokens(args),
                              enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
+                             cpu_layout=args.cpu_layout,
                              quantization=args.quantization, enable_expert_parallel=args.enable_expert_parallel,
                              max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
                              max_waiting_requests=args.max_waiting_requests,
@@ -206,6 +210,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
               f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}"
               f"{', chat template' if model.chat_template else ', no chat template'}"
+              f"{f', cpu layout {client.cpu_layout}' if client.cpu_layout else ''}"
               f"{', API key required' if options.api_key else ''}"
               f"{f', {args.api_server_count} API servers' if args.api_server_count > 1 else ''})", flush=True)
 

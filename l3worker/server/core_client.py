@@ -79,6 +79,7 @@ class CoreClient:
                  on_shutdown: Callable[["CoreClient"], Awaitable[None]] | None = None):
         self.core_pid = core_pid
         self.error: BaseException | None = None
+        self.cpu_layout: str | None = None  # what the core's cpu children run with (its ready reply); None off the cpu
         self._on_shutdown = on_shutdown  # the launching API server's: stops the processes it started
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -122,8 +123,9 @@ class CoreClient:
             if not reply.done():
                 reply.cancel()
                 raise self.error or EngineDeadError("the engine-core process exited while starting")
-            kind, self._core_healthy = unpack(reply.result())
+            kind, self._core_healthy, *extra = unpack(reply.result())
             if kind == "ready":
+                self.cpu_layout = extra[0]
                 break
         self._tasks = [asyncio.ensure_future(self._read_control()), asyncio.ensure_future(self._read_outputs())]
 
