@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -39,6 +39,7 @@ from l3worker.engine import Engine
 from l3worker.errors import ChildFailure, WorkerError
 from l3worker.hub import resolve_model
 from l3worker.inputs import Prompt, as_prompt_list
+from l3worker.nodes import NodeLayout, RemoteNode
 from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParams
 from l3worker.recovery import RestartPolicy
 from l3worker.requests import RequestState
@@ -63,7 +64,7 @@ class DistributedWorker:
         *,
         revision: str | None = None,
         download_dir: str | None = None,
-        device_ids: Sequence[int] = (0,),
+        device_ids: Sequence[int] | None = None,
         device: str = "auto",
         max_batch_size: int = 16,
         max_seq_len: int = 4096,
@@ -90,6 +91,13 @@ class DistributedWorker:
         max_restarts: int = 3,
         restart_window_s: float = 600.0,
         max_waiting_requests: int | None = None,
+        # Tensor parallel over several nodes, vLLM's names: this worker is the head (node 0); the
+        # followers run l3worker.follower (`l3worker serve --headless`). See l3worker/nodes.py.
+        tensor_parallel_size: int | None = None,  # None: one rank per device_ids entry
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
         # test-only (see chip_child.serve): the fault of the first start; a sequence: one per
         # start, restarts included (None: none; starts past its end have none)
         fault_injection: str | Sequence[str | None] | None = None,
@@ -106,9 +114,19 @@ class DistributedWorker:
         backend = get_backend(kind, attention_backend)
         resolve_decode_graphs(decode_graphs, kind, backend.decode_capturable, backend.name)
         resolve_fused_kernels(fused_kernels, kind)
-        device_ids = tuple(device_ids)
-        if not device_ids:
+        device_ids = tuple(device_ids) if device_ids is not None else None
+        if device_ids is not None and not device_ids:
             raise ValueError("device_ids must name at least one device")
+        layout = NodeLayout(tensor_parallel_size or (len(device_ids) if device_ids is not None else 1) * nnodes,
+                            nnodes, node_rank, master_addr, master_port)
+        layout.validate()
+        if node_rank != 0:
+            raise ValueError(f"node_rank={node_rank}: a DistributedWorker is the head, node 0; other nodes run "
+                             "`l3worker serve --headless` (l3worker.follower)")
+        device_ids = device_ids if device_ids is not None else tuple(range(layout.local_size))
+        if len(device_ids) != layout.local_size:
+            raise ValueError(f"device_ids {device_ids} must name tensor_parallel_size // nnodes = "
+                             f"{layout.local_size} device(s) on this node")
         for d in device_ids:
             _positive_int("device_ids entry", d, 0)
         if len(set(device_ids)) != len(device_ids) and device != "cpu":
@@ -160,7 +178,7 @@ class DistributedWorker:
         if not isinstance(enable_expert_parallel, bool):
             raise TypeError(f"enable_expert_parallel must be a bool, got {type(enable_expert_parallel).__name__}")
         # tensor parallelism must divide heads and MLP (expert parallelism: the experts)
-        shard_config(self.model_config, len(device_ids), enable_expert_parallel)
+        shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.runtime_config = RuntimeConfig(
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
@@ -170,6 +188,8 @@ class DistributedWorker:
             cpu_prepack=cpu_prepack, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
         )
         self.device_ids = device_ids
+        self.layout = layout
+        self._nodes: list[RemoteNode] = []  # one per follower node, made once: their links outlive restarts
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -213,10 +233,12 @@ class DistributedWorker:
             self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
-            world = len(self.device_ids)
-            self._threads = self._cpu_threads(world)
-            self._core_plan = plan = self._plan_cores(world, self._threads)
-            self._layout_cores = self._layout_trial(world)
+            local = len(self.device_ids)
+            self._threads = self._cpu_threads(local)
+            self._core_plan = plan = self._plan_cores(local, self._threads)
+            self._layout_cores = self._layout_trial(self.layout.tensor_parallel_size)
+            self._nodes = [RemoteNode(self._ctx, self.layout, node, self._buffers)
+                           for node in range(1, self.layout.nnodes)]
             _live_workers.add(self)
             if plan:
                 pin_socket_threads(self._ctx, plan.service)  # before the first socket starts its threads
@@ -231,13 +253,17 @@ class DistributedWorker:
     def _launch(self) -> None:
         """Starts one child per device and waits until each is ready: the first start and every
         restart. A restart's children differ only in their generation (their socket files and
-        tensor-parallel rendezvous are new) and their test fault."""
-        cfg, world, plan, gen = self.runtime_config, len(self.device_ids), self._core_plan, self._generation
+        tensor-parallel rendezvous are new) and their test fault. Follower nodes start theirs on
+        the head's word, with the same config."""
+        cfg, plan, gen, layout = self.runtime_config, self._core_plan, self._generation, self.layout
+        world = layout.tensor_parallel_size
         fault = self._faults[gen] if gen < len(self._faults) else None
         self._generation += 1
+        dist_init = None if world == 1 else layout.dist_init if layout.nnodes > 1 else \
+            f"file://{self._socket_dir}/tp-store-{gen}"
+        cfg = replace(cfg, tp_size=world, dist_init=dist_init)
         for rank, device_id in enumerate(self.device_ids):
-            rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
-                         dist_init=f"file://{self._socket_dir}/tp-store-{gen}" if world > 1 else None)
+            rc = replace(cfg, device_id=device_id, tp_rank=rank)
             if self._threads is not None:
                 # The child's own default would count only the cores it is pinned to.
                 rc = replace(rc, num_threads=self._threads)
@@ -246,6 +272,12 @@ class DistributedWorker:
                               service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
                               layout_cores=self._layout_cores, generation=gen)
             self._children.append(ChildProcess(self._ctx, spec, self._buffers))
+        launch = dict(runtime=asdict(cfg), slots=self._buffers.slots, max_batch_size=cfg.max_batch_size,
+                      prefill_capacity=cfg.prefill_capacity, fault=fault, overlap_steps=self.overlap_steps,
+                      step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s)
+        for node in self._nodes:
+            self._children.append(node)
+            node.start(gen, dict(launch, node_rank=node.node), self.startup_timeout_s, self.engine.stopping)
         for child in self._children:
             child.wait_ready(self.startup_timeout_s, self.engine.stopping)
         if self._layout_cores and self._children[0].info.get("cpu_layout") == "spare_core":
@@ -316,6 +348,9 @@ class DistributedWorker:
         """Stops every child and removes the socket directory. Idempotent; safe after failures."""
         self.engine.request_stop()  # a restart under way gives up instead of starting children
         self._stop_children(5.0)
+        for node in self._nodes:
+            node.close()  # the followers see the link close and exit
+        self._nodes = []
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # also closes a socket whose child never started
             self._ctx = None
