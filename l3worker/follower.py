@@ -28,14 +28,18 @@ import zmq
 from chip_child.config import RuntimeConfig
 from chip_child.device import default_cpu_threads, device_type
 from chip_child.tiny_model import ensure_tiny_model
-from l3worker.child import LIVENESS_POLL_MS, ChildProcess, child_spec
-from l3worker.errors import ChildFailure, WorkerError
+from l3worker.child import LIVENESS_POLL_MS, ChildProcess, child_spec, wait_all_ready
+from l3worker.errors import ChildFailure, StoppingError
 from l3worker.hub import resolve_model
 from l3worker.nodes import (DIED, ERROR, LAUNCH, READY, STEP, STOP, STOPPED, NodeLayout, link_events,
                             link_socket)
 from l3worker.shared import StepBuffers
 
 log = logging.getLogger("l3worker.follower")
+
+
+class HeadGone(Exception):
+    """The head's connection closed, or its heartbeats stopped."""
 
 
 @dataclass
@@ -69,6 +73,7 @@ class Follower:
         self._generation = -1
         self._reported = False  # this generation's failure went to the head already
         self._step_timeout_s: float | None = None
+        self._connected = False  # to a head, once at least
 
     def stop(self) -> None:
         self.stopping.set()
@@ -77,28 +82,35 @@ class Follower:
         """Serves the head until it goes away or a stop is asked. 0: the head went away or a stop
         was asked after it had connected; 1: stopped before any head connected."""
         ctx = zmq.Context()
-        sock, monitor = link_socket(ctx)
-        self._socket_dir = tempfile.mkdtemp(prefix="l3worker-follower-")
+        sock, self._monitor = link_socket(ctx)
+        self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
         self._ctx, self._sock = ctx, sock
         endpoint = self.layout.command_endpoint(self.layout.node_rank)
         sock.connect(endpoint)
         log.info("follower node %d: waiting for the head at %s", self.layout.node_rank, endpoint)
-        connected = False
         try:
             while not self.stopping.is_set():
-                for event in link_events(monitor):
-                    if event == zmq.EVENT_CONNECTED:
-                        connected = True
-                    elif event == zmq.EVENT_DISCONNECTED and connected:
-                        log.info("follower node %d: the head went away", self.layout.node_rank)
-                        return 0
+                self._check_head()
                 self._serve_once()
-            return 0 if connected else 1
+            return 0 if self._connected else 1
+        except HeadGone:
+            log.info("follower node %d: the head went away", self.layout.node_rank)
+            return 0
+        except StoppingError:  # a stop asked during a start-up
+            return 0
         finally:
             self._stop_children(2.0)
-            monitor.close(0)
+            self._monitor.close(0)
             ctx.destroy(linger=0)
             shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    def _check_head(self) -> None:
+        """Raises HeadGone once the head that connected went away (a head not up yet is waited for)."""
+        for event in link_events(self._monitor):
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                raise HeadGone()
 
     def _serve_once(self) -> None:
         """One poll: the head's messages, then the children's replies, or their liveness."""
@@ -144,8 +156,8 @@ class Follower:
                 child.send(frames[1], self._step_timeout_s, self.stopping)
         except ChildFailure as exc:
             self._report(DIED, str(exc))
-        except WorkerError:
-            pass  # stopping
+        except StoppingError:
+            pass
 
     def _launch(self, generation: int, launch: dict) -> None:
         """Starts this node's children for `generation` and reports them ready (or why not)."""
@@ -172,13 +184,12 @@ class Follower:
                 spec = child_spec(first + i, rc, self._buffers, self._socket_dir, fault=launch["fault"],
                                   overlap_steps=launch["overlap_steps"], generation=generation)
                 self._children.append(ChildProcess(self._ctx, spec, self._buffers))
-            for child in self._children:
-                child.wait_ready(launch["startup_timeout_s"], self.stopping)
-        except ChildFailure as exc:
-            self._report(ERROR, f"start-up failed: {exc}")
+            wait_all_ready(self._children, launch["startup_timeout_s"], self.stopping, self._check_head)
+        except (StoppingError, HeadGone):
+            raise
+        except Exception as exc:  # what the head must hear: its own rank 0 waits for these ranks
+            self._report(ERROR, f"start-up failed: {type(exc).__name__}: {exc}")
             return
-        except WorkerError:
-            return  # stopping
         info = dict(self._children[0].info, pid=os.getpid(), child_pids=[c.pid for c in self._children])
         self._sock.send_multipart([READY, str(generation).encode(), msgpack.packb(info)])
 

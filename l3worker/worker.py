@@ -32,7 +32,7 @@ from chip_child.loader import load_config, load_tokenizer, resolve_dtype
 from chip_child.model import shard_config
 from chip_child.prepack import resolve_cpu_prepack
 from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
-from l3worker.child import ChildProcess, child_spec
+from l3worker.child import ChildProcess, child_spec, wait_all_ready
 from l3worker.shared import StepBuffers
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine
@@ -278,8 +278,7 @@ class DistributedWorker:
         for node in self._nodes:
             self._children.append(node)
             node.start(gen, dict(launch, node_rank=node.node), self.startup_timeout_s, self.engine.stopping)
-        for child in self._children:
-            child.wait_ready(self.startup_timeout_s, self.engine.stopping)
+        wait_all_ready(self._children, self.startup_timeout_s, self.engine.stopping)
         if self._layout_cores and self._children[0].info.get("cpu_layout") == "spare_core":
             # Restarts keep the layout the trial chose, and skip the trial (seconds on a loaded
             # machine): spare_core is a child's set-up without one.
