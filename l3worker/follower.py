@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, replace
@@ -74,6 +75,8 @@ class Follower:
         self._reported = False  # this generation's failure went to the head already
         self._step_timeout_s: float | None = None
         self._connected = False  # to a head, once at least
+        self._poller: zmq.Poller | None = None
+        self._polled: list[ChildProcess] | None = None  # the children _poller watches
 
     def stop(self) -> None:
         self.stopping.set()
@@ -114,11 +117,12 @@ class Follower:
 
     def _serve_once(self) -> None:
         """One poll: the head's messages, then the children's replies, or their liveness."""
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        for child in self._children:
-            poller.register(child.sock, zmq.POLLIN)
-        events = dict(poller.poll(LIVENESS_POLL_MS))
+        if self._polled is not self._children:  # a generation started or stopped since the last poll
+            self._poller = zmq.Poller()
+            for sock in (self._sock, *(c.sock for c in self._children)):
+                self._poller.register(sock, zmq.POLLIN)
+            self._polled = self._children
+        events = dict(self._poller.poll(LIVENESS_POLL_MS))
         if self._sock in events:
             self._take_commands()
         try:
@@ -203,6 +207,14 @@ class Follower:
         children, self._children = self._children, []
         for child in children:
             child.stop(grace_s)
+
+
+def follower_command(model_dir: str | None, layout: NodeLayout, *flags: str) -> list[str]:
+    """The command line of follower node `layout.node_rank` (what a launcher runs on that node)."""
+    return [sys.executable, "-m", "l3worker", "serve", *([str(model_dir)] if model_dir is not None else []),
+            "--headless", "--tensor-parallel-size", str(layout.tensor_parallel_size), "--nnodes", str(layout.nnodes),
+            "--node-rank", str(layout.node_rank), "--master-addr", layout.master_addr,
+            "--master-port", str(layout.master_port), *flags]
 
 
 def run_follower(options: FollowerOptions) -> int:

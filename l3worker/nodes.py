@@ -33,6 +33,11 @@ from l3worker.shared import StepBuffers
 HEARTBEAT_IVL_MS = 1000  # a ping every second on an otherwise idle connection
 HEARTBEAT_TIMEOUT_MS = 3000  # no traffic for this long: the connection is dropped as dead
 STOP_EXTRA_S = 2.0  # a follower stops its children within the grace it is given, plus this
+# How long a restart waits for a follower that is not connected (the first start waits as long as
+# the children's start-up may take: followers may start after the head). Each restart of the
+# budget waits this long, so a follower that stays away fails the engine within
+# max_restarts * REJOIN_WAIT_S; /health says 503 from the moment it went.
+REJOIN_WAIT_S = 10.0
 
 # Frame 0 of every message between the head and a follower; frame 1 the generation (children
 # start count) as ascii, so replies of children the head already replaced are told apart.
@@ -81,6 +86,27 @@ class NodeLayout:
     def command_endpoint(self, node: int) -> str:
         """Where follower `node` takes its commands (the head binds, the follower connects)."""
         return f"tcp://{socket.gethostbyname(self.master_addr)}:{self.master_port + node}"
+
+
+def free_master_port(nnodes: int, host: str = "127.0.0.1") -> int:
+    """A port p such that p .. p + nnodes - 1 were free just now: the rendezvous, then the
+    followers' command ports (another process may still take one before the head binds)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + nnodes):
+                held.append(socket.socket())
+                held[-1].bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise OSError(f"found no {nnodes} consecutive free ports on {host}")
 
 
 def link_socket(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
@@ -138,9 +164,13 @@ class RemoteNode(ChildProcess):
 
     def start(self, generation: int, launch: dict, timeout_s: float | None,
               cancel: threading.Event | None) -> None:
-        """Asks the follower to start its children for `generation`; waits (up to `timeout_s`)
-        for it to be connected: a follower that went away may come back for a restart."""
+        """Asks the follower to start its children for `generation`, waiting for it to be connected
+        (a follower that went away may come back for a restart: see REJOIN_WAIT_S)."""
         self._track()
+        if self.generation >= 0 and timeout_s is not None:
+            timeout_s = min(timeout_s, REJOIN_WAIT_S)
+        elif self.generation >= 0:
+            timeout_s = REJOIN_WAIT_S
         self.generation, self.running, self.lost, self.info = generation, True, False, {}
         self._send([LAUNCH, str(generation).encode(), json.dumps(launch).encode()], timeout_s, cancel,
                    f"follower node {self.node} to connect at {self.endpoint}")

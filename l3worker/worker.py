@@ -262,6 +262,12 @@ class DistributedWorker:
         dist_init = None if world == 1 else layout.dist_init if layout.nnodes > 1 else \
             f"file://{self._socket_dir}/tp-store-{gen}"
         cfg = replace(cfg, tp_size=world, dist_init=dist_init)
+        launch = dict(runtime=asdict(cfg), slots=self._buffers.slots, max_batch_size=cfg.max_batch_size,
+                      prefill_capacity=cfg.prefill_capacity, fault=fault, overlap_steps=self.overlap_steps,
+                      step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s)
+        for node in self._nodes:  # first: a follower that is gone fails a restart before any child starts
+            self._children.append(node)
+            node.start(gen, dict(launch, node_rank=node.node), self.startup_timeout_s, self.engine.stopping)
         for rank, device_id in enumerate(self.device_ids):
             rc = replace(cfg, device_id=device_id, tp_rank=rank)
             if self._threads is not None:
@@ -271,13 +277,7 @@ class DistributedWorker:
                               fault=fault, cpu_cores=plan.children[rank] if plan else None,
                               service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
                               layout_cores=self._layout_cores, generation=gen)
-            self._children.append(ChildProcess(self._ctx, spec, self._buffers))
-        launch = dict(runtime=asdict(cfg), slots=self._buffers.slots, max_batch_size=cfg.max_batch_size,
-                      prefill_capacity=cfg.prefill_capacity, fault=fault, overlap_steps=self.overlap_steps,
-                      step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s)
-        for node in self._nodes:
-            self._children.append(node)
-            node.start(gen, dict(launch, node_rank=node.node), self.startup_timeout_s, self.engine.stopping)
+            self._children.insert(rank, ChildProcess(self._ctx, spec, self._buffers))  # local ranks first
         wait_all_ready(self._children, self.startup_timeout_s, self.engine.stopping)
         if self._layout_cores and self._children[0].info.get("cpu_layout") == "spare_core":
             # Restarts keep the layout the trial chose, and skip the trial (seconds on a loaded
@@ -485,6 +485,8 @@ class DistributedWorker:
             "cpu_layout_step_s": info.get("layout_step_s"),  # its prefill and decode steps under each
             "cpu_layout_trial_s": info.get("layout_trial_s"),  # how long that took
             "prepare_s": self._prepare_s,
+            "tensor_parallel_size": self.layout.tensor_parallel_size,
+            "nnodes": self.layout.nnodes,
             "pipeline_depth": self.pipeline_depth,
             "copy_policy": self.runtime_config.copy_policy,
             "attention_backend": info.get("attention_backend"),

@@ -17,7 +17,8 @@ import torch
 from fault_helpers import alive, guard, shm_entries, wait_for
 from l3worker import DistributedWorker, SamplingParams
 from l3worker.errors import WorkerError
-from node_helpers import free_ports, start_follower
+from l3worker.nodes import free_master_port
+from node_helpers import start_follower
 from server_helpers import Served
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 45))]
@@ -56,7 +57,7 @@ def test_greedy_across_two_nodes_matches_transformers(make_checkpoint, hf_model,
     model = hf_model(path)
     ref = [model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
            for p in PROMPTS]
-    port = free_ports(2)
+    port = free_master_port(2)
     node = follower(path, port)
     with guard(), DistributedWorker(str(path), master_port=port, **WORKER) as w:
         follower_tree = tree(node.pid)
@@ -72,7 +73,7 @@ def test_greedy_across_two_nodes_matches_transformers(make_checkpoint, hf_model,
 
 def test_a_killed_follower_fails_the_head_and_leaves_nothing(make_checkpoint, follower) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
-    port = free_ports(2)
+    port = free_master_port(2)
     node = follower(path, port)
     shm_before = shm_entries()
     with guard(), DistributedWorker(str(path), master_port=port, max_restarts=0, **WORKER) as w:
@@ -94,7 +95,7 @@ def test_a_killed_follower_fails_the_head_and_leaves_nothing(make_checkpoint, fo
 
 def test_a_follower_that_comes_back_is_restarted_and_requests_resume(make_checkpoint, follower) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
-    port = free_ports(2)
+    port = free_master_port(2)
     first = follower(path, port)
     with guard(), DistributedWorker(str(path), master_port=port, max_restarts=1, **WORKER) as w:
         expected = [o.token_ids for o in w.generate(PROMPTS, SamplingParams(max_new_tokens=40, ignore_eos=True))]
@@ -115,7 +116,7 @@ def test_a_follower_that_comes_back_is_restarted_and_requests_resume(make_checkp
 def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_everything(
         make_checkpoint, follower, tmp_path: Path) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
-    port = free_ports(2)
+    port = free_master_port(2)
     node = follower(path, port)
     head = Served(tmp_path / "head", str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
                   "--master-port", str(port), "--max-model-len", "128", "--block-size", "8", "--max-restarts", "0")
@@ -141,7 +142,7 @@ def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_eve
 
 def test_a_follower_exits_when_its_head_is_killed(make_checkpoint, follower, tmp_path: Path) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
-    port = free_ports(2)
+    port = free_master_port(2)
     node = follower(path, port)
     head = Served(tmp_path / "head", str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
                   "--master-port", str(port), "--max-model-len", "128", "--block-size", "8")
