@@ -46,9 +46,14 @@ def one_run(w: DistributedWorker, prompts, params: SamplingParams) -> dict:
             "max_command_bytes": s["max_command_bytes"], "tokens": [o.token_ids for o in outs]}
 
 
-def follower_death(w: DistributedWorker, follower: subprocess.Popen, prompts) -> tuple[float, str]:
-    """Seconds from the follower's SIGKILL to the head's error, and the error's first line."""
-    stream = w.stream(prompts, SamplingParams(max_new_tokens=10_000, ignore_eos=True))
+def follower_death(w: DistributedWorker, follower: subprocess.Popen, prompts) -> tuple[float, float, str]:
+    """Seconds from the follower's SIGKILL to the engine's failure and to the caller's error (the
+    worker closed by then: its rank-0 child stopped), and the error's first line."""
+    failed_at: list[float] = []
+    fail = w.engine.fail
+    w.engine.fail = lambda exc: (failed_at.append(time.perf_counter()), fail(exc))
+    stream = w.stream(prompts, SamplingParams(max_new_tokens=MODEL["max_position_embeddings"] - len(prompts[0]) - 1,
+                                                   ignore_eos=True))
     next(stream)
     os.killpg(follower.pid, signal.SIGKILL)
     t0 = time.perf_counter()
@@ -56,7 +61,7 @@ def follower_death(w: DistributedWorker, follower: subprocess.Popen, prompts) ->
         for _ in stream:
             pass
     except WorkerError as exc:
-        return time.perf_counter() - t0, str(exc).splitlines()[0]
+        return failed_at[0] - t0, time.perf_counter() - t0, str(exc).splitlines()[0]
     raise AssertionError("the stream ended without an error")
 
 
@@ -73,7 +78,7 @@ def main() -> None:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     # Unpinned, both: a follower does not pin its children, and a second worker of one process
     # would not pin its own beside the first's.
-    common = dict(device="cpu", max_batch_size=args.batch, max_seq_len=args.prompt_len + args.new_tokens + 8,
+    common = dict(device="cpu", max_batch_size=args.batch, max_seq_len=MODEL["max_position_embeddings"],
                   page_size=16, pin_cores=False)
     port = free_master_port(2)
     layout = NodeLayout(2, 2, 1, "127.0.0.1", port)
@@ -90,7 +95,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for name, w in (("one_node", one), ("two_nodes", two)):
                     runs[name].append(one_run(w, prompts, sampling))
-            detect_s, error = follower_death(two, follower, prompts)
+            detect_s, raised_s, error = follower_death(two, follower, prompts)
     finally:
         if follower.poll() is None:
             os.killpg(follower.pid, signal.SIGTERM)
@@ -108,7 +113,8 @@ def main() -> None:
         "two_nodes_over_one_node_per_run": [round(x, 3) for x in ratios],
         "two_nodes_over_one_node_median": round(statistics.median(ratios), 3),
         "same_tokens": same,
-        "follower_killed_to_head_error_s": round(detect_s, 3), "head_error": error,
+        "follower_killed_to_engine_failure_s": round(detect_s, 3), "follower_killed_to_error_raised_s":
+            round(raised_s, 3), "head_error": error,
     }, indent=1))
 
 
