@@ -137,7 +137,7 @@ class ChildProcess:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._wait_for(zmq.POLLIN, deadline, what, cancel, lambda: f"gave no reply to {what} within {timeout_s:g}s")
-            reply = self._unpack(self.sock.recv(), what)
+            reply = self._unpack(self._read(), what)
             if isinstance(reply, dict):
                 return reply
 
@@ -145,10 +145,13 @@ class ChildProcess:
         """Consumes every waiting message: wake-ups are dropped, an error reply raises."""
         while True:
             try:
-                raw = self.sock.recv(zmq.NOBLOCK)
+                raw = self._read(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._unpack(raw, "a step")
+
+    def _read(self, flags: int = 0) -> bytes:
+        return self.sock.recv(flags)
 
     def _unpack(self, raw: bytes, what: str) -> object:
         reply = msgpack.unpackb(raw)

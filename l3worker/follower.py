@@ -62,10 +62,7 @@ class Follower:
                              f"of nnodes={layout.nnodes}; node 0 is the head")
         self.layout = layout
         self.device = options.device
-        self.device_ids = tuple(options.device_ids) if options.device_ids is not None else tuple(range(layout.local_size))
-        if len(self.device_ids) != layout.local_size:
-            raise ValueError(f"device_ids {self.device_ids} must name tensor_parallel_size // nnodes = "
-                             f"{layout.local_size} device(s) on this node")
+        self.device_ids = layout.local_devices(tuple(options.device_ids) if options.device_ids is not None else None)
         self.model_dir = str(ensure_tiny_model()) if options.model_dir is None else \
             resolve_model(options.model_dir, options.revision, options.download_dir)
         self.stopping = threading.Event()  # SIGTERM / SIGINT, or stop() from another thread

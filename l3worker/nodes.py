@@ -71,6 +71,25 @@ class NodeLayout:
             if not self.master_addr:
                 raise ValueError("nnodes > 1 needs master_addr, the head's address the followers reach")
 
+    @classmethod
+    def of(cls, tensor_parallel_size: int | None, device_ids: tuple[int, ...] | None, nnodes: int, node_rank: int,
+           master_addr: str, master_port: int | None) -> "NodeLayout":
+        """The layout the flags give, checked; tensor_parallel_size None: one rank per device id on
+        every node."""
+        tp = tensor_parallel_size or (len(device_ids) if device_ids is not None else 1) * nnodes
+        layout = cls(tp, nnodes, node_rank, master_addr, master_port)
+        layout.validate()
+        return layout
+
+    def local_devices(self, device_ids: tuple[int, ...] | None) -> tuple[int, ...]:
+        """This node's device ids: as given, checked to count local_size; None: 0 .. local_size - 1."""
+        if device_ids is None:
+            return tuple(range(self.local_size))
+        if len(device_ids) != self.local_size:
+            raise ValueError(f"device_ids {device_ids} must name tensor_parallel_size // nnodes = "
+                             f"{self.local_size} device(s) on this node")
+        return device_ids
+
     @property
     def local_size(self) -> int:
         """Ranks on each node."""
@@ -208,21 +227,8 @@ class RemoteNode(ChildProcess):
         self._track()
         return self.running and not self.lost
 
-    def recv(self, timeout_s: float | None, what: str, cancel: threading.Event | None = None) -> dict:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            self._wait_for(zmq.POLLIN, deadline, what, cancel, lambda: f"gave no reply to {what} within {timeout_s:g}s")
-            reply = self._unpack(self.sock.recv_multipart(), what)
-            if reply is not None:
-                return reply
-
-    def drain(self) -> None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._unpack(frames, "a step")
+    def _read(self, flags: int = 0) -> list[bytes]:
+        return self.sock.recv_multipart(flags)
 
     def _unpack(self, frames: list[bytes], what: str) -> dict | None:
         """A follower's reply of this generation: READY and STOPPED as maps, ERROR and DIED raise;

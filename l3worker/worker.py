@@ -117,16 +117,11 @@ class DistributedWorker:
         device_ids = tuple(device_ids) if device_ids is not None else None
         if device_ids is not None and not device_ids:
             raise ValueError("device_ids must name at least one device")
-        layout = NodeLayout(tensor_parallel_size or (len(device_ids) if device_ids is not None else 1) * nnodes,
-                            nnodes, node_rank, master_addr, master_port)
-        layout.validate()
+        layout = NodeLayout.of(tensor_parallel_size, device_ids, nnodes, node_rank, master_addr, master_port)
         if node_rank != 0:
             raise ValueError(f"node_rank={node_rank}: a DistributedWorker is the head, node 0; other nodes run "
                              "`l3worker serve --headless` (l3worker.follower)")
-        device_ids = device_ids if device_ids is not None else tuple(range(layout.local_size))
-        if len(device_ids) != layout.local_size:
-            raise ValueError(f"device_ids {device_ids} must name tensor_parallel_size // nnodes = "
-                             f"{layout.local_size} device(s) on this node")
+        device_ids = layout.local_devices(device_ids)
         for d in device_ids:
             _positive_int("device_ids entry", d, 0)
         if len(set(device_ids)) != len(device_ids) and device != "cpu":

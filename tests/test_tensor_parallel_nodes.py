@@ -17,8 +17,9 @@ import torch
 from fault_helpers import alive, guard, shm_entries, wait_for
 from l3worker import DistributedWorker, SamplingParams
 from l3worker.errors import WorkerError
-from l3worker.nodes import free_master_port
-from node_helpers import start_follower
+from l3worker.follower import follower_command
+from l3worker.nodes import NodeLayout, free_master_port
+from node_helpers import ROOT, start_follower
 from server_helpers import Served
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 45))]
@@ -169,3 +170,6 @@ def test_layout_is_checked_before_anything_starts(make_checkpoint) -> None:
                           master_port=29500)
     with pytest.raises(ValueError, match="headless"):
         DistributedWorker(str(path), device="cpu", tensor_parallel_size=2, nnodes=2, node_rank=1, master_port=29500)
+    usage = subprocess.run(follower_command(str(path), NodeLayout(2, 2, 0, "127.0.0.1", 29500)), cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 2 and "node 0 is the head" in usage.stderr

@@ -236,9 +236,9 @@ def headless_command(args: argparse.Namespace) -> int:
     from l3worker.follower import FollowerOptions, run_follower
     from l3worker.nodes import NodeLayout
 
-    layout = NodeLayout(args.tensor_parallel_size or len(args.device_ids or (0,)) * args.nnodes, args.nnodes,
-                        args.node_rank, args.master_addr, args.master_port)
     try:
+        layout = NodeLayout.of(args.tensor_parallel_size, args.device_ids, args.nnodes, args.node_rank,
+                               args.master_addr, args.master_port)
         options = FollowerOptions(layout, args.model_dir, args.revision, args.download_dir, args.device,
                                   args.device_ids)
         return run_follower(options)
