@@ -94,6 +94,28 @@ def test_a_killed_follower_fails_the_head_and_leaves_nothing(make_checkpoint, fo
     assert wait_for(lambda: not (shm_entries() - shm_before))
 
 
+def test_a_silent_follower_is_dropped_by_the_heartbeats(make_checkpoint, follower) -> None:
+    """A frozen follower (SIGSTOP: no step, no heartbeat, its connection still open, as on a lost
+    network) fails the head; woken, it finds the head gone and exits."""
+    path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
+    port = free_master_port(2)
+    node = follower(path, port)
+    with guard(), DistributedWorker(str(path), master_port=port, max_restarts=0, **WORKER) as w:
+        w.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))
+        follower_tree = tree(node.pid)
+        stream = w.stream(PROMPTS, SamplingParams(max_new_tokens=100, ignore_eos=True))
+        next(stream)
+        os.killpg(node.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(WorkerError, match="follower node 1 .* lost its connection"):
+                for _ in stream:
+                    pass
+        finally:
+            os.killpg(node.pid, signal.SIGCONT)
+    assert node.wait(30) == 0
+    assert gone(follower_tree)
+
+
 def test_a_follower_that_comes_back_is_restarted_and_requests_resume(make_checkpoint, follower) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
     port = free_master_port(2)
