@@ -238,8 +238,7 @@ class RemoteNode(ChildProcess):
             return None
         if kind == ERROR:
             raise ChildError(f"follower node {self.node}: {frames[2].decode()}")
-        if kind == DIED:
-            self.lost = True
+        if kind == DIED:  # a child of the follower's: the follower stops the others on stop()
             raise ChildDiedError(f"follower node {self.node}: {frames[2].decode()} while the head waited for {what}")
         if kind == READY:
             return msgpack.unpackb(frames[2])
