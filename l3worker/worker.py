@@ -12,7 +12,6 @@ import atexit
 import os
 import shutil
 import sys
-import tempfile
 import time
 import weakref
 from dataclasses import asdict, replace
@@ -46,6 +45,7 @@ from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParam
 from l3worker.recovery import RestartPolicy
 from l3worker.requests import RequestState
 from l3worker.stats import GenerateStats
+from l3worker.socket_dir import make_socket_dir
 
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
 RESTART_GRACE_S = 2.0  # how long a failed generation's live children may take to exit before a kill
@@ -245,7 +245,7 @@ class DistributedWorker:
         try:
             self._buffers = StepBuffers.create(self.pipeline_depth + 1, cfg.max_batch_size, cfg.prefill_capacity,
                                                speculative_tokens(cfg))
-            self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
+            self._socket_dir = make_socket_dir("l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
             local = len(self.device_ids)

@@ -21,12 +21,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 from l3worker.engine_core import CoreConfig
 from l3worker.server.core_client import CoreClient
 from l3worker.server.runner import ModelInfo, ServeOptions
+from l3worker.socket_dir import make_socket_dir
 
 log = logging.getLogger("l3worker.server")
 STOP_GRACE_S = 30.0  # how long a started process may take to stop before it is killed
@@ -114,7 +114,7 @@ def _wait_or_kill(proc: subprocess.Popen) -> None:
 def launch_core(worker_kwargs: dict, api_server_count: int) -> tuple[Launch, CoreClient]:
     """Starts the engine core (it prepares the worker on its own) and returns API server 0's
     client, whose outputs socket is bound before the core starts."""
-    launch = Launch(tempfile.mkdtemp(prefix="l3worker-serve-"))
+    launch = Launch(make_socket_dir("l3worker-serve-"))
     control, outputs = _endpoints(launch.run_dir, api_server_count)
     try:
         client = CoreClient(0, control, outputs[0], 0, on_shutdown=launch.shutdown)
