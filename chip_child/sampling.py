@@ -151,6 +151,13 @@ class RowParams:
     stop_mask: torch.Tensor  # bool [N, V]: the row's stop ids
     grammar_mask: torch.Tensor | None = None  # int32 [N, ceil(V / 32)]: what a row's grammar allows (all bits: any)
 
+    @classmethod
+    def of_state(cls, v: dict[str, torch.Tensor]) -> "RowParams":
+        """From the runtime's pooled row tensors (or a lane bucket's views of them), by slot name."""
+        return cls(v["temperature"], v["top_k"], v["top_p"], v["seed_keys"], v["min_p"], v["presence_penalty"],
+                   v["frequency_penalty"], v["repetition_penalty"], v["min_pos"], v["output_counts"],
+                   v["prompt_seen"], v["stop_mask"], v["grammar_mask"])
+
     def select(self, rows: torch.Tensor) -> "RowParams":
         return RowParams(**{name: None if value is None else value[rows] for name, value in vars(self).items()})
 
