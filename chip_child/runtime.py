@@ -24,8 +24,8 @@ advanced with the sampled ids, its mask filled while the forward runs.
 
 With speculative decoding configured (chip_child.speculative), a decode-only step where some row
 has drafts runs the "verify" callable instead: each row moves on by 1 to k + 1 tokens (rows using
-an optional sampler stage get no drafts: 1), and the step's per-row tokens go to the ring beside
-the sampled ids.
+penalties, log-probabilities or a grammar get no drafts: 1), and the step's per-row tokens go to
+the ring beside the sampled ids.
 """
 from __future__ import annotations
 
@@ -347,7 +347,7 @@ class ChipRuntime:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
         page, lanes = self.cfg.page_size, facts.lanes
         spec = self.spec
-        if spec is not None and spec.applies(plan, facts) and spec.propose(lanes, facts):
+        if spec is not None and spec.applies(plan, facts) and spec.propose(lanes, facts, features):
             return self.submit_next_level("verify", (), lanes=lanes, facts=facts, features=features), None, lanes
         if not compute_slots:
             slots = "given"

@@ -17,11 +17,11 @@ written at rejected positions is overwritten by later steps before anything read
 
 Drafts never run past a row's max_new_tokens, and a row that reached it stops being active
 here (the parent, which schedules ahead without knowing acceptance, may still send steps for
-it). Steps with prompt chunks run as plain steps: every row then moves on by one token. A row
-using an optional sampler stage (penalties, min_p, the min_tokens stop mask, log-probabilities, a
-grammar) gets no drafts: it is a chunk of one token in the verify step, sampled with its stages
-(and its penalty counts, log-probabilities and grammar advanced) exactly as a plain step would,
-while the other rows speculate beside it.
+it). Steps with prompt chunks run as plain steps: every row then moves on by one token. min_p and
+min_tokens' stop mask depend on a position alone and are applied at every verified position. A
+row using penalties, log-probabilities or a grammar gets no drafts: it is a chunk of one token in
+the verify step, sampled with its stages (and its penalty counts, log-probabilities and grammar
+advanced) exactly as a plain step would, while the other rows speculate beside it.
 
 Under copy_policy="always" the full state leaves out positions and slots: acceptance moves them
 on the device, so like the KV cache and the penalty counts they are device state, and the host,
@@ -39,7 +39,7 @@ from chip_child.draft_model import DraftModel
 from chip_child.model import final_logits, forward
 from chip_child.packed_axis import packed_axis
 from chip_child.row_state import BatchFacts
-from chip_child.sampling import Features, RowParams, sample, sample_with_features
+from chip_child.sampling import Features, RowParams, sample_at_positions, sample_with_features
 from chip_child.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -104,15 +104,12 @@ class Speculation:
         tensor-parallel ranks agree)."""
         return plan is None and facts.any_active
 
-    def _undrafted(self, act: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Which of the rows `act` (input positions `pos`) sample with an optional stage this step:
-        they get no drafts, since their stages (penalty counts, the stop mask's bound, a grammar's
-        state) move with every token and log-probabilities go to the ring one token a step."""
+    def _undrafted(self, act: np.ndarray) -> np.ndarray:
+        """Which of the rows `act` get no drafts: penalized rows and rows held to a grammar, whose
+        state moves with every token, and rows asking for log-probabilities, which go to the ring
+        one token a step. (min_p and min_tokens' stop mask are verified token by token.)"""
         rows = self.rt.rows
-        host = rows.host
-        min_p = (host["temperature"][act] > 0) & (host["min_p"][act] > 0)
-        return (rows.penalized[act] | rows.constrained[act] | (host["logprobs"][act] >= 0) | min_p
-                | (rows.min_pos[act] > pos))
+        return rows.penalized[act] | rows.constrained[act] | (rows.host["logprobs"][act] >= 0)
 
     # -- bookkeeping around a plain step ----------------------------------------------------------
     def after_plain_step(self, lanes: int, plan: ChunkPlan | None) -> None:
@@ -132,7 +129,7 @@ class Speculation:
 
     # -- the speculative step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, lanes: int, facts: BatchFacts) -> bool:
+    def propose(self, lanes: int, facts: BatchFacts, features: Features | None) -> bool:
         """Drafts for every active lane's row; False when no row has any (the step then runs
         plain, at a plain step's cost)."""
         rt, k = self.rt, self.k
@@ -140,12 +137,12 @@ class Speculation:
         act = np.flatnonzero(rows.active[:lanes])
         pos = rows.positions[act]  # each row's input position
         room = np.clip(self._limits(act) - 1 - pos, 0, k)  # drafts that stay within max_new_tokens
-        room[self._undrafted(act, pos)] = 0
+        room[self._undrafted(act)] = 0
         if not room.any():
             return False
         act_t, pos_t, room_t = rt._h2d(np.stack([act, pos, room]).astype(np.int64)).unbind(0)
         if self.draft is not None:  # the draft model proposes as many as the room allows
-            drafts = self.draft.propose(act, pos, room, self.history, facts.any_random, facts.any_filter)
+            drafts = self.draft.propose(act, pos, room, self.history, facts.any_random, facts.any_filter, features)
             self._proposal = (act, pos, act_t, pos_t, drafts, room)
             return True
         c = self.config
@@ -183,9 +180,7 @@ class Speculation:
                          tok_pos_t, rt._all_reduce, rt.ops)
         logits = final_logits(rt.weights, hidden, ops=rt.ops)
         st = rt.state
-        sampled = sample(logits, st["temperature"][tok_rows_t], st["top_k"][tok_rows_t], st["top_p"][tok_rows_t],
-                         st["seed_keys"][tok_rows_t], tok_pos_t, st["vocab_keys"], facts.any_random,
-                         facts.any_filter)
+        sampled = sample_at_positions(logits, st, tok_rows_t, tok_pos_t, facts.any_random, facts.any_filter, features)
         target = torch.full((r, k + 1), -1, dtype=torch.int64, device=dev)
         target.view(-1)[flat_t] = sampled
         if single.size:

@@ -20,12 +20,12 @@ def _repetitive(seed: int, period: int, length: int) -> list[int]:
     return (unit * (length // period + 1))[:length]
 
 
-# Rows that repeat, rows that do not, greedy and seeded, a stop id, min_tokens and penalties (rows
-# that get no drafts while the others speculate), and a prompt long enough to be prefilled in chunks.
+# Rows that repeat, rows that do not, greedy and seeded, min_p, a stop id, min_tokens, penalties (a
+# row that gets no drafts while the others speculate), and a prompt long enough to be prefilled in chunks.
 PROMPTS = [_repetitive(1, 4, 23), list(range(30, 41)), _repetitive(2, 3, 40), [7, 8, 9],
            _repetitive(3, 5, 70), list(np.random.default_rng(4).integers(5, 250, 19))]
 PARAMS = [SamplingParams(max_new_tokens=30, temperature=0.0),
-          SamplingParams(max_new_tokens=21, temperature=0.9, top_k=20, seed=11),
+          SamplingParams(max_new_tokens=21, temperature=0.9, top_k=20, min_p=0.05, seed=11),
           SamplingParams(max_new_tokens=27, temperature=0.0, stop_token_ids=[17]),
           SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=5),
           SamplingParams(max_new_tokens=25, temperature=0.0, min_tokens=6),
@@ -123,6 +123,22 @@ def test_rows_with_sampler_stages_fall_back_alone(tmp_path) -> None:
         _assert_same_logprobs(_logprobs(outs[2]), _logprobs(expected[2]))
         s = _check_counts(w)
         assert s["num_accepted_tokens"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
+
+
+def test_min_p_and_min_tokens_rows_speculate(tmp_path) -> None:
+    """min_p and min_tokens' stop mask apply position by position: a row using both drafts, and
+    accepts, with plain decoding's tokens (the chain's logit dwarfs every other, so a seeded draw
+    follows it)."""
+    model = write_scripted_model(tmp_path / "scripted")
+    tok = build_tokenizer()
+    chain = _ids(tok, TOOL_CHAIN) + [tok.token_to_id(EOS_TOKEN)]
+    params = SamplingParams(max_new_tokens=len(chain), temperature=0.7, seed=4, min_p=0.1, min_tokens=3)
+    with DistributedWorker(model, **SMALL) as w:
+        (expected,) = w.generate([[10, *chain, 10]], params)
+    with DistributedWorker(model, **SMALL, speculative_config=NGRAM) as w:
+        (out,) = w.generate([[10, *chain, 10]], params)
+        assert list(out.outputs[0].token_ids) == list(expected.outputs[0].token_ids) == chain
+        assert _check_counts(w)["num_accepted_tokens"] > 0
 
 
 def test_batch_compositions_and_a_second_call(plain) -> None:
