@@ -43,8 +43,8 @@ def _logprobs(out) -> list[tuple]:
 
 def _assert_same_logprobs(got: list[tuple], want: list[tuple]) -> None:
     """The same tokens and top ids; values equal up to float32 rounding, since a row without drafts
-    may share a verify step, whose forward runs the chunk attention path instead of the decode
-    path (the sampled tokens are the same ones either way)."""
+    may share a verify step, whose forward (another shape, through the chunk attention path)
+    rounds differently from a plain step's; the sampled tokens are the same ones."""
     assert [(t, ids) for t, _, ids, _ in got] == [(t, ids) for t, _, ids, _ in want]
     assert [[v, *top] for _, v, _, top in got] == [pytest.approx([v, *top], abs=1e-5) for _, v, _, top in want]
 
