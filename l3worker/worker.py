@@ -112,9 +112,6 @@ class DistributedWorker:
         if copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {copy_policy!r}")
         speculative = None if speculative_config is None else SpeculativeConfig.of(speculative_config)
-        if speculative is not None and copy_policy == "always":
-            raise ValueError("speculative_config cannot be combined with copy_policy='always': that policy rebuilds "
-                             "every row's position on the host, which does not know how many drafts were accepted")
         if speculative is not None and decode_graphs:
             raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
                              "eagerly (leave decode_graphs None)")
