@@ -11,7 +11,14 @@ sorted axis belongs to one expert (`block_expert`; a padding slot holds the sent
   columns, times each pair's routing weight, stored at the pair's own row (token * top_k + j),
   so the top-k outputs of a token are summed afterwards without atomics.
 
-DOT_FP32 makes the matmuls take fp32 operands: only Triton's interpreter needs it (its bf16 dot
+W8A8 (block-FP8 experts, chip_child.fp8_experts): the activations come quantized to float8_e4m3fn
+per row and group of BLOCK_K columns with their fp32 scales (a_scale [rows, groups]), the weights
+as stored with one fp32 scale per (GROUP_N x BLOCK_K) block; each K step's fp8 dot is scaled by the
+rows' activation scales and the columns' weight scales of that K block and accumulated in fp32
+(vLLM's fused_moe with use_fp8_w8a8 and block_shape). BLOCK_K is then the weight block's column
+count. Without W8A8 the scale pointers and strides are unused.
+
+DOT_FP32 makes the plain matmuls take fp32 operands: only Triton's interpreter needs it (its bf16 dot
 is wrong), as in the attention kernels.
 """
 from __future__ import annotations
@@ -21,9 +28,26 @@ import triton.language as tl
 
 
 @triton.jit
-def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs, num_experts, hidden, inter,
-                   top_k, stride_x, stride_we, stride_wk, stride_wn, stride_act,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+def _dot_step(a, w, a_s_ptr, ws_ptr, scale_rows, kb, a_ok, col_ok, stride_ask, stride_wsk,
+              W8A8: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One K step's product: plain, or fp8 scaled per K block (a_s_ptr: the rows' scale pointers,
+    scale_rows: the columns' offsets of their weight-scale rows)."""
+    if W8A8:
+        a_s = tl.load(a_s_ptr + kb * stride_ask, mask=a_ok, other=0.0)
+        w_s = tl.load(ws_ptr + scale_rows + kb * stride_wsk, mask=col_ok, other=0.0)
+        step = tl.dot(a, w, out_dtype=tl.float32) * a_s[:, None] * w_s[None, :]
+    else:
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        step = tl.dot(a, w)
+    return step
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs, num_experts,
+                   hidden, inter, top_k, stride_x, stride_xsm, stride_xsk, stride_we, stride_wk, stride_wn,
+                   stride_wse, stride_wsn, stride_wsk, stride_act, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, W8A8: tl.constexpr, DOT_FP32: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
@@ -37,6 +61,10 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_pair_ptr, block_expert_ptr, num
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w = w_ptr + expert * stride_we
+    ws = ws_ptr + expert * stride_wse
+    x_s = xs_ptr + tokens * stride_xsm
+    gate_scales = (cols // GROUP_N).to(tl.int64) * stride_wsn
+    up_scales = ((cols + inter) // GROUP_N).to(tl.int64) * stride_wsn
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
@@ -44,10 +72,9 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_pair_ptr, block_expert_ptr, num
         wmask = k_ok[:, None] & col_ok[None, :]
         wg = tl.load(w + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=wmask, other=0.0)
         wu = tl.load(w + ks[:, None] * stride_wk + (cols[None, :] + inter) * stride_wn, mask=wmask, other=0.0)
-        if DOT_FP32:
-            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        gate += tl.dot(a, wg)
-        up += tl.dot(a, wu)
+        kb = k0 // BLOCK_K
+        gate += _dot_step(a, wg, x_s, ws, gate_scales, kb, valid, col_ok, stride_xsk, stride_wsk, W8A8, DOT_FP32)
+        up += _dot_step(a, wu, x_s, ws, up_scales, kb, valid, col_ok, stride_xsk, stride_wsk, W8A8, DOT_FP32)
     dt = act_ptr.dtype.element_ty
     # Rounded where the torch reference rounds: the projection's output, silu, the product.
     g = gate.to(dt).to(tl.float32)
@@ -58,9 +85,10 @@ def gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_pair_ptr, block_expert_ptr, num
 
 
 @triton.jit
-def down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs, num_experts,
-                hidden, inter, stride_act, stride_we, stride_wk, stride_wn, stride_out,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+def down_kernel(act_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weight_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs,
+                num_experts, hidden, inter, stride_act, stride_asm, stride_ask, stride_we, stride_wk, stride_wn,
+                stride_wse, stride_wsn, stride_wsk, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, W8A8: tl.constexpr, DOT_FP32: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
@@ -72,6 +100,9 @@ def down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, sorted_pair_ptr, block_expe
     col_ok = cols < hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w = w_ptr + expert * stride_we
+    ws = ws_ptr + expert * stride_wse
+    a_s = as_ptr + slots.to(tl.int64) * stride_asm
+    scales = (cols // GROUP_N).to(tl.int64) * stride_wsn
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
@@ -79,9 +110,7 @@ def down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, sorted_pair_ptr, block_expe
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
-        if DOT_FP32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc += tl.dot(a, b)
+        acc += _dot_step(a, b, a_s, ws, scales, k0 // BLOCK_K, valid, col_ok, stride_ask, stride_wsk, W8A8, DOT_FP32)
     dt = out_ptr.dtype.element_ty
     rw = tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     out = acc.to(dt).to(tl.float32) * rw[:, None]
