@@ -6,7 +6,10 @@ sorted axis belongs to one expert (`block_expert`; a padding slot holds the sent
 `num_pairs`, a block past the used ones the sentinel expert `num_experts`):
 
 - `gate_up_kernel`: per (block, BLOCK_N columns): x rows of the block's tokens @ that expert's
-  gate and up columns, then silu(gate) * up, stored at the block's sorted slots.
+  gate and up columns, then silu(gate) * up in the model dtype COMPUTE, stored at the block's
+  sorted slots; with QUANT_OUT (the down experts are block fp8) quantized there per row as one
+  activation group of BLOCK_N columns, its scale stored beside, so down reads fp8 and no
+  separate quantizer runs over the padded slots.
 - `down_kernel`: per (block, BLOCK_N columns): the block's activations @ the expert's down
   columns, times each pair's routing weight, stored at the pair's own row (token * top_k + j),
   so the top-k outputs of a token are summed afterwards without atomics.
@@ -26,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from chip_child.fp8_kernels import EPS, FP8_MAX, _round_to_e4m3
+
 
 @triton.jit
 def _dot_step(a, w, a_s_ptr, ws_ptr, scale_rows, kb, a_ok, col_ok, stride_ask, stride_wsk,
@@ -44,10 +49,11 @@ def _dot_step(a, w, a_s_ptr, ws_ptr, scale_rows, kb, a_ok, col_ok, stride_ask, s
 
 
 @triton.jit
-def gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs, num_experts,
-                   hidden, inter, top_k, stride_x, stride_xsm, stride_xsk, stride_we, stride_wk, stride_wn,
-                   stride_wse, stride_wsn, stride_wsk, stride_act, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, W8A8: tl.constexpr, DOT_FP32: tl.constexpr):
+def gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, act_s_ptr, sorted_pair_ptr, block_expert_ptr, num_pairs,
+                   num_experts, hidden, inter, top_k, stride_x, stride_xsm, stride_xsk, stride_we, stride_wk, stride_wn,
+                   stride_wse, stride_wsn, stride_wsk, stride_act, stride_act_sm, stride_act_sg,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+                   W8A8: tl.constexpr, QUANT_OUT: tl.constexpr, DOT_FP32: tl.constexpr, COMPUTE: tl.constexpr):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:
@@ -75,13 +81,23 @@ def gate_up_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, sorted_pair_ptr, block
         kb = k0 // BLOCK_K
         gate += _dot_step(a, wg, x_s, ws, gate_scales, kb, valid, col_ok, stride_xsk, stride_wsk, W8A8, DOT_FP32)
         up += _dot_step(a, wu, x_s, ws, up_scales, kb, valid, col_ok, stride_xsk, stride_wsk, W8A8, DOT_FP32)
-    dt = act_ptr.dtype.element_ty
+    dt = COMPUTE
     # Rounded where the torch reference rounds: the projection's output, silu, the product.
     g = gate.to(dt).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    out = s * up.to(dt).to(tl.float32)
-    tl.store(act_ptr + slots[:, None].to(tl.int64) * stride_act + cols[None, :], out.to(dt),
-             mask=valid[:, None] & col_ok[None, :])
+    out = (s * up.to(dt).to(tl.float32)).to(dt)
+    store_ok = valid[:, None] & col_ok[None, :]
+    dest = act_ptr + slots[:, None].to(tl.int64) * stride_act + cols[None, :]
+    if QUANT_OUT:
+        # The tile's columns are one activation group (BLOCK_N == the down weight's block columns),
+        # quantized as fp8_kernels.group_quant_kernel does (columns past `inter` are zeros).
+        v = out.to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 1), EPS), FP8_MAX)
+        q = _round_to_e4m3(tl.clamp(tl.math.div_rn(v, scale[:, None]), -FP8_MAX, FP8_MAX))
+        tl.store(dest, q.to(act_ptr.dtype.element_ty), mask=store_ok)
+        tl.store(act_s_ptr + slots.to(tl.int64) * stride_act_sm + tl.program_id(1) * stride_act_sg, scale, mask=valid)
+    else:
+        tl.store(dest, out, mask=store_ok)
 
 
 @triton.jit

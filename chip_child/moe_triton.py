@@ -14,12 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
+from chip_child.fp8 import FP8
 from chip_child.fp8_experts import Fp8Experts
 from chip_child.moe import MoeWeights, route
 
 BLOCK_M = 16  # tl.dot's smallest tile
 BLOCK_N = 32
 BLOCK_K = 32
+
+
+def _tl_dtypes() -> dict:
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,13 +69,15 @@ class _Operands:
     w8a8: bool
 
     @classmethod
-    def of(cls, a: torch.Tensor, w: "torch.Tensor | Fp8Experts") -> "_Operands":
+    def of(cls, a: torch.Tensor, w: "torch.Tensor | Fp8Experts", a_scale: torch.Tensor | None = None) -> "_Operands":
+        """`a_scale`: a's scales where a comes quantized (the fused MoE's own activations)."""
         if isinstance(w, Fp8Experts):
-            from chip_child.fp8_linear import quantize_activations
+            if a_scale is None:
+                from chip_child.fp8_linear import quantize_activations
 
-            q, scale = quantize_activations(a, w.block[1])
+                a, a_scale = quantize_activations(a, w.block[1])
             se, sn, sk = w.weight.stride()
-            return cls(q, scale, w.weight, w.scale_inv, (se, sk, sn), w.block[0], w.block[1], True)
+            return cls(a, a_scale, w.weight, w.scale_inv, (se, sk, sn), w.block[0], w.block[1], True)
         return cls(a, a, w, w, tuple(w.stride()), 1, BLOCK_K, False)
 
     def args(self) -> tuple:
@@ -81,8 +90,8 @@ class _Operands:
         w_scale = self.w_scale.stride() if self.w8a8 else (0, 0, 0)
         return (self.a.stride(0), *a_scale, *self.w_strides, *w_scale)
 
-    def meta(self, dot_fp32: bool) -> dict:
-        return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=self.block_k, GROUP_N=self.group_n, W8A8=self.w8a8,
+    def meta(self, dot_fp32: bool, block_n: int = BLOCK_N) -> dict:
+        return dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=self.block_k, GROUP_N=self.group_n, W8A8=self.w8a8,
                     DOT_FP32=dot_fp32 and not self.w8a8)
 
 
@@ -99,16 +108,21 @@ def triton_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     # kernels skip (>= num_experts), so their rows of `out` stay zero.
     sorted_pairs, block_expert = align_by_expert(w.local_ids(ids), num_experts + w.is_partial)
     pairs = ids.numel()
-    act = torch.empty((sorted_pairs.numel(), inter), dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
     dot_fp32 = x.device.type == "cpu" and x.dtype != torch.float32  # only the interpreter runs on the cpu
+    # Block-fp8 down experts: gate_up stores its output quantized, one activation group per tile.
+    quant_act = isinstance(w.down, Fp8Experts)
+    block_n = w.down.block[1] if quant_act else BLOCK_N
+    act = torch.empty((sorted_pairs.numel(), inter), dtype=FP8 if quant_act else x.dtype, device=x.device)
+    act_scale = (torch.empty((sorted_pairs.numel(), -(-inter // block_n)), dtype=torch.float32, device=x.device)
+                 if quant_act else act)
     first = _Operands.of(x, w.gate_up)
-    k.gate_up_kernel[(blocks, -(-inter // BLOCK_N))](
-        *first.args(), act, sorted_pairs, block_expert, pairs, num_experts, hidden, inter, w.top_k, *first.strides(),
-        act.stride(0), **first.meta(dot_fp32))
+    k.gate_up_kernel[(blocks, -(-inter // block_n))](
+        *first.args(), act, act_scale, sorted_pairs, block_expert, pairs, num_experts, hidden, inter, w.top_k,
+        *first.strides(), act.stride(0), *(act_scale.stride() if quant_act else (0, 0)),
+        **first.meta(dot_fp32, block_n), QUANT_OUT=quant_act, COMPUTE=_tl_dtypes()[x.dtype])
     out = (torch.zeros if w.is_partial else torch.empty)((pairs, hidden), dtype=x.dtype, device=x.device)
-    # W8A8: quantizes the padding slots too (their garbage is never read: the kernel masks them).
-    second = _Operands.of(act, w.down)
+    second = _Operands.of(act, w.down, act_scale if quant_act else None)
     k.down_kernel[(blocks, -(-hidden // BLOCK_N))](
         *second.args(), out, weights.flatten(), sorted_pairs, block_expert, pairs, num_experts, hidden, inter,
         *second.strides(), out.stride(0), **second.meta(dot_fp32))

@@ -155,28 +155,58 @@ def test_fused_moe_runs_a_dequantized_down_beside_fp8_gate_up() -> None:
 COMPILE = """
 import sys
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from chip_child import moe_kernels as k
 
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
-consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_N=128, W8A8=True, DOT_FP32=False)
-ptrs = dict(a="*fp8e4nv", a_s="*fp32", w="*fp8e4nv", w_s="*fp32")
-strides = ("stride_a", "stride_asm", "stride_ask", "stride_we", "stride_wk", "stride_wn", "stride_wse", "stride_wsn",
-           "stride_wsk")
-sizes = dict(sorted="*i64", block_expert="*i32", num_pairs="i32", num_experts="i32", hidden="i32", inter="i32")
-up = dict(**ptrs, act="*bf16", **sizes, top_k="i32", **dict.fromkeys(strides, "i32"), stride_act="i32")
-down = dict(**ptrs, out="*bf16", weight="*bf16", **sizes, **dict.fromkeys(strides, "i32"), stride_out="i32")
-for name, kernel, sig in (("gate_up", k.gate_up_kernel, up), ("down", k.down_kernel, down)):
-    # positional: the signature's names need not match the kernel's, only their order
-    params = kernel.arg_names
-    signature = dict(zip(params, list(sig.values()) + ["constexpr"] * len(consts)))
-    compiled = triton.compile(ASTSource(kernel, constexprs=consts, signature=signature), target=target)
+consts = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_N=128, W8A8=True)
+ptrs = ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"]  # activations, their scales, weights, their scales
+sizes = ["*i64", "*i32"] + ["i32"] * 4  # sorted pairs, block experts, pairs, experts, hidden, inter
+strides = ["i32"] * 9  # a's row, a's scales (2), w (3), w's scales (3)
+up = ptrs + ["*fp8e4nv", "*fp32"] + sizes + ["i32"] + strides + ["i32"] * 3  # act + its scales, top_k, act strides
+down = ptrs + ["*bf16", "*bf16"] + sizes + strides + ["i32"]  # out, routing weights, out's stride
+for name, kernel, sig, extra in (
+        ("gate_up", k.gate_up_kernel, up, dict(QUANT_OUT=True, DOT_FP32=False, COMPUTE=tl.bfloat16)),
+        ("down", k.down_kernel, down, dict(DOT_FP32=False))):
+    c = consts | extra
+    signature = dict(zip(kernel.arg_names, sig + ["constexpr"] * len(c), strict=True))
+    compiled = triton.compile(ASTSource(kernel, constexprs=c, signature=signature), target=target)
     print(name, "cubin", "cubin" in compiled.asm)
 """
 
 
 @pytest.mark.parametrize("capability", [89, 90])
 def test_w8a8_moe_kernels_compile_for_fp8_gpus(capability: int) -> None:
-    """Both MoE kernels' W8A8 variants compiled ahead of time for sm_89 and sm_90 (no GPU needed)."""
+    """Both MoE kernels' W8A8 variants (gate_up quantizing its output for down) compiled ahead of time
+    for sm_89 and sm_90 with 128 x 128 blocks (no GPU needed: Triton's own ptxas)."""
     assert compiles_in_child(COMPILE, capability) == ["gate_up cubin True", "down cubin True"]
+
+
+@interpreted
+def test_runtime_on_kept_fp8_experts_runs_the_fused_w8a8_moe(make_checkpoint, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block-FP8 Qwen3-MoE runtime with fp8 kept (as on cuda; here interpreted) and the fused
+    kernels: its experts are Fp8Experts, and its tokens and fp32 logits those of the torch reference
+    of the same math (torch_moe on the same experts, fused_kernels=False)."""
+    from chip_child.config import RuntimeConfig
+    from chip_child.local import LocalDriver, LocalRequest
+    from chip_child.runtime import ChipRuntime
+
+    src = make_checkpoint("fp8-moe", family="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, norm_topk_prob=True)
+    fp8_dir, _ = write_fp8_pair(src, tmp_path, BLOCK)
+    monkeypatch.setattr("chip_child.runtime.keeps_fp8_on", lambda device, quant: True)
+    results = {}
+    for fused in (True, False):
+        rt = ChipRuntime(RuntimeConfig(str(fp8_dir), device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64,
+                                       page_size=8, fused_kernels=fused, cpu_prepack=False, decode_graphs=False))
+        assert rt.ops.moe is (triton_moe if fused else torch_moe)
+        assert all(isinstance(lw.moe.down, Fp8Experts) for lw in rt.weights.layers)
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 10)]
+        results[fused] = LocalDriver(rt).run([LocalRequest(p, 4) for p in prompts], keep_logits=True)
+    assert results[True].token_ids == results[False].token_ids
+    for mine, want in zip(results[True].logits, results[False].logits):
+        torch.testing.assert_close(torch.stack(mine), torch.stack(want), rtol=1e-4, atol=1e-4)
