@@ -159,9 +159,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from chip_child import moe_kernels as k
+from chip_child.moe_triton import BLOCK_M, BLOCK_N
 
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
-consts = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_N=128, W8A8=True)
+consts = dict(BLOCK_M=BLOCK_M, BLOCK_K=128, GROUP_N=128, W8A8=True)
 ptrs = ["*fp8e4nv", "*fp32", "*fp8e4nv", "*fp32"]  # activations, their scales, weights, their scales
 sizes = ["*i64", "*i32"] + ["i32"] * 4  # sorted pairs, block experts, pairs, experts, hidden, inter
 strides = ["i32"] * 9  # a's row, a's scales (2), w (3), w's scales (3)
@@ -170,7 +171,8 @@ down = ptrs + ["*bf16", "*bf16"] + sizes + strides + ["i32"]  # out, routing wei
 for name, kernel, sig, extra in (
         ("gate_up", k.gate_up_kernel, up, dict(QUANT_OUT=True, DOT_FP32=False, COMPUTE=tl.bfloat16)),
         ("down", k.down_kernel, down, dict(DOT_FP32=False))):
-    c = consts | extra
+    # the tiles triton_moe launches: gate_up's columns one activation group of 128, down's BLOCK_N
+    c = dict(consts, BLOCK_N=128 if name == "gate_up" else BLOCK_N) | extra
     signature = dict(zip(kernel.arg_names, sig + ["constexpr"] * len(c), strict=True))
     compiled = triton.compile(ASTSource(kernel, constexprs=c, signature=signature), target=target)
     print(name, "cubin", "cubin" in compiled.asm)
