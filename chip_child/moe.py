@@ -133,7 +133,8 @@ def _expert_mm(x: torch.Tensor, weights: torch.Tensor | Fp8Experts, expert: int)
 
 def torch_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     """The reference: (token, expert) pairs sorted by expert, one SwiGLU per expert over its slice.
-    Pairs of other ranks' experts (expert parallel) sort last and are left out."""
+    Pairs of other ranks' experts (expert parallel) sort last and are left out. Block-FP8 experts
+    (chip_child.fp8_experts) run their W8A8 math in torch ops: the fused MoE's reference."""
     weights, ids = route(x, w)
     k = w.top_k
     flat = w.local_ids(ids).flatten()
