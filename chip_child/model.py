@@ -8,7 +8,7 @@ matmuls. One forward serves every step: decode rows (one token each) and prefill
 by side on the token axis, and attention over the paged KV cache is the attention backend's
 (chip_child.attention): K/V written by slot mapping, read through the block table, no dense
 mask built on the host. On the cpu the projections and the lm_head can be prepacked for oneDNN
-at load (chip_child.prepack); on cuda block-FP8 projections stay fp8 (chip_child.fp8_linear);
+at load (chip_child.prepack); on cuda block-FP8 projections stay fp8 (chip_child.fp8_linear, chip_child.fp8_experts);
 `linear` takes any kind of weight.
 """
 from __future__ import annotations
@@ -107,7 +107,8 @@ class Qwen3Weights:
                     gate_up=None if sparse else proj([(p + f"mlp.{n}_proj.weight", inter, every)
                                                       for n in ("gate", "up")]),
                     down=None if sparse else proj([(p + "mlp.down_proj.weight", every, inter)]),
-                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts) if sparse else None,
+                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts, cfg.quantization)
+                    if sparse else None,
                 )
             )
         embed = state["model.embed_tokens.weight"]
