@@ -2,13 +2,14 @@
 
 Each row's token history (prompt and every token it produced; the ids a prefix-cache hit let its
 chunks skip come with its admit) is kept on the device. A speculative step proposes, for every
-active row, up to k tokens, by n-gram lookup in that history or from a draft model
-(chip_child.draft_model), then runs one forward over a packed axis holding, per row, its input token and its
-drafts (the chunked-prefill attention path: each row is a chunk attending to its pages and
-causally to itself). The target samples at every position with the sampler's hashed noise of
-(seed, position, token), so the token it samples there is fixed by its logits: a draft is
-accepted exactly when it equals that token, and the first mismatch is replaced by the target's
-own. Output is identical to plain decoding, greedy or seeded.
+active row, up to k tokens, by n-gram lookup in that history, from a draft model
+(chip_child.draft_model) or from an EAGLE-3 head (chip_child.eagle3), then runs one forward over
+a packed axis holding, per row, its input token and its drafts (the chunked-prefill attention
+path: each row is a chunk attending to its pages and causally to itself). The target samples
+at every position with the sampler's hashed noise of (seed, position, token), so the token it
+samples there is fixed by its logits: a draft is accepted exactly when it equals that token, and
+the first mismatch is replaced by the target's own. Output is identical to plain decoding,
+greedy or seeded.
 
 A row then moves on by its accepted count + 1: positions, the next input id and the history are
 updated on the device, the counts also on the host (the step's one synchronisation, as the
@@ -30,6 +31,7 @@ import torch
 
 from chip_child.chunk_layout import ChunkPlan
 from chip_child.draft_model import DraftModel
+from chip_child.eagle3 import Eagle3Head
 from chip_child.model import final_logits, forward
 from chip_child.packed_axis import packed_axis
 from chip_child.row_state import BatchFacts
@@ -88,7 +90,8 @@ class Speculation:
         self.counts = np.zeros(b, np.int32)  # tokens each row produced in the last step (0: none)
         self._proposal: tuple | None = None  # propose()'s drafts, for the verify step that follows
         self.drafted = np.zeros(b, np.int32)  # drafts each row verified in the last step
-        self.draft = DraftModel(rt, config.model, self.k) if config.method == "draft_model" else None
+        proposers = {"draft_model": DraftModel, "eagle3": Eagle3Head}
+        self.draft = proposers[config.method](rt, config.model, self.k) if config.method in proposers else None
         rt.register_callable("verify", self.verify)
 
     # -- which steps speculate --------------------------------------------------------------------
@@ -157,8 +160,9 @@ class Speculation:
         axis = packed_axis(act, pos, q, rt.state["block_table"], rt.cfg.page_size, rt._h2d, flat)
         flat_t, tok_pos_t, tok_rows_t = axis.extra, axis.positions, axis.rows
         grid = torch.cat([rt.state["input_ids"][act_t][:, None], drafts], 1)
+        eagle = self.draft if isinstance(self.draft, Eagle3Head) else None  # it reads the target's hidden states
         hidden = forward(rt.model_cfg, rt.weights, rt.attn, rt.attn.plan(axis.meta), rt.rope, grid.reshape(-1)[flat_t],
-                         tok_pos_t, rt._all_reduce, rt.ops)
+                         tok_pos_t, rt._all_reduce, rt.ops, None if eagle is None else (eagle.layers, eagle.capture))
         logits = final_logits(rt.weights, hidden, ops=rt.ops)
         st = rt.state
         sampled = sample(logits, st["temperature"][tok_rows_t], st["top_k"][tok_rows_t], st["top_p"][tok_rows_t],
@@ -182,7 +186,9 @@ class Speculation:
         self.drafted[:lanes] = 0
         self.drafted[act] = drafted
         rows.positions[act] += made
-        if self.draft is not None:
+        if eagle is not None:
+            eagle.accepted(act, made - 1, pos, q, target)
+        elif self.draft is not None:
             self.draft.accepted(act, made - 1)
         rows.changed()  # positions moved by more than one: facts and slots are recomputed
         self._stop_finished(lanes)
