@@ -10,13 +10,14 @@ logits over `draft_vocab_size` ids, mapped to target ids by `d2t` (id + d2t[id])
 `embed_tokens` shares the target's embeddings.
 
 Head position p consumes the target's hidden state at p and the token at p + 1, and predicts the
-token at p + 2. After each verification the head catches up over the row's accepted positions
-(their hidden states come from the verify forward, their next tokens are the target's), which
-yields the first draft of the next step; drafts 2..k then feed the head's own output back
-(pre-norm) one position at a time. A row the head has not caught up with (a new sequence, or one
-a plain step moved on) drafts a placeholder once: its verification feeds the head. Draft tokens
-never decide output tokens (verification does), so the positions the head never saw (the prompt)
-cost acceptance only.
+token at p + 2. After each target forward (captured only with eagle3 on) the head catches up over
+the positions whose next token the step knows: a plain step's decoding lanes (next: the sample)
+and prompt chunks (next: the chunk's own token, or the sample after a prompt's last), a verify
+step's accepted positions (next: the target's tokens). A row's last such position yields the
+first draft of its next step; drafts 2..k then feed the head's own output back (pre-norm) one
+position at a time. A row the head has not caught up with drafts placeholders once. Draft
+tokens never decide output tokens (verification does), so positions the head never saw (a
+chunk's last when the prompt goes on, a prefix-cache hit's) cost acceptance only.
 """
 from __future__ import annotations
 
@@ -85,21 +86,43 @@ def head_config(model_dir: str, target: ModelConfig, tp_size: int) -> tuple[Mode
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config: the EAGLE-3 head's vocab_size {cfg.vocab_size} differs from "
                          f"the target's {target.vocab_size}")
-    return cfg, aux_layers(raw, target.num_layers), int(raw.get("draft_vocab_size") or target.vocab_size)
+    draft_vocab = int(raw.get("draft_vocab_size") or target.vocab_size)
+    _check_d2t(_read_tensors(path, "d2t").get("d2t"), draft_vocab, target.vocab_size)
+    return cfg, aux_layers(raw, target.num_layers), draft_vocab
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _check_d2t(d2t: torch.Tensor | None, draft_vocab: int, vocab: int) -> torch.Tensor:
+    """d2t as int64 ([draft_vocab] zeros when absent and the vocabularies agree); ValueError when
+    it is missing, misshapen, or sends a draft id outside the target's ids."""
+    if d2t is None:
+        if draft_vocab != vocab:
+            raise ValueError(f"speculative_config: draft_vocab_size {draft_vocab} differs from vocab_size {vocab}, "
+                             "and the head has no d2t to map draft ids to target ids")
+        return torch.zeros(draft_vocab, dtype=torch.int64)
+    d2t = d2t.to(torch.int64)
+    if d2t.shape != (draft_vocab,):
+        raise ValueError(f"speculative_config: d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
+    ids = torch.arange(draft_vocab) + d2t
+    if draft_vocab and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+        raise ValueError(f"speculative_config: d2t maps draft ids outside the target's {vocab} ids")
+    return d2t
+
+
+def _read_tensors(path: Path, only: str | None = None) -> dict[str, torch.Tensor]:
+    """The head's tensors by name without a "model." prefix; `only`: just that one (if stored)."""
     files = sorted(path.glob("*.safetensors"))
     state: dict[str, torch.Tensor] = {}
     if files:
         for f in files:
             with safe_open(str(f), "pt") as sf:
-                state.update({k: sf.get_tensor(k) for k in sf.keys()})
+                names = [k for k in sf.keys() if only is None or k.removeprefix("model.") == only]
+                state.update({k: sf.get_tensor(k) for k in names})
     elif (path / "pytorch_model.bin").exists():
         state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     else:
         raise ValueError(f"speculative_config: no *.safetensors or pytorch_model.bin in {path}")
-    return {k.removeprefix("model."): v for k, v in state.items()}
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    return state if only is None else {k: v for k, v in state.items() if k == only}
 
 
 @dataclass
@@ -134,7 +157,8 @@ class Eagle3Head:
         b = cfg.max_batch_size
         spec = AttentionSpec(num_layers=1, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                              num_pages=cfg.total_pages, page_size=cfg.page_size, dtype=rt.dtype,
-                             max_tokens=b * (k + 1), max_seqs=2 * b, max_blocks=cfg.max_blocks_per_row)
+                             max_tokens=cfg.prefill_capacity + b * (k + 1), max_seqs=2 * b,
+                             max_blocks=cfg.max_blocks_per_row)
         backend = get_backend(rt.device.type, cfg.attention_backend)
         options = {"decode_mirror": False} if backend.name == "torch" else {}
         self.attn = backend(spec, rt.device, **options).allocate()
@@ -157,9 +181,7 @@ class Eagle3Head:
             if tuple(state[name].shape) != shape:
                 raise ValueError(f"speculative_config: {name} has shape {tuple(state[name].shape)}, expected {shape} "
                                  f"(the target's hidden_size {h}, draft_vocab_size {draft_vocab})")
-        d2t = state.get("d2t", torch.zeros(draft_vocab, dtype=torch.int64)).to(torch.int64)
-        if d2t.shape != (draft_vocab,):
-            raise ValueError(f"speculative_config: d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
+        d2t = _check_d2t(state.get("d2t"), draft_vocab, mc.vocab_size)
         w = lambda n: state[n].to(dt).to(dev)  # noqa: E731
         t = lambda *ns: torch.cat([state[f"midlayer.{n}.weight"] for n in ns]).to(dt).t().to(dev)  # noqa: E731
         return HeadWeights(fc=w("fc.weight").t(), hidden_norm=w("midlayer.hidden_norm.weight"),
@@ -180,7 +202,6 @@ class Eagle3Head:
         """Drafts [R, k]: room[i] for row i (-1 after); a row the head has not caught up with
         gets placeholders (its input id), verified like any draft, so its verification feeds the head."""
         rt, k = self.rt, self.k
-        self.capture = {}
         rows_t = rt._h2d(rows.astype(np.int64))
         drafts = rt.state["input_ids"][rows_t][:, None].repeat(1, k)
         ready = np.flatnonzero((self.ready[rows] == pos) & (room > 0))
@@ -201,6 +222,56 @@ class Eagle3Head:
                 at = at[sel]
         drafts.masked_fill_(torch.arange(k, device=rt.device)[None, :] >= rt._h2d(room.astype(np.int64))[:, None], -1)
         return drafts
+
+    def capturing(self) -> tuple[tuple[int, ...], dict[int, torch.Tensor]]:
+        """What a target forward fills (chip_child.model.forward's `aux`), emptied first."""
+        self.capture = {}
+        return self.layers, self.capture
+
+    @torch.inference_mode()
+    def after_plain_step(self, lanes: int, chunks: list, sampled: torch.Tensor, chunk_ids: torch.Tensor | None,
+                         decoded: np.ndarray) -> None:
+        """A plain step ran (its forward filled `capture`: the lanes, then the chunk tokens):
+        the head consumes each decoding lane's position (next token: its sample) and each chunk's
+        positions whose next token the step knows (the chunk's own, or the sample after a prompt's
+        last; a chunk that does not end its prompt leaves its last position out). `decoded`: the
+        lanes that decoded in it, their positions before it."""
+        rt = self.rt
+        lane_rows = np.flatnonzero(decoded >= 0)
+        rows, starts, lengths = [lane_rows], [decoded[lane_rows]], [np.ones(lane_rows.size, np.int64)]
+        aux_at, tok_at = [lane_rows], [lane_rows]  # into capture's tokens / into cat(sampled, chunk ids)
+        offset = lanes
+        for c in chunks:
+            n = c.length if c.last else c.length - 1
+            if n > 0:
+                rows.append(np.array([c.row]))
+                starts.append(np.array([c.start]))
+                lengths.append(np.array([n]))
+                aux_at.append(offset + np.arange(n))
+                nxt = offset + 1 + np.arange(n)  # the chunk's next tokens in cat(sampled[:lanes], ids)
+                if c.last:
+                    nxt[-1] = c.row  # the prompt's last position: the row's sample
+                tok_at.append(nxt)
+            offset += c.length
+        rows_h, starts_h, lengths_h = (np.concatenate(x).astype(np.int64) for x in (rows, starts, lengths))
+        if not rows_h.size:
+            return
+        aux_h, tok_h = np.concatenate(aux_at), np.concatenate(tok_at)
+        axis = packed_axis(rows_h, starts_h, lengths_h, rt.state["block_table"], rt.cfg.page_size, rt._h2d,
+                           np.concatenate([aux_h, tok_h]).astype(np.int64))
+        t = len(aux_h)
+        aux = torch.cat([self.capture[i] for i in sorted(self.layers)], -1)
+        self.capture = {}
+        tokens = sampled[:lanes] if chunk_ids is None else torch.cat([sampled[:lanes], chunk_ids])
+        hidden, token = self._forward(tokens[axis.extra[t:]], aux[axis.extra[:t]], axis)
+        # Rows whose next input is known now: decoding lanes and prompts that ended.
+        ends = np.flatnonzero(np.isin(rows_h, lane_rows) | np.isin(rows_h, [c.row for c in chunks if c.last]))
+        if ends.size:
+            last = rt._h2d(axis.last[ends].astype(np.int64))
+            at = rt._h2d(rows_h[ends])
+            self.first[at] = token[last]
+            self.state[at] = hidden[last]
+            self.ready[rows_h[ends]] = starts_h[ends] + lengths_h[ends]
 
     @torch.inference_mode()
     def accepted(self, rows: np.ndarray, accepted: np.ndarray, pos: np.ndarray, q: np.ndarray,

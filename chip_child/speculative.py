@@ -102,13 +102,24 @@ class Speculation:
         return plan is None and facts.plain and not full_state and facts.any_active
 
     # -- bookkeeping around a plain step ----------------------------------------------------------
-    def after_plain_step(self, lanes: int, plan: ChunkPlan | None) -> None:
+    def aux(self) -> tuple[tuple[int, ...], dict] | None:
+        """What a plain step's target forward captures for an EAGLE-3 head (None: nothing)."""
+        return self.draft.capturing() if isinstance(self.draft, Eagle3Head) else None
+
+    def after_plain_step(self, lanes: int, plan: ChunkPlan | None, chunks: list) -> None:
         """A plain step ran (every active row moved on by one): the chunks' ids and the sampled
-        ids join the histories; each active row produced one token."""
+        ids join the histories; each active row produced one token; an EAGLE-3 head catches up."""
         rt, v = self.rt, self.rt._lane_views[lanes]
+        ids = None
         if plan is not None:
             ints = plan.layout.unpack(rt.prefill_state["chunk_ints"])
             self.history[ints.rows, ints.positions] = ints.ids
+            ids = ints.ids
+        if isinstance(self.draft, Eagle3Head):
+            rows = rt.rows
+            decoded = np.where(rows.active[:lanes], rows.positions[:lanes] - 1, -1)  # positions have advanced
+            decoded[[c.row for c in chunks if c.last]] = -1  # a prompt that ended here: its chunk's row
+            self.draft.after_plain_step(lanes, chunks, v["input_ids"], ids, decoded)
         # positions have advanced: the sampled id sits at its row's new input position.
         columns = torch.where(v["active"], v["positions"], self.scratch)
         self.history[:lanes].scatter_(1, columns[:, None], v["input_ids"][:, None])
@@ -162,7 +173,7 @@ class Speculation:
         grid = torch.cat([rt.state["input_ids"][act_t][:, None], drafts], 1)
         eagle = self.draft if isinstance(self.draft, Eagle3Head) else None  # it reads the target's hidden states
         hidden = forward(rt.model_cfg, rt.weights, rt.attn, rt.attn.plan(axis.meta), rt.rope, grid.reshape(-1)[flat_t],
-                         tok_pos_t, rt._all_reduce, rt.ops, None if eagle is None else (eagle.layers, eagle.capture))
+                         tok_pos_t, rt._all_reduce, rt.ops, None if eagle is None else eagle.capturing())
         logits = final_logits(rt.weights, hidden, ops=rt.ops)
         st = rt.state
         sampled = sample(logits, st["temperature"][tok_rows_t], st["top_k"][tok_rows_t], st["top_p"][tok_rows_t],

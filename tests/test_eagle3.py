@@ -67,3 +67,14 @@ def test_a_checkpoint_that_is_no_eagle3_head_is_refused() -> None:
 
     with pytest.raises(ValueError, match="is not an EAGLE-3 head"):
         DistributedWorker(**SMALL, speculative_config=_eagle(ensure_tiny_model()))
+
+
+def test_a_head_whose_d2t_leaves_the_target_vocabulary_is_refused(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    head = write_head(tmp_path / "head")
+    tensors = load_file(str(head / "model.safetensors"))
+    tensors["d2t"][-1] = 320  # the last draft id would map past the target's 320 ids
+    save_file(tensors, str(head / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t maps draft ids outside the target's 320 ids"):
+        DistributedWorker(**SMALL, speculative_config=_eagle(head))
