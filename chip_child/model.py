@@ -287,15 +287,19 @@ def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = No
 
 def forward(cfg: ModelConfig, w: Qwen3Weights, attn: AttentionBackend, step: StepPlan, rope: torch.Tensor,
             tokens: torch.Tensor, positions: torch.Tensor, all_reduce: AllReduce = _no_reduce,
-            ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+            ops: LayerOps = TORCH_OPS, aux: tuple[tuple[int, ...], dict] | None = None) -> torch.Tensor:
     """Every layer over the packed tokens [T] at `positions` [T]; `step` is the attention plan of
     this step's sequences (made once, shared by the layers). Leaves each token's K/V in the cache
     and returns the last layer's hidden states [T, hidden] (see final_logits). Each residual add
-    is taken with the norm that follows it (one fused kernel under chip_child.fused)."""
+    is taken with the norm that follows it (one fused kernel under chip_child.fused). `aux`
+    (layer ids, dict): the input of each of those layers is put in the dict under its id (what an
+    EAGLE-3 head reads)."""
     rows = ops.rope_rows(rope, positions)
     h, delta = F.embedding(tokens, w.embed), None
     for i, lw in enumerate(w.layers):
         h, x = ops.add_rms_norm(h, delta, lw.input_norm, w)
+        if aux is not None and i in aux[0]:
+            aux[1][i] = h
         q, k, v = _qkv(cfg, w, lw, x, rows, ops)
         o = attn.forward(i, q, k, v, step)
         h, x = ops.add_rms_norm(h, all_reduce(linear(o.flatten(1), lw.o_proj, lw.o_bias)), lw.post_norm, w)

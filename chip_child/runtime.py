@@ -365,7 +365,7 @@ class ChipRuntime:
                                any_filter=facts.any_filter, slots=slots, features=features)
         rows.advance()
         if self.spec is not None:
-            self.spec.after_plain_step(lanes, plan)
+            self.spec.after_plain_step(lanes, plan, chunks)
         return (-1 if features is None else features.logprobs), plan, lanes
 
     def _step(self, *, plan: ChunkPlan | None, lanes: int, lane_lens: np.ndarray, max_lane_len: int,
@@ -431,7 +431,7 @@ class ChipRuntime:
         meta = AttentionMetadata(v["lane_starts"], v["lane_seq_lens"], v["block_table"], v["slot_mapping"], 1,
                                  max_seq_len, seq_lens_host=seq_lens_host)
         hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
-                         v["positions"], self._all_reduce, self.ops)
+                         v["positions"], self._all_reduce, self.ops, self.spec and self.spec.aux())
         final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
@@ -470,7 +470,7 @@ class ChipRuntime:
                                  max(plan.max_query_len, 1), max_len, query_lens_host=plan.query_lens,
                                  seq_lens_host=plan.seq_lens)
         return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:total],
-                       token_positions[:total], self._all_reduce, self.ops)
+                       token_positions[:total], self._all_reduce, self.ops, self.spec and self.spec.aux())
 
     def _chunk_side_effects(self, plan: ChunkPlan, lanes: int, hidden, tokens, targets, output_counts, prompt_seen,
                             prompt_lp_values, prompt_lp_ids) -> None:

@@ -2,13 +2,14 @@
 
 Each row's token history (prompt and every token it produced; the ids a prefix-cache hit let its
 chunks skip come with its admit) is kept on the device. A speculative step proposes, for every
-active row, up to k tokens, by n-gram lookup in that history or from a draft model
-(chip_child.draft_model), then runs one forward over a packed axis holding, per row, its input token and its
-drafts (the chunked-prefill attention path: each row is a chunk attending to its pages and
-causally to itself). The target samples at every position with the sampler's hashed noise of
-(seed, position, token), so the token it samples there is fixed by its logits: a draft is
-accepted exactly when it equals that token, and the first mismatch is replaced by the target's
-own. Output is identical to plain decoding, greedy or seeded.
+active row, up to k tokens, by n-gram lookup in that history, from a draft model
+(chip_child.draft_model) or from an EAGLE-3 head (chip_child.eagle3), then runs one forward over
+a packed axis holding, per row, its input token and its drafts (the chunked-prefill attention
+path: each row is a chunk attending to its pages and causally to itself). The target samples
+at every position with the sampler's hashed noise of (seed, position, token), so the token it
+samples there is fixed by its logits: a draft is accepted exactly when it equals that token, and
+the first mismatch is replaced by the target's own. Output is identical to plain decoding,
+greedy or seeded.
 
 A row then moves on by its accepted count + 1: positions, the next input id and the history are
 updated on the device, the counts also on the host (the step's one synchronisation, as the
@@ -36,6 +37,7 @@ import torch
 
 from chip_child.chunk_layout import ChunkPlan
 from chip_child.draft_model import DraftModel
+from chip_child.eagle3 import Eagle3Head
 from chip_child.model import final_logits, forward
 from chip_child.packed_axis import packed_axis
 from chip_child.row_state import BatchFacts
@@ -94,7 +96,8 @@ class Speculation:
         self.counts = np.zeros(b, np.int32)  # tokens each row produced in the last step (0: none)
         self._proposal: tuple | None = None  # propose()'s drafts, for the verify step that follows
         self.drafted = np.zeros(b, np.int32)  # drafts each row verified in the last step
-        self.draft = DraftModel(rt, config.model, self.k) if config.method == "draft_model" else None
+        proposers = {"draft_model": DraftModel, "eagle3": Eagle3Head}
+        self.draft = proposers[config.method](rt, config.model, self.k) if config.method in proposers else None
         rt.register_callable("verify", self.verify)
 
     # -- which steps speculate --------------------------------------------------------------------
@@ -112,13 +115,24 @@ class Speculation:
         return rows.penalized[act] | rows.constrained[act] | (rows.host["logprobs"][act] >= 0)
 
     # -- bookkeeping around a plain step ----------------------------------------------------------
-    def after_plain_step(self, lanes: int, plan: ChunkPlan | None) -> None:
+    def aux(self) -> tuple[tuple[int, ...], dict] | None:
+        """What a plain step's target forward captures for an EAGLE-3 head (None: nothing)."""
+        return self.draft.capturing() if isinstance(self.draft, Eagle3Head) else None
+
+    def after_plain_step(self, lanes: int, plan: ChunkPlan | None, chunks: list) -> None:
         """A plain step ran (every active row moved on by one): the chunks' ids and the sampled
-        ids join the histories; each active row produced one token."""
+        ids join the histories; each active row produced one token; an EAGLE-3 head catches up."""
         rt, v = self.rt, self.rt._lane_views[lanes]
+        ids = None
         if plan is not None:
             ints = plan.layout.unpack(rt.prefill_state["chunk_ints"])
             self.history[ints.rows, ints.positions] = ints.ids
+            ids = ints.ids
+        if isinstance(self.draft, Eagle3Head):
+            rows = rt.rows
+            decoded = np.where(rows.active[:lanes], rows.positions[:lanes] - 1, -1)  # positions have advanced
+            decoded[[c.row for c in chunks if c.last]] = -1  # a prompt that ended here: its chunk's row
+            self.draft.after_plain_step(lanes, chunks, v["input_ids"], ids, decoded)
         # positions have advanced: the sampled id sits at its row's new input position.
         columns = torch.where(v["active"], v["positions"], self.scratch)
         self.history[:lanes].scatter_(1, columns[:, None], v["input_ids"][:, None])
@@ -176,8 +190,9 @@ class Speculation:
         tok_pos_t, tok_rows_t = axis.positions, axis.rows
         flat_t, single_t = axis.extra[:len(flat)], axis.extra[len(flat):].view(3, -1)
         grid = torch.cat([rt.state["input_ids"][act_t][:, None], drafts], 1)
+        eagle = self.draft if isinstance(self.draft, Eagle3Head) else None  # it reads the target's hidden states
         hidden = forward(rt.model_cfg, rt.weights, rt.attn, rt.attn.plan(axis.meta), rt.rope, grid.reshape(-1)[flat_t],
-                         tok_pos_t, rt._all_reduce, rt.ops)
+                         tok_pos_t, rt._all_reduce, rt.ops, None if eagle is None else eagle.capturing())
         logits = final_logits(rt.weights, hidden, ops=rt.ops)
         st = rt.state
         sampled = sample_at_positions(logits, st, tok_rows_t, tok_pos_t, facts.any_random, facts.any_filter, features)
@@ -202,7 +217,9 @@ class Speculation:
         self.drafted[:lanes] = 0
         self.drafted[act] = drafted
         rows.positions[act] += made
-        if self.draft is not None:
+        if eagle is not None:
+            eagle.accepted(act, made - 1, pos, q, target)
+        elif self.draft is not None:
             self.draft.accepted(act, made - 1)
         rows.changed()  # positions moved by more than one: facts and slots are recomputed
         self.stop_finished(lanes)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from chip_child.attention import get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
+from chip_child.eagle3 import head_config
 from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores,
                                 check_optional_bool, default_cpu_threads, device_type, pin_socket_threads, plan_cores)
 from chip_child.fused import resolve_fused_kernels
@@ -183,6 +184,9 @@ class DistributedWorker:
         shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
         if speculative is not None and speculative.model is not None:  # the draft: readable, same vocabulary
             speculative = replace(speculative, model=str(Path(speculative.model).expanduser().resolve()))
+        if speculative is not None and speculative.method == "eagle3":
+            head_config(speculative.model, self.model_config, len(device_ids))
+        elif speculative is not None and speculative.model is not None:
             draft = load_config(speculative.model)
             shard_config(draft, layout.tensor_parallel_size)
             if draft.vocab_size != self.model_config.vocab_size:

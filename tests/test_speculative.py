@@ -253,7 +253,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused(make_checkpoint) -> None
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "mtp", "model": "x", "num_speculative_tokens": 2}, "not supported yet"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes no model"),
     ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
