@@ -36,6 +36,7 @@ from chip_child.loader import ModelConfig
 from chip_child.model import apply_rope, rms_norm, rope_table
 from chip_child.packed_axis import PackedAxis, packed_axis
 from chip_child.rope import parse_rope
+from chip_child.sampling import Features
 
 if TYPE_CHECKING:
     from chip_child.runtime import ChipRuntime
@@ -198,9 +199,10 @@ class Eagle3Head:
 
     @torch.inference_mode()
     def propose(self, rows: np.ndarray, pos: np.ndarray, room: np.ndarray, history: torch.Tensor,
-                any_random: bool, any_filter: bool) -> torch.Tensor:
+                any_random: bool, any_filter: bool, features: Features | None = None) -> torch.Tensor:
         """Drafts [R, k]: room[i] for row i (-1 after); a row the head has not caught up with
-        gets placeholders (its input id), verified like any draft, so its verification feeds the head."""
+        gets placeholders (its input id), verified like any draft, so its verification feeds the head.
+        The head drafts greedily: the rows' sampling settings and features apply in verification."""
         rt, k = self.rt, self.k
         rows_t = rt._h2d(rows.astype(np.int64))
         drafts = rt.state["input_ids"][rows_t][:, None].repeat(1, k)

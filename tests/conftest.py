@@ -90,3 +90,13 @@ def served(tmp_path: Path):
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain() -> list[list[int]]:
+    """The speculative-decoding tests' workload (spec_helpers), decoded without speculation."""
+    from l3worker import DistributedWorker
+    from spec_helpers import PARAMS, PROMPTS, SMALL, _tokens
+
+    with DistributedWorker(**SMALL) as w:
+        return _tokens(w.generate(PROMPTS, PARAMS))

@@ -10,7 +10,7 @@ import pytest
 
 from chip_child.eagle3 import aux_layers
 from l3worker import DistributedWorker
-from test_speculative import PARAMS, PROMPTS, SMALL, _check_counts, _tokens, plain  # noqa: F401  (a fixture)
+from spec_helpers import PARAMS, PROMPTS, SMALL, _check_counts, _tokens
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from bench_models import write_random_eagle3_head  # noqa: E402  (scripts/: the benchmarks use it too)

@@ -3,39 +3,14 @@ chip-children, across batch compositions, chunked prefill, preemption, pipeline 
 restart; drafts accepted where the text repeats; counts that add up; refusals."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from chip_child.speculative_config import SpeculativeConfig
 from l3worker import DistributedWorker, SamplingParams
+from spec_helpers import PARAMS, PROMPTS, SMALL, _check_counts, _tokens
 from scripted_model import EOS_TOKEN, TOOL_CHAIN, _ids, build_tokenizer, write_scripted_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-SMALL = dict(device="cpu", max_batch_size=4, max_seq_len=256, page_size=8)
-
-
-def _repetitive(seed: int, period: int, length: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    unit = rng.integers(5, 250, period).tolist()
-    return (unit * (length // period + 1))[:length]
-
-
-# Rows that repeat, rows that do not, greedy and seeded, min_p, a stop id, min_tokens, penalties (a
-# row that gets no drafts while the others speculate), and a prompt long enough to be prefilled in chunks.
-PROMPTS = [_repetitive(1, 4, 23), list(range(30, 41)), _repetitive(2, 3, 40), [7, 8, 9],
-           _repetitive(3, 5, 70), list(np.random.default_rng(4).integers(5, 250, 19))]
-PARAMS = [SamplingParams(max_new_tokens=30, temperature=0.0),
-          SamplingParams(max_new_tokens=21, temperature=0.9, top_k=20, min_p=0.05, seed=11),
-          SamplingParams(max_new_tokens=27, temperature=0.0, stop_token_ids=[17]),
-          SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=5),
-          SamplingParams(max_new_tokens=25, temperature=0.0, min_tokens=6),
-          SamplingParams(max_new_tokens=15, temperature=0.0, repetition_penalty=1.3)]
-
-
-def _tokens(outs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def _logprobs(out) -> list[tuple]:
     """A sample's log-probabilities: (token, value, top ids, top values) per position."""
     return [(lp.token_id, lp.logprob, [i for i, _ in lp.top], [v for _, v in lp.top]) for lp in out.outputs[0].logprobs]
@@ -47,27 +22,6 @@ def _assert_same_logprobs(got: list[tuple], want: list[tuple]) -> None:
     rounds differently from a plain step's; the sampled tokens are the same ones."""
     assert [(t, ids) for t, _, ids, _ in got] == [(t, ids) for t, _, ids, _ in want]
     assert [[v, *top] for _, v, _, top in got] == [pytest.approx([v, *top], abs=1e-5) for _, v, _, top in want]
-
-
-@pytest.fixture(scope="module")
-def plain() -> list[list[int]]:
-    with DistributedWorker(**SMALL) as w:
-        return _tokens(w.generate(PROMPTS, PARAMS))
-
-
-def _check_counts(w: DistributedWorker) -> dict:
-    s = w.stats()["speculative"]
-    m = w.engine.metrics
-    assert s["num_drafts"] == m.value("l3worker:spec_decode_num_drafts_total")
-    assert s["num_draft_tokens"] == m.value("l3worker:spec_decode_num_draft_tokens_total")
-    assert s["num_accepted_tokens"] == m.value("l3worker:spec_decode_num_accepted_tokens_total")
-    # Position j is accepted only after every position before it: counts never grow with j.
-    per = s["accepted_per_position"]
-    assert sum(per) == s["num_accepted_tokens"] and per == sorted(per, reverse=True)
-    for j, n in enumerate(per):
-        assert m.value("l3worker:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(j)}) == n
-    assert s["num_accepted_tokens"] <= s["num_draft_tokens"] <= 3 * s["num_drafts"]
-    return s
 
 
 @pytest.mark.parametrize("options", [

@@ -1,0 +1,46 @@
+"""What the speculative-decoding tests share: the workload (run plainly by conftest's `plain`
+fixture) and the check that the speculation counters add up."""
+from __future__ import annotations
+
+import numpy as np
+
+from l3worker import DistributedWorker, SamplingParams
+
+SMALL = dict(device="cpu", max_batch_size=4, max_seq_len=256, page_size=8)
+
+
+def _repetitive(seed: int, period: int, length: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    unit = rng.integers(5, 250, period).tolist()
+    return (unit * (length // period + 1))[:length]
+
+
+# Rows that repeat, rows that do not, greedy and seeded, min_p, a stop id, min_tokens, penalties (a
+# row that gets no drafts while the others speculate), and a prompt long enough to be prefilled in chunks.
+PROMPTS = [_repetitive(1, 4, 23), list(range(30, 41)), _repetitive(2, 3, 40), [7, 8, 9],
+           _repetitive(3, 5, 70), list(np.random.default_rng(4).integers(5, 250, 19))]
+PARAMS = [SamplingParams(max_new_tokens=30, temperature=0.0),
+          SamplingParams(max_new_tokens=21, temperature=0.9, top_k=20, min_p=0.05, seed=11),
+          SamplingParams(max_new_tokens=27, temperature=0.0, stop_token_ids=[17]),
+          SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=5),
+          SamplingParams(max_new_tokens=25, temperature=0.0, min_tokens=6),
+          SamplingParams(max_new_tokens=15, temperature=0.0, repetition_penalty=1.3)]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _check_counts(w: DistributedWorker) -> dict:
+    s = w.stats()["speculative"]
+    m = w.engine.metrics
+    assert s["num_drafts"] == m.value("l3worker:spec_decode_num_drafts_total")
+    assert s["num_draft_tokens"] == m.value("l3worker:spec_decode_num_draft_tokens_total")
+    assert s["num_accepted_tokens"] == m.value("l3worker:spec_decode_num_accepted_tokens_total")
+    # Position j is accepted only after every position before it: counts never grow with j.
+    per = s["accepted_per_position"]
+    assert sum(per) == s["num_accepted_tokens"] and per == sorted(per, reverse=True)
+    for j, n in enumerate(per):
+        assert m.value("l3worker:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(j)}) == n
+    assert s["num_accepted_tokens"] <= s["num_draft_tokens"] <= 3 * s["num_drafts"]
+    return s
