@@ -122,3 +122,23 @@ def test_engines_on_other_nodes_are_refused_by_name(served) -> None:
     s = served("--data-parallel-size", "3", "--device-ids", "0,1")
     assert s.proc.wait(60) == 2
     assert any("cannot share equally" in line for line in s.stderr)
+
+
+def test_each_engine_gets_its_consecutive_share_of_devices_and_cores(monkeypatch) -> None:
+    from l3worker.server import launcher
+    from l3worker.server.launcher import DataParallel
+
+    kwargs = {"device_ids": [0], "device": "cuda"}
+    dp = DataParallel(2)
+    assert [dp.engine_kwargs(kwargs, e)["device_ids"] for e in (0, 1)] == [[0], [1]]  # the default: one each
+    four = {**kwargs, "device_ids": [4, 5, 6, 7]}
+    assert [dp.engine_kwargs(four, e)["device_ids"] for e in (0, 1)] == [[4, 5], [6, 7]]  # tensor parallel each
+    assert DataParallel(1).engine_kwargs(four, 0) is four
+    assert dp.cpu_cores(kwargs, 0) is None  # an accelerator: no core pinning
+    monkeypatch.setattr(launcher, "allowed_cores", lambda: [0, 1, 2, 3, 4])
+    cpu = {**kwargs, "device": "cpu"}
+    assert [dp.cpu_cores(cpu, e) for e in (0, 1)] == [[0, 1], [2, 3]]
+    assert DataParallel(6).cpu_cores(cpu, 0) is None  # fewer cores than engines: all share them
+    router = dp.router(16, 100, 8)
+    assert (router.num_engines, router.page_size, router.capacity_pages, router.load_margin) == (2, 16, 100, 4)
+    assert DataParallel(1).router(16, 100, 8) is None
