@@ -73,78 +73,11 @@ def default_cpu_threads(children: int, layout: str = "spare_core") -> int:
     """Threads per cpu child for a layout. `every_core`: every core this process may use, shared
     among the children (torch's own default); the parent then has no core of its own and sleeps
     through each step. `spare_core`: the same less one core, for the parent and the socket
-    threads. `auto` starts as `spare_core` and times both (see choose_cpu_layout)."""
+    threads. `auto` starts as `spare_core` (see chip_child.cpu_layout)."""
     if layout not in CPU_LAYOUTS:
         raise ValueError(f"cpu_layout must be one of {CPU_LAYOUTS}, got {layout!r}")
     spare = 0 if layout == "every_core" else 1
     return max(1, (available_cores() - spare) // children)
-
-
-# `auto` keeps every core for the child where, timed at start-up under both layouts, its decode
-# step is at least 10% faster there, or no slower while a prefill step of the token budget is at
-# least 20% faster. The child's steps alone are a cautious guide: with every core the parent's
-# bookkeeping and anything else on the machine land on the child's cores, and an OpenMP team
-# waits for its slowest thread. On a 2-core box (batch 16) the decode step took 0.77-0.83x the
-# time on both cores for models of 1.3M to 15M parameters, and whole generates 0.70-0.87x; models
-# of 40k and 230k parameters ran their step no faster (their ops are too small to split), and the
-# 40k one's whole generate 1.8x slower on both (the parent's work then stalls the child); with
-# one other busy process every model ran 1.7 to 5x slower on both. At batch 8 a 5M model's decode
-# step gained nothing from a second core while its generate gained 11% (the prefill's share).
-EVERY_CORE_DECODE_GAIN = 0.9
-EVERY_CORE_PREFILL_GAIN = 0.8
-
-
-def choose_cpu_layout(time_steps, spare_threads: int, every_cores: list[int], rounds: int = 3) -> dict:
-    """Times `time_steps()` (seconds of a prefill step and of a decode step) under the
-    `spare_core` layout (the caller's threads and affinities as they are, `spare_threads`
-    threads) and the `every_core` one (every thread of this process allowed on `every_cores`,
-    one intra-op thread per core), alternated over `rounds`; keeps `every_core` where its median
-    times pass the gains above, else puts the threads back as they were. Returns the choice, the
-    median times and how long the trial took."""
-    t0 = time.perf_counter()
-    pinned = _thread_affinities()
-    times: dict[str, list[tuple[float, float]]] = {"spare_core": [], "every_core": []}
-    try:
-        for _ in range(rounds):
-            for layout in times:
-                _set_layout(layout, spare_threads, every_cores, pinned)
-                times[layout].append(tuple(time_steps()))
-    except BaseException:
-        _set_layout("spare_core", spare_threads, every_cores, pinned)
-        raise
-    median = lambda xs: float(sorted(xs)[len(xs) // 2])  # noqa: E731
-    step_s = {layout: {"prefill": median([p for p, _ in t]), "decode": median([d for _, d in t])}
-              for layout, t in times.items()}
-    spare, every = step_s["spare_core"], step_s["every_core"]
-    wins = (every["decode"] <= EVERY_CORE_DECODE_GAIN * spare["decode"]
-            or (every["decode"] <= spare["decode"] and every["prefill"] <= EVERY_CORE_PREFILL_GAIN * spare["prefill"]))
-    chosen = "every_core" if wins else "spare_core"
-    _set_layout(chosen, spare_threads, every_cores, pinned)
-    return {"layout": chosen, "step_s": step_s, "trial_s": time.perf_counter() - t0}
-
-
-def _thread_affinities() -> dict[int, set[int]]:
-    """Every thread of this process and its affinity mask (empty where the platform has none)."""
-    if not (hasattr(os, "sched_getaffinity") and os.path.isdir("/proc/self/task")):
-        return {}
-    masks = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            masks[int(tid)] = os.sched_getaffinity(int(tid))
-        except OSError:  # a thread that just ended
-            pass
-    return masks
-
-
-def _set_layout(layout: str, spare_threads: int, every_cores: list[int], pinned: dict[int, set[int]]) -> None:
-    """Threads started under every_core (OpenMP workers) keep its mask: with spare_core's fewer
-    threads they are not part of the team."""
-    for tid, mask in pinned.items():
-        try:
-            os.sched_setaffinity(tid, every_cores if layout == "every_core" else mask)
-        except OSError:
-            pass
-    torch.set_num_threads(len(every_cores) if layout == "every_core" else spare_threads)
 
 
 # How long (libgomp spin iterations) a cpu child's idle OpenMP thread spins before it sleeps.

@@ -24,7 +24,8 @@ import zmq
 
 from chip_child import protocol
 from chip_child.config import RuntimeConfig
-from chip_child.device import choose_cpu_layout, pin_socket_threads
+from chip_child.cpu_layout import choose_cpu_layout, preferred_cpu_layout, step_weight_elements
+from chip_child.device import pin_socket_threads
 from chip_child.runtime import ChipRuntime, LaunchedStep, StepOutputs
 from chip_child.spec import ChildSpec
 
@@ -104,10 +105,11 @@ def start_runtime(spec: ChildSpec) -> tuple[ChipRuntime, dict]:
         os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
     rt = ChipRuntime(RuntimeConfig(**spec.runtime))
     try:
-        layout = {"layout": None, "step_s": None, "trial_s": None}
+        layout = {"layout": None, "preferred": None, "step_s": None, "other_cores": None, "trial_s": None}
         if spec.layout_cores:
+            preferred = preferred_cpu_layout(step_weight_elements(rt.model_cfg), len(spec.layout_cores))
             layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
-                                       torch.get_num_threads(), spec.layout_cores)
+                                       torch.get_num_threads(), spec.layout_cores, preferred)
             rt.reset()
         if spec.fault:
             _inject_fault(rt, spec.fault)
@@ -125,7 +127,8 @@ def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
         "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
         "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack, "moe_experts": rt.weights.held_experts(),
         "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_layout": layout["layout"], "layout_step_s": layout["step_s"], "layout_trial_s": layout["trial_s"],
+        "cpu_layout": layout["layout"], "layout_preferred": layout["preferred"], "layout_step_s": layout["step_s"],
+        "layout_other_cores": layout["other_cores"], "layout_trial_s": layout["trial_s"],
     })
 
 

@@ -28,6 +28,7 @@ from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError, Stoppi
 from l3worker.shared import StepBuffers
 
 LIVENESS_POLL_MS = 100
+STARTUP = "start-up (device, weights, KV cache, warm-up)"
 
 
 def child_spec(rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_dir: str, **options) -> ChildSpec:
@@ -35,6 +36,31 @@ def child_spec(rank: int, runtime: RuntimeConfig, buffers: StepBuffers, socket_d
     optional fields."""
     return ChildSpec(rank, socket_dir, asdict(runtime), {k: v.to_json() for k, v in buffers.specs.items()},
                      **options)
+
+
+def wait_all_ready(children: list["ChildProcess"], timeout_s: float | None, cancel: threading.Event | None = None,
+                   check: Callable[[], None] | None = None) -> None:
+    """Waits for every child's ready report, watching all of them meanwhile: tensor-parallel ranks
+    meet at start-up, so when one dies the others wait on it forever. `check` runs between polls."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = list(children)
+    poller = zmq.Poller()
+    for child in pending:
+        poller.register(child.sock, zmq.POLLIN)
+    while pending:
+        events = dict(poller.poll(LIVENESS_POLL_MS))
+        for child in [c for c in pending if c.sock in events]:
+            child.wait_ready(timeout_s, cancel)
+            pending.remove(child)
+            poller.unregister(child.sock)
+        for child in pending:
+            child.check_alive(STARTUP)
+        check_cancel(cancel)
+        if check is not None:
+            check()
+        if pending and deadline is not None and time.monotonic() > deadline:
+            raise StepTimeoutError(f"chip-child {pending[0].rank} (pid {pending[0].pid}) gave no reply to {STARTUP} "
+                                   f"within {timeout_s:g}s")
 
 
 def check_cancel(cancel: threading.Event | None) -> None:
@@ -111,7 +137,7 @@ class ChildProcess:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             self._wait_for(zmq.POLLIN, deadline, what, cancel, lambda: f"gave no reply to {what} within {timeout_s:g}s")
-            reply = self._unpack(self.sock.recv(), what)
+            reply = self._unpack(self._read(), what)
             if isinstance(reply, dict):
                 return reply
 
@@ -119,10 +145,13 @@ class ChildProcess:
         """Consumes every waiting message: wake-ups are dropped, an error reply raises."""
         while True:
             try:
-                raw = self.sock.recv(zmq.NOBLOCK)
+                raw = self._read(zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._unpack(raw, "a step")
+
+    def _read(self, flags: int = 0) -> bytes:
+        return self.sock.recv(flags)
 
     def _unpack(self, raw: bytes, what: str) -> object:
         reply = msgpack.unpackb(raw)
@@ -135,7 +164,7 @@ class ChildProcess:
         return reply
 
     def wait_ready(self, timeout_s: float | None, cancel: threading.Event | None = None) -> dict:
-        self.info = self.recv(timeout_s, "start-up (device, weights, KV cache, warm-up)", cancel)
+        self.info = self.recv(timeout_s, STARTUP, cancel)
         return self.info
 
     @property

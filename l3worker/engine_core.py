@@ -124,7 +124,7 @@ class EngineCore:
         elif kind == "metrics":
             self._reply(who, ["metrics", msg[1], families_to_wire(self.engine.metrics.registry, self.config.engine)])
         elif kind == "hello":
-            self._reply(who, ["ready", self.engine.healthy])
+            self._reply(who, ["ready", self.engine.healthy, self.worker.cpu_layout_in_use])
         elif kind == "shutdown":
             self.stop.set()
         else:

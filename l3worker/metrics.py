@@ -51,6 +51,9 @@ class EngineMetrics:
         self.spec_accepted_per_position = Counter("l3worker:spec_decode_num_accepted_tokens_per_pos",
                                                   "Draft tokens accepted, by position in the draft", ["position"],
                                                   registry=r)
+        self._cpu_layout = Gauge("l3worker:cpu_layout_info", "The cpu layout the chip-children run with "
+                                 "(every_core or spare_core), as a label of a series set to 1; none off the cpu",
+                                 ["layout"], registry=r)
         self.ttft = Histogram("l3worker:time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("l3worker:inter_token_latency_seconds", "Between two tokens of a sample",
@@ -59,6 +62,12 @@ class EngineMetrics:
                              buckets=_LATENCY, registry=r)
         self.queue_time = Histogram("l3worker:request_queue_time_seconds", "Arrival to admission into a row",
                                     buckets=_LATENCY, registry=r)
+
+    def set_cpu_layout(self, layout: str | None) -> None:
+        """The layout the children (re)started with: the one series of the info metric."""
+        self._cpu_layout.clear()
+        if layout is not None:
+            self._cpu_layout.labels(layout).set(1)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample's current value, e.g. value("l3worker:generation_tokens_total")."""

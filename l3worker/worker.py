@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -33,7 +33,7 @@ from chip_child.model import shard_config
 from chip_child.prepack import resolve_cpu_prepack
 from chip_child.speculative_config import SpeculativeConfig
 from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
-from l3worker.child import ChildProcess, child_spec
+from l3worker.child import ChildProcess, child_spec, wait_all_ready
 from l3worker.shared import StepBuffers
 from l3worker.speculation import speculative_tokens
 from l3worker.doorbell import ORDERED_STORES, Doorbell
@@ -41,6 +41,7 @@ from l3worker.engine import Engine
 from l3worker.errors import ChildFailure, WorkerError
 from l3worker.hub import resolve_model
 from l3worker.inputs import Prompt, as_prompt_list
+from l3worker.nodes import NodeLayout, RemoteNode
 from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParams
 from l3worker.recovery import RestartPolicy
 from l3worker.requests import RequestState
@@ -65,7 +66,7 @@ class DistributedWorker:
         *,
         revision: str | None = None,
         download_dir: str | None = None,
-        device_ids: Sequence[int] = (0,),
+        device_ids: Sequence[int] | None = None,
         device: str = "auto",
         max_batch_size: int = 16,
         max_seq_len: int = 4096,
@@ -93,6 +94,13 @@ class DistributedWorker:
         restart_window_s: float = 600.0,
         max_waiting_requests: int | None = None,
         speculative_config: SpeculativeConfig | dict | str | None = None,
+        # Tensor parallel over several nodes, vLLM's names: this worker is the head (node 0); the
+        # followers run l3worker.follower (`l3worker serve --headless`). See l3worker/nodes.py.
+        tensor_parallel_size: int | None = None,  # None: one rank per device_ids entry
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
         # test-only (see chip_child.serve): the fault of the first start; a sequence: one per
         # start, restarts included (None: none; starts past its end have none)
         fault_injection: str | Sequence[str | None] | None = None,
@@ -116,9 +124,14 @@ class DistributedWorker:
         backend = get_backend(kind, attention_backend)
         resolve_decode_graphs(decode_graphs, kind, backend.decode_capturable, backend.name)
         resolve_fused_kernels(fused_kernels, kind)
-        device_ids = tuple(device_ids)
-        if not device_ids:
+        device_ids = tuple(device_ids) if device_ids is not None else None
+        if device_ids is not None and not device_ids:
             raise ValueError("device_ids must name at least one device")
+        layout = NodeLayout.of(tensor_parallel_size, device_ids, nnodes, node_rank, master_addr, master_port)
+        if node_rank != 0:
+            raise ValueError(f"node_rank={node_rank}: a DistributedWorker is the head, node 0; other nodes run "
+                             "`l3worker serve --headless` (l3worker.follower)")
+        device_ids = layout.local_devices(device_ids)
         for d in device_ids:
             _positive_int("device_ids entry", d, 0)
         if len(set(device_ids)) != len(device_ids) and device != "cpu":
@@ -170,11 +183,11 @@ class DistributedWorker:
         if not isinstance(enable_expert_parallel, bool):
             raise TypeError(f"enable_expert_parallel must be a bool, got {type(enable_expert_parallel).__name__}")
         # tensor parallelism must divide heads and MLP (expert parallelism: the experts)
-        shard_config(self.model_config, len(device_ids), enable_expert_parallel)
+        shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
         if speculative is not None and speculative.model is not None:  # the draft: readable, same vocabulary
             speculative = replace(speculative, model=str(Path(speculative.model).expanduser().resolve()))
             draft = load_config(speculative.model)
-            shard_config(draft, len(device_ids))
+            shard_config(draft, layout.tensor_parallel_size)
             if draft.vocab_size != self.model_config.vocab_size:
                 raise ValueError(f"speculative_config: the draft model's vocab_size {draft.vocab_size} differs from "
                                  f"the target's {self.model_config.vocab_size}")
@@ -189,6 +202,8 @@ class DistributedWorker:
         )
         self.speculative_config = speculative
         self.device_ids = device_ids
+        self.layout = layout
+        self._nodes: list[RemoteNode] = []  # one per follower node, made once: their links outlive restarts
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -233,10 +248,12 @@ class DistributedWorker:
             self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
-            world = len(self.device_ids)
-            self._threads = self._cpu_threads(world)
-            self._core_plan = plan = self._plan_cores(world, self._threads)
-            self._layout_cores = self._layout_trial(world)
+            local = len(self.device_ids)
+            self._threads = self._cpu_threads(local)
+            self._core_plan = plan = self._plan_cores(local, self._threads)
+            self._layout_cores = self._layout_trial(self.layout.tensor_parallel_size)
+            self._nodes = [RemoteNode(self._ctx, self.layout, node, self._buffers)
+                           for node in range(1, self.layout.nnodes)]
             _live_workers.add(self)
             if plan:
                 pin_socket_threads(self._ctx, plan.service)  # before the first socket starts its threads
@@ -251,13 +268,23 @@ class DistributedWorker:
     def _launch(self) -> None:
         """Starts one child per device and waits until each is ready: the first start and every
         restart. A restart's children differ only in their generation (their socket files and
-        tensor-parallel rendezvous are new) and their test fault."""
-        cfg, world, plan, gen = self.runtime_config, len(self.device_ids), self._core_plan, self._generation
+        tensor-parallel rendezvous are new) and their test fault. Follower nodes start theirs on
+        the head's word, with the same config."""
+        cfg, plan, gen, layout = self.runtime_config, self._core_plan, self._generation, self.layout
+        world = layout.tensor_parallel_size
         fault = self._faults[gen] if gen < len(self._faults) else None
         self._generation += 1
+        dist_init = None if world == 1 else layout.dist_init if layout.nnodes > 1 else \
+            f"file://{self._socket_dir}/tp-store-{gen}"
+        cfg = replace(cfg, tp_size=world, dist_init=dist_init)
+        launch = dict(runtime=asdict(cfg), slots=self._buffers.slots, max_batch_size=cfg.max_batch_size,
+                      prefill_capacity=cfg.prefill_capacity, fault=fault, overlap_steps=self.overlap_steps,
+                      step_timeout_s=self.step_timeout_s, startup_timeout_s=self.startup_timeout_s)
+        for node in self._nodes:  # first: a follower that is gone fails a restart before any child starts
+            self._children.append(node)
+            node.start(gen, dict(launch, node_rank=node.node), self.startup_timeout_s, self.engine.stopping)
         for rank, device_id in enumerate(self.device_ids):
-            rc = replace(cfg, device_id=device_id, tp_rank=rank, tp_size=world,
-                         dist_init=f"file://{self._socket_dir}/tp-store-{gen}" if world > 1 else None)
+            rc = replace(cfg, device_id=device_id, tp_rank=rank)
             if self._threads is not None:
                 # The child's own default would count only the cores it is pinned to.
                 rc = replace(rc, num_threads=self._threads)
@@ -265,15 +292,29 @@ class DistributedWorker:
                               fault=fault, cpu_cores=plan.children[rank] if plan else None,
                               service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
                               layout_cores=self._layout_cores, generation=gen)
-            self._children.append(ChildProcess(self._ctx, spec, self._buffers))
-        for child in self._children:
-            child.wait_ready(self.startup_timeout_s, self.engine.stopping)
+            self._children.insert(rank, ChildProcess(self._ctx, spec, self._buffers))  # local ranks first
+        wait_all_ready(self._children, self.startup_timeout_s, self.engine.stopping)
         if self._layout_cores and self._children[0].info.get("cpu_layout") == "spare_core":
             # Restarts keep the layout the trial chose, and skip the trial (seconds on a loaded
             # machine): spare_core is a child's set-up without one.
             self._layout_cores = None
         self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget(),
                                   self.engine.stopping)
+        self.engine.metrics.set_cpu_layout(self.cpu_layout_in_use)
+
+    @property
+    def cpu_layout_in_use(self) -> str | None:
+        """The layout the cpu children run with: what the start-up trial chose, else the one
+        asked for, else (`auto` without a trial) what their threads amount to: every_core where
+        they take every core. None off the cpu or before the children started."""
+        info = self._children[0].info if self._children else {}
+        if info.get("device") != "cpu":
+            return None
+        if info.get("cpu_layout"):
+            return info["cpu_layout"]
+        if self.cpu_layout != "auto":
+            return self.cpu_layout
+        return "every_core" if info.get("threads", 1) * len(self._children) >= available_cores() else "spare_core"
 
     def _relaunch(self) -> tuple[list[ChildProcess], Doorbell]:
         """The engine's restart: stops every child (tensor-parallel ranks go together), then
@@ -301,10 +342,10 @@ class DistributedWorker:
         return self.runtime_config.num_threads or default_cpu_threads(children, layout)
 
     def _layout_trial(self, children: int) -> list[int] | None:
-        """With cpu_layout="auto", one cpu child and more than one core, the child times its decode
-        step with a core spared for the parent and with every core, and keeps the faster (see
-        chip_child.device.choose_cpu_layout): every core wins on models of a few million
-        parameters on a quiet machine, and loses on tiny models and on a loaded one. Returns the
+        """With cpu_layout="auto", one cpu child and more than one core, the child prefers a layout
+        by the model's size and the core count, and times its decode step with a core spared for
+        the parent and with every core: only a clear win of the other layout, beyond the trial's
+        noise, moves it (chip_child.cpu_layout; every core loses on a loaded machine). Returns the
         cores every_core would take; None: no trial (tensor-parallel children step together and
         keep spare_core; a cache of fewer than 3 positions has no room for the timed steps)."""
         cfg = self.runtime_config
@@ -336,6 +377,9 @@ class DistributedWorker:
         """Stops every child and removes the socket directory. Idempotent; safe after failures."""
         self.engine.request_stop()  # a restart under way gives up instead of starting children
         self._stop_children(5.0)
+        for node in self._nodes:
+            node.close()  # the followers see the link close and exit
+        self._nodes = []
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # also closes a socket whose child never started
             self._ctx = None
@@ -467,10 +511,14 @@ class DistributedWorker:
             "child_setup_s": info.get("setup_s"),
             "child_threads": info.get("threads"),
             "child_cores": info.get("cores"),
-            "cpu_layout": info.get("cpu_layout"),  # what cpu_layout="auto" chose; None: no trial
-            "cpu_layout_step_s": info.get("layout_step_s"),  # its prefill and decode steps under each
+            "cpu_layout": self.cpu_layout_in_use,  # what the cpu children run with; None off the cpu
+            "cpu_layout_preferred": info.get("layout_preferred"),  # auto's timing-free rule; None: no trial
+            "cpu_layout_step_s": info.get("layout_step_s"),  # the trial's prefill and decode steps under each
+            "cpu_layout_other_cores": info.get("layout_other_cores"),  # cores other processes kept busy then
             "cpu_layout_trial_s": info.get("layout_trial_s"),  # how long that took
             "prepare_s": self._prepare_s,
+            "tensor_parallel_size": self.layout.tensor_parallel_size,
+            "nnodes": self.layout.nnodes,
             "pipeline_depth": self.pipeline_depth,
             "copy_policy": self.runtime_config.copy_policy,
             "attention_backend": info.get("attention_backend"),

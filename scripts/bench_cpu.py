@@ -6,7 +6,8 @@ by the output tokens it produced, fp32, greedy, the same prompts for every varia
 each in a process of its own and run alternately within each repeat:
 
   l3          DistributedWorker with the defaults a user gets (only max_batch_size set): the
-              child times its decode step under both layouts below at start-up and keeps one
+              child prefers one of the layouts below by the model's size and keeps it unless a
+              start-up trial shows the other clearly faster (chip_child.cpu_layout)
   l3_every    l3 with cpu_layout="every_core": every core to the child, the parent sleeps
   l3_spare    l3 with cpu_layout="spare_core": the child pinned, a core left for the parent and
               the socket threads
@@ -109,6 +110,8 @@ class L3Runner(L3):
         s = self.w.stats()
         return {"child_threads": s["child_threads"], "child_cores": s["child_cores"], "pids": s["child_pids"],
                 "spin_s": self.w._doorbell.spin_s, "cpu_layout": s["cpu_layout"],
+                "cpu_layout_preferred": s["cpu_layout_preferred"],
+                "cpu_layout_other_cores": s["cpu_layout_other_cores"],
                 "cpu_layout_step_ms": {layout: {k: round(v * 1e3, 3) for k, v in t.items()}
                                        for layout, t in (s["cpu_layout_step_s"] or {}).items()},
                 "cpu_layout_trial_ms": s["cpu_layout_trial_s"] and round(s["cpu_layout_trial_s"] * 1e3, 1)}

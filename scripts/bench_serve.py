@@ -82,7 +82,7 @@ def offline_tpot(args, samples: list[SampleRequest]) -> dict:
     from l3worker import DistributedWorker, SamplingParams
 
     with DistributedWorker(args.model_dir, max_batch_size=args.max_num_seqs, max_seq_len=args.max_model_len,
-                           page_size=args.block_size) as w:
+                           page_size=args.block_size, cpu_layout=args.cpu_layout) as w:
         w.generate(samples[0].prompt[:8], SamplingParams(max_new_tokens=4))  # warm-up, as the served run has
         cpu0 = _own_cpu_s()
         t0 = time.perf_counter()
@@ -108,7 +108,8 @@ class Launched:
     def __init__(self, args):
         cmd = [sys.executable, "-m", "l3worker", "serve", *([args.model_dir] if args.model_dir else []),
                "--port", "0", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-               "--block-size", str(args.block_size), "--disable-log-requests", *shlex.split(args.serve_args)]
+               "--block-size", str(args.block_size), "--cpu-layout", args.cpu_layout, "--disable-log-requests",
+               *shlex.split(args.serve_args)]
         if args.api_key:
             cmd += ["--api-key", args.api_key]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -191,6 +192,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--cpu-layout", choices=("auto", "every_core", "spare_core"), default="auto",
+                   help="on a cpu, the layout of both the served and the offline worker: a fixed one compares "
+                        "like with like (auto may choose differently for each)")
     g.add_argument("--serve-args", default="", help="more `l3worker serve` flags, one string")
     g.add_argument("--repeats", type=int, default=1, help="runs of the load (each after its offline run)")
     g.add_argument("--idle-cpu-s", type=float, default=0.0,

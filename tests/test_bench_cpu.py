@@ -47,7 +47,9 @@ def test_every_variant_reports_its_figures(result: dict) -> None:
         assert {"l3_every", "l3_spare"} <= set(variants)
         assert variants["l3"]["info"]["cpu_layout"] in ("every_core", "spare_core")
         assert set(variants["l3"]["info"]["cpu_layout_step_ms"]) == {"every_core", "spare_core"}
-        assert variants["l3_every"]["info"]["cpu_layout"] is None
+        assert variants["l3"]["info"]["cpu_layout_preferred"] == "spare_core"  # the tiny model
+        assert variants["l3_every"]["info"]["cpu_layout"] == "every_core"
+        assert variants["l3_every"]["info"]["cpu_layout_step_ms"] == {}  # not timed
     assert result["l3_variants"]["l3_depth1"] == {"options": {"pipeline_depth": 1}, "env": {}}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chip_child import device
+from chip_child import cpu_layout, device
 from chip_child.device import CorePlan, allowed_cores, plan_cores
 from l3worker import DistributedWorker, SamplingParams
 
@@ -68,6 +68,12 @@ def assert_spare_core(w: DistributedWorker) -> None:
     assert w._doorbell.spin_s == w.spin_wait_s
 
 
+def layout_metric(w: DistributedWorker) -> dict[str, float]:
+    """The info metric's series: layout -> value."""
+    return {layout: w.engine.metrics.value("l3worker:cpu_layout_info", {"layout": layout})
+            for layout in ("every_core", "spare_core")}
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
 def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: Path) -> None:
     if len(allowed_cores()) < 2:
@@ -77,25 +83,32 @@ def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: 
         assert set(s["cpu_layout_step_s"]) == {"every_core", "spare_core"}
         assert all(t > 0 for times in s["cpu_layout_step_s"].values() for t in times.values())
         assert s["cpu_layout_trial_s"] > 0
+        assert s["cpu_layout_preferred"] == "spare_core"  # a model of a few thousand weights
         (assert_every_core if s["cpu_layout"] == "every_core" else assert_spare_core)(w)
+        other = "spare_core" if s["cpu_layout"] == "every_core" else "every_core"
+        assert layout_metric(w) == {s["cpu_layout"]: 1.0, other: 0.0}
         if not any(name in os.environ for name in device.OMP_WAIT_VARIABLES):
             assert child_env(w.child_pids[0])["GOMP_SPINCOUNT"] == str(device.CHILD_GOMP_SPINCOUNT)
         tokens = w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids
-    with DistributedWorker(ckpt, **COMMON) as w:  # num_threads given: no trial
-        assert w.stats()["cpu_layout"] is None
+    with DistributedWorker(ckpt, **COMMON) as w:  # num_threads given: no trial, the layout its threads make
+        s = w.stats()
+        assert s["cpu_layout_step_s"] is None and s["cpu_layout_preferred"] is None
+        assert s["cpu_layout"] == "spare_core" and layout_metric(w)["spare_core"] == 1.0
         assert w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids == tokens
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
-def test_explicit_layouts_are_not_timed(ckpt: Path) -> None:
+def test_explicit_layouts_are_not_timed_and_are_reported(ckpt: Path) -> None:
     if len(allowed_cores()) < 2:
         pytest.skip("one core: both layouts are one thread")
     options = {**COMMON, "num_threads": None}
     with DistributedWorker(ckpt, **options, cpu_layout="every_core") as w:
-        assert w.stats()["cpu_layout"] is None
+        assert w.stats()["cpu_layout"] == "every_core" and w.stats()["cpu_layout_step_s"] is None
+        assert layout_metric(w) == {"every_core": 1.0, "spare_core": 0.0}
         assert_every_core(w)
     with DistributedWorker(ckpt, **options, cpu_layout="spare_core") as w:
-        assert w.stats()["cpu_layout"] is None
+        assert w.stats()["cpu_layout"] == "spare_core" and w.stats()["cpu_layout_step_s"] is None
+        assert layout_metric(w) == {"every_core": 0.0, "spare_core": 1.0}
         assert_spare_core(w)
 
 
@@ -104,48 +117,6 @@ def test_cpu_layout_is_validated(ckpt: Path) -> None:
         DistributedWorker(ckpt, **{**COMMON, "num_threads": None}, cpu_layout="all")
     with pytest.raises(ValueError, match="cpu_layout='every_core' and num_threads=1"):
         DistributedWorker(ckpt, **COMMON, cpu_layout="every_core")
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="sets thread affinities through /proc")
-@pytest.mark.parametrize("every_core_s, chosen", [
-    ((1.0, 0.5), "every_core"),  # (prefill, decode) against 1.0 each under spare_core
-    ((1.0, device.EVERY_CORE_DECODE_GAIN), "every_core"),
-    ((device.EVERY_CORE_PREFILL_GAIN, 1.0), "every_core"),  # decode no slower, prefill enough faster
-    ((0.85, 1.0), "spare_core"),
-    ((0.5, 1.05), "spare_core"),  # decode slower: a faster prefill does not make up for it
-    ((3.0, 3.0), "spare_core"),
-])
-def test_choose_cpu_layout_keeps_every_core_only_where_its_steps_are_enough_faster(every_core_s, chosen) -> None:
-    import threading
-
-    import torch
-
-    cores = allowed_cores()
-    if len(cores) < 2:
-        pytest.skip("needs two cores")
-    threads, me = torch.get_num_threads(), threading.get_native_id()
-    os.sched_setaffinity(0, cores[-1:])  # this thread pinned, as a spare_core child's are
-    torch.set_num_threads(1)
-    seen = []
-
-    def time_steps() -> tuple[float, float]:  # every_core: a thread per core, this thread unpinned
-        every = torch.get_num_threads() == len(cores) and os.sched_getaffinity(me) == set(cores)
-        seen.append("every_core" if every else "spare_core")
-        return every_core_s if every else (1.0, 1.0)
-    try:
-        result = device.choose_cpu_layout(time_steps, 1, cores)
-        assert result.pop("trial_s") >= 0
-        prefill, decode = every_core_s
-        assert result == {"layout": chosen, "step_s": {"spare_core": {"prefill": 1.0, "decode": 1.0},
-                                                        "every_core": {"prefill": prefill, "decode": decode}}}
-        assert seen == ["spare_core", "every_core"] * 3  # alternated
-        if chosen == "every_core":
-            assert torch.get_num_threads() == len(cores) and os.sched_getaffinity(0) == set(cores)
-        else:  # back as it was
-            assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {cores[-1]}
-    finally:
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(threads)
 
 
 def test_layout_threads(monkeypatch) -> None:
@@ -179,6 +150,7 @@ def test_accelerator_children_are_not_pinned_nor_timed(ckpt: Path) -> None:
     w = DistributedWorker(ckpt, **{**COMMON, "device": "cuda", "num_threads": None})
     assert w._cpu_threads(1) is None and w._plan_cores(1, w._cpu_threads(1)) is None
     assert w._layout_trial(1) is None
+    assert w.cpu_layout_in_use is None  # no cpu children: no layout, and no metric series
 
 
 def test_tensor_parallel_cpu_children_keep_a_core_spare_untimed(ckpt: Path, monkeypatch) -> None:

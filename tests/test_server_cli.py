@@ -104,6 +104,20 @@ def test_serving_keeps_short_steps_on_a_cpu_and_the_worker_default_elsewhere() -
     assert serve_batched_tokens(parse(["serve", "--device", "cpu", "--max-num-batched-tokens", "64"])) == 64
 
 
+def test_the_cpu_layout_flag_reaches_the_worker_and_is_reported(served) -> None:
+    s = served("--device", "cpu", "--cpu-layout", "every_core", "--max-num-seqs", "2", "--max-model-len", "64")
+    base = s.ready()
+    assert ", cpu layout every_core" in base.string
+    with httpx.Client(base_url=base[1], timeout=60) as client:
+        metrics = client.get("/metrics").text
+    assert re.search(r'^l3worker:cpu_layout_info\{layout="every_core"\} 1\.0$', metrics, re.M)
+    assert 'layout="spare_core"' not in metrics
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+    s = served("--cpu-layout", "all_cores")
+    assert s.proc.wait(60) == 2
+
+
 def test_a_hub_id_is_served_under_that_id_from_the_offline_cache(served, tmp_path) -> None:
     from test_hub import REPO, lay_out_hub_cache
 

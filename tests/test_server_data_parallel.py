@@ -128,9 +128,11 @@ def test_each_engine_gets_its_consecutive_share_of_devices_and_cores(monkeypatch
     from l3worker.server import launcher
     from l3worker.server.launcher import DataParallel
 
-    kwargs = {"device_ids": [0], "device": "cuda"}
+    kwargs = {"device_ids": None, "device": "cuda"}
     dp = DataParallel(2)
     assert [dp.engine_kwargs(kwargs, e)["device_ids"] for e in (0, 1)] == [[0], [1]]  # the default: one each
+    tp2 = {**kwargs, "tensor_parallel_size": 2}
+    assert [dp.engine_kwargs(tp2, e)["device_ids"] for e in (0, 1)] == [[0, 1], [2, 3]]
     four = {**kwargs, "device_ids": [4, 5, 6, 7]}
     assert [dp.engine_kwargs(four, e)["device_ids"] for e in (0, 1)] == [[4, 5], [6, 7]]  # tensor parallel each
     assert DataParallel(1).engine_kwargs(four, 0) is four

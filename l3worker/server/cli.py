@@ -34,6 +34,8 @@ def data_parallel_refusal(args: argparse.Namespace) -> str | None:
         return f"--data-parallel-size must be >= 1, got {args.data_parallel_size}"
     if getattr(args, "headless", False) and args.data_parallel_size > 1:
         return "--headless with --data-parallel-size: headless data-parallel engines are not supported"
+    if getattr(args, "nnodes", 1) > 1 and args.data_parallel_size > 1:
+        return "--data-parallel-size with --nnodes: tensor parallel across nodes serves one engine"
     return None
 
 
@@ -79,8 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
                    help="KV-cache pages in all (default: room for --max-model-len in every row)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | npu (default: auto)")
-    p.add_argument("--device-ids", type=_device_ids, default=(0,), metavar="IDS",
-                   help="comma-separated device ids; several: tensor parallel (default: 0)")
+    p.add_argument("--device-ids", type=_device_ids, default=None, metavar="IDS",
+                   help="comma-separated ids of this node's devices; several: tensor parallel (default: 0, or "
+                        "0 .. N-1 for N ranks per node)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel ranks over all nodes (default: one per --device-ids entry)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the tensor-parallel ranks span (default: 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank; 0 is the head (default: 0)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="the head's address: torch.distributed rendezvous and the followers' commands "
+                        "(default: %(default)s)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="the rendezvous port on the head; follower node R takes its commands on "
+                        "--master-port + R (needed with --nnodes > 1)")
+    p.add_argument("--headless", action="store_true",
+                   help="a follower node (--node-rank >= 1): runs this node's ranks for the head, no HTTP")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
     p.add_argument("--pipeline-depth", type=int, default=2, help="step commands in flight (default: 2)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
@@ -107,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models over several --device-ids: split the experts across the ranks instead of "
                         "each expert's intermediate dimension")
+    p.add_argument("--cpu-layout", choices=("auto", "every_core", "spare_core"), default="auto",
+                   help="cpu: every_core (a thread per core), spare_core (a core left for the server and the "
+                        "sockets) or auto (by the model's size, checked by a start-up trial; default)")
     p.add_argument("--api-key", default=os.environ.get("L3WORKER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $L3WORKER_API_KEY; none: no key)")
     p.add_argument("--chat-template", default=None, metavar="PATH",
@@ -179,6 +197,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     stop = SignalStop()
 
+    if args.headless:
+        return headless_command(args)
     from l3worker import DistributedWorker  # heavy imports after the arguments are known good
     from chip_child.loader import load_config
     from chip_child.tiny_model import ensure_tiny_model
@@ -195,15 +215,19 @@ def serve_command(args: argparse.Namespace) -> int:
         # A Hub id is served under that id (vLLM's habit), a directory under its name.
         names = args.served_model_name or ([args.model_dir] if not builtin and not os.path.isdir(args.model_dir) else [])
         worker_kwargs = dict(model_dir=None if builtin else model_dir, device=args.device,
-                             device_ids=list(args.device_ids), max_batch_size=args.max_num_seqs,
+                             device_ids=None if args.device_ids is None else list(args.device_ids), max_batch_size=args.max_num_seqs,
                              max_seq_len=max_model_len, page_size=args.block_size,
                              num_pages=args.num_gpu_blocks_override, dtype=args.dtype,
                              pipeline_depth=args.pipeline_depth, max_num_batched_tokens=serve_batched_tokens(args),
                              enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
+                             cpu_layout=args.cpu_layout,
                              quantization=args.quantization, enable_expert_parallel=args.enable_expert_parallel,
                              max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
                              max_waiting_requests=args.max_waiting_requests,
-                             speculative_config=args.speculative_config)
+                             speculative_config=args.speculative_config,
+                             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+                             node_rank=args.node_rank, master_addr=args.master_addr,
+                             master_port=args.master_port)
         if args.api_server_count < 1:
             raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
         dp = DataParallel(args.data_parallel_size, args.data_parallel_routing)
@@ -239,6 +263,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
               f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}"
               f"{', chat template' if model.chat_template else ', no chat template'}"
+              f"{f', cpu layout {client.cpu_layout}' if client.cpu_layout else ''}"
               f"{', API key required' if options.api_key else ''}"
               f"{f', {args.api_server_count} API servers' if args.api_server_count > 1 else ''}"
               f"{f', {dp.size} engines ({dp.routing})' if dp.size > 1 else ''})", flush=True)
@@ -260,3 +285,19 @@ def serve_command(args: argparse.Namespace) -> int:
             launch.kill()  # a no-op after an orderly stop
     print("l3worker serve: stopped", flush=True)
     return 0
+
+
+def headless_command(args: argparse.Namespace) -> int:
+    """A follower node: this node's tensor-parallel ranks, until the head goes away or SIGTERM."""
+    from l3worker.follower import FollowerOptions, run_follower
+    from l3worker.nodes import NodeLayout
+
+    try:
+        layout = NodeLayout.of(args.tensor_parallel_size, args.device_ids, args.nnodes, args.node_rank,
+                               args.master_addr, args.master_port)
+        options = FollowerOptions(layout, args.model_dir, args.revision, args.download_dir, args.device,
+                                  args.device_ids)
+        return run_follower(options)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"l3worker serve --headless: {e}", file=sys.stderr)
+        return 2

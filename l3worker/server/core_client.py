@@ -86,6 +86,7 @@ class CoreClient:
         self.core_pids = core_pids
         self.router = router  # None: one engine core
         self.error: BaseException | None = None
+        self.cpu_layout: str | None = None  # what the core's cpu children run with (its ready reply); None off the cpu
         self._on_shutdown = on_shutdown  # the launching API server's: stops the processes it started
         self._ctx = zmq.asyncio.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -129,6 +130,7 @@ class CoreClient:
             loop.add_reader(self._pidfds[-1], self._core_exited, engine)
         for control in self._controls:
             await control.send(pack(["hello"]))
+        layouts = []
         for engine, control in enumerate(self._controls):
             while True:  # a health change may come before the reply
                 reply = asyncio.ensure_future(control.recv())
@@ -136,9 +138,12 @@ class CoreClient:
                 if not reply.done():
                     reply.cancel()
                     raise self.error or EngineDeadError("an engine-core process exited while starting")
-                kind, self._core_healthy[engine] = unpack(reply.result())
+                kind, self._core_healthy[engine], *extra = unpack(reply.result())
                 if kind == "ready":
+                    layouts.append(extra[0])
                     break
+        # Data-parallel engines on a cpu each run their own layout: one word when they agree.
+        self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
         self._tasks = [*(asyncio.ensure_future(self._read_control(e)) for e in range(len(self._controls))),
                        asyncio.ensure_future(self._read_outputs())]
 

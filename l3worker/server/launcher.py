@@ -72,11 +72,11 @@ class DataParallel:
 
     def engine_kwargs(self, worker_kwargs: dict, engine: int) -> dict:
         """Engine `engine`'s worker arguments: its consecutive share of the device ids."""
-        ids = list(worker_kwargs["device_ids"])
         if self.size == 1:
             return worker_kwargs
-        if len(ids) == 1 and ids == [0]:
-            ids = list(range(self.size))  # the default: one device per engine
+        ids = worker_kwargs.get("device_ids")
+        if ids is None:  # the default: each engine its tensor-parallel ranks' worth, in order
+            ids = list(range(self.size * (worker_kwargs.get("tensor_parallel_size") or 1)))
         if len(ids) % self.size:
             raise ValueError(f"--device-ids has {len(ids)} devices, which --data-parallel-size {self.size} "
                              "cannot share equally")
