@@ -59,8 +59,9 @@ class ApiServerConfig:
 
 
 def _endpoints(run_dir: str, dp_size: int, api_server_count: int) -> tuple[list[str], list[str]]:
-    return ([f"ipc://{run_dir}/core-{e}-control" for e in range(dp_size)],
-            [f"ipc://{run_dir}/api-{i}-outputs" for i in range(api_server_count)])
+    # Short names: a socket path has at most 107 bytes, and run_dir lies under the user's TMPDIR.
+    return ([f"ipc://{run_dir}/core-{e}" for e in range(dp_size)],
+            [f"ipc://{run_dir}/out-{i}" for i in range(api_server_count)])
 
 
 @dataclass(frozen=True)
