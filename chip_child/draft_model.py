@@ -22,7 +22,7 @@ from chip_child.attention import AttentionSpec, get_backend
 from chip_child.loader import load_config, load_weights
 from chip_child.model import Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.packed_axis import packed_axis
-from chip_child.sampling import sample
+from chip_child.sampling import Features, sample_at_positions
 
 if TYPE_CHECKING:
     from chip_child.runtime import ChipRuntime
@@ -56,7 +56,7 @@ class DraftModel:
         self.valid[rows] = 0
 
     def propose(self, rows: np.ndarray, pos: np.ndarray, room: np.ndarray, history: torch.Tensor,
-                any_random: bool, any_filter: bool) -> torch.Tensor:
+                any_random: bool, any_filter: bool, features: Features | None = None) -> torch.Tensor:
         """Drafts [R, k] for rows (input positions `pos`): room[i] of them for row i, -1 after."""
         rt, k = self.rt, self.k
         drafts = torch.full((len(rows), self.k), -1, dtype=torch.int64, device=rt.device)
@@ -78,7 +78,7 @@ class DraftModel:
                 at = rt._h2d(axis.last[np.searchsorted(feed, ends)].astype(np.int64))
                 index = rt._h2d(go[ends].astype(np.int64))
                 drafts[index, 0] = self._sample(hidden.index_select(0, at), axis.rows[at], axis.positions[at],
-                                                any_random, any_filter)
+                                                any_random, any_filter, features)
             done[feed] += part[feed]
             if (done == pos[go] + 1).all():
                 break
@@ -90,7 +90,7 @@ class DraftModel:
                                rt.cfg.page_size, rt._h2d)
             index = rt._h2d(more.astype(np.int64))
             hidden = self._forward(drafts[index, j - 1], axis)
-            drafts[index, j] = self._sample(hidden, axis.rows, axis.positions, any_random, any_filter)
+            drafts[index, j] = self._sample(hidden, axis.rows, axis.positions, any_random, any_filter, features)
         self._fed = (rows[go], pos[go], np.minimum(room[go], k) - 1)  # drafts fed after the input token
         return drafts
 
@@ -107,9 +107,8 @@ class DraftModel:
                        axis.positions, rt._all_reduce, rt.ops)
 
     def _sample(self, hidden: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, any_random: bool,
-                any_filter: bool) -> torch.Tensor:
-        """The row's own sampler at that position: a draft equal to the target samples its tokens."""
-        st = self.rt.state
+                any_filter: bool, features: Features | None) -> torch.Tensor:
+        """The row's own sampler at that position, min_p and min_tokens' stop mask included, as
+        the target verifies: a draft equal to the target samples its tokens."""
         logits = final_logits(self.weights, hidden, ops=self.rt.ops)
-        return sample(logits, st["temperature"][rows], st["top_k"][rows], st["top_p"][rows], st["seed_keys"][rows],
-                      positions, st["vocab_keys"], any_random, any_filter)
+        return sample_at_positions(logits, self.rt.state, rows, positions, any_random, any_filter, features)

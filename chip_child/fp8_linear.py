@@ -13,7 +13,8 @@ block-scaled GEMM with fp32 accumulation:
   TRITON_INTERPRET=1, where the tests run it);
 - "torch": `reference_linear`, the same math in fp32 torch ops (a cpu without the interpreter).
 
-Every other device dequantizes per block at load (chip_child.fp8) and never sees this class.
+Every other device dequantizes per block at load (chip_child.fp8) and never sees this class. A MoE
+layer's experts kept as fp8 are chip_child.fp8_experts'.
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ from functools import lru_cache
 
 import torch
 
-from chip_child.fp8 import (FP8, FP8_MAX, SCALE_SUFFIX, _per_element, dequantize_blocks, is_quantized_at_load,
-                            quantize_blocks)
+from chip_child.fp8 import FP8, FP8_MAX, SCALE_SUFFIX, _per_element, dequantize_blocks, quantize_blocks
 from chip_child.quant import BlockFp8
 
 EPS = 1e-10  # fp8_kernels.EPS (not imported from there: that imports triton): the floor of a group's scale
@@ -46,12 +46,6 @@ def keeps_fp8_on(device: torch.device, quant: BlockFp8 | None) -> bool:
     """keeps_fp8 for a resolved device (asks cuda for its capability only on cuda)."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return keeps_fp8(device.type, quant, capability)
-
-
-def is_kept(name: str) -> bool:
-    """The tensors kept as fp8: the dense layers' projections (a MoE layer's experts are dequantized:
-    the fused MoE reads plain weights)."""
-    return is_quantized_at_load(name) and ".experts." not in name
 
 
 # -- the math ---------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import torch
 from safetensors import safe_open
 
 from chip_child.fp8 import SCALE_SUFFIX, dequantize_blocks, is_quantized_at_load, quantize_blocks, round_trip
-from chip_child.fp8_linear import is_kept
 from chip_child.moe import MoeConfig, expert_tensor_shapes, parse_moe
 from chip_child.quant import BlockFp8, parse_quantization, requested_quantization
 from chip_child.rope import RopeScaling, parse_rope
@@ -275,8 +274,8 @@ def load_weights(
     """Load exactly the expected tensors (extras such as a tied lm_head are ignored) in `dtype`;
     block-FP8 weights of a checkpoint that declares them are dequantized (chip_child.fp8), and a
     plain checkpoint's projections quantized first when `cfg.quantization.at_load`. With
-    `keep_fp8` (chip_child.fp8_linear.keeps_fp8: cuda) the dense projections stay float8 instead,
-    each with its scales under `name + "_scale_inv"`, after the expected tensors."""
+    `keep_fp8` (chip_child.fp8_linear.keeps_fp8: cuda) the projections (the experts' too) stay float8
+    instead, each with its scales under `name + "_scale_inv"`, after the expected tensors."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
@@ -319,7 +318,7 @@ def load_weights(
                         f"{model_dir / 'config.json'} {declared}; refusing to load it as a plain weight"
                     )
                 if quant is not None and quant.at_load and is_quantized_at_load(name):
-                    if keep_fp8 and is_kept(name):
+                    if keep_fp8:
                         kept[name], kept[name + SCALE_SUFFIX] = quantize_blocks(f.get_tensor(name), quant.block)
                         continue
                     loaded[name] = round_trip(f.get_tensor(name), quant.block, dtype).to(device)
@@ -328,7 +327,7 @@ def load_weights(
     for name in list(fp8):
         if name not in scales:
             raise ValueError(f"block fp8 tensor {name!r} has no {name + SCALE_SUFFIX!r} in {model_dir}")
-        if keep_fp8 and is_kept(name):
+        if keep_fp8:
             kept[name], kept[name + SCALE_SUFFIX] = fp8.pop(name), scales.pop(name)
             continue
         loaded[name] = dequantize_blocks(fp8.pop(name), scales.pop(name), stored.block, dtype).to(device)

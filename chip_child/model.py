@@ -8,7 +8,7 @@ matmuls. One forward serves every step: decode rows (one token each) and prefill
 by side on the token axis, and attention over the paged KV cache is the attention backend's
 (chip_child.attention): K/V written by slot mapping, read through the block table, no dense
 mask built on the host. On the cpu the projections and the lm_head can be prepacked for oneDNN
-at load (chip_child.prepack); on cuda block-FP8 projections stay fp8 (chip_child.fp8_linear);
+at load (chip_child.prepack); on cuda block-FP8 projections stay fp8 (chip_child.fp8_linear, chip_child.fp8_experts);
 `linear` takes any kind of weight.
 """
 from __future__ import annotations
@@ -107,7 +107,8 @@ class Qwen3Weights:
                     gate_up=None if sparse else proj([(p + f"mlp.{n}_proj.weight", inter, every)
                                                       for n in ("gate", "up")]),
                     down=None if sparse else proj([(p + "mlp.down_proj.weight", every, inter)]),
-                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts) if sparse else None,
+                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts, cfg.quantization)
+                    if sparse else None,
                 )
             )
         embed = state["model.embed_tokens.weight"]
@@ -286,15 +287,19 @@ def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = No
 
 def forward(cfg: ModelConfig, w: Qwen3Weights, attn: AttentionBackend, step: StepPlan, rope: torch.Tensor,
             tokens: torch.Tensor, positions: torch.Tensor, all_reduce: AllReduce = _no_reduce,
-            ops: LayerOps = TORCH_OPS) -> torch.Tensor:
+            ops: LayerOps = TORCH_OPS, aux: tuple[tuple[int, ...], dict] | None = None) -> torch.Tensor:
     """Every layer over the packed tokens [T] at `positions` [T]; `step` is the attention plan of
     this step's sequences (made once, shared by the layers). Leaves each token's K/V in the cache
     and returns the last layer's hidden states [T, hidden] (see final_logits). Each residual add
-    is taken with the norm that follows it (one fused kernel under chip_child.fused)."""
+    is taken with the norm that follows it (one fused kernel under chip_child.fused). `aux`
+    (layer ids, dict): the input of each of those layers is put in the dict under its id (what an
+    EAGLE-3 head reads)."""
     rows = ops.rope_rows(rope, positions)
     h, delta = F.embedding(tokens, w.embed), None
     for i, lw in enumerate(w.layers):
         h, x = ops.add_rms_norm(h, delta, lw.input_norm, w)
+        if aux is not None and i in aux[0]:
+            aux[1][i] = h
         q, k, v = _qkv(cfg, w, lw, x, rows, ops)
         o = attn.forward(i, q, k, v, step)
         h, x = ops.add_rms_norm(h, all_reduce(linear(o.flatten(1), lw.o_proj, lw.o_bias)), lw.post_norm, w)

@@ -28,6 +28,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from chip_child.fp8_experts import Fp8Experts, expert_stack
+from chip_child.quant import BlockFp8
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -73,22 +76,23 @@ class MoeWeights:
     (all of them unless expert parallel)."""
 
     router: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | Fp8Experts  # Fp8Experts: block fp8 kept as stored (cuda; chip_child.fp8_experts)
+    down: torch.Tensor | Fp8Experts
     top_k: int
     norm_topk_prob: bool
     first_expert: int = 0
 
     @classmethod
     def from_hf(cls, state: dict[str, torch.Tensor], prefix: str, moe: MoeConfig, inter: slice,
-                experts: slice | None = None) -> "MoeWeights":
+                experts: slice | None = None, quant: BlockFp8 | None = None) -> "MoeWeights":
         """`inter`: this rank's slice of every expert's intermediate dimension; `experts`: the
-        experts it holds (None: all)."""
+        experts it holds (None: all); `quant`: the checkpoint's block fp8, whose kept tensors stay fp8."""
         experts = experts or slice(0, moe.num_experts)
         names = [f"{prefix}experts.{e}." for e in range(experts.start, experts.stop)]
-        gate_up = torch.stack([torch.cat([state[p + "gate_proj.weight"][inter], state[p + "up_proj.weight"][inter]]).t()
-                               for p in names])
-        down = torch.stack([state[p + "down_proj.weight"][:, inter].t() for p in names])
+        every, dtype = slice(None), state[prefix + "gate.weight"].dtype
+        gate_up = expert_stack(state, [[(p + "gate_proj.weight", inter, every), (p + "up_proj.weight", inter, every)]
+                                       for p in names], quant, dtype)
+        down = expert_stack(state, [[(p + "down_proj.weight", every, inter)] for p in names], quant, dtype)
         return cls(router=state[prefix + "gate.weight"].t(), gate_up=gate_up, down=down, top_k=moe.top_k,
                    norm_topk_prob=moe.norm_topk_prob, first_expert=experts.start)
 
@@ -123,9 +127,14 @@ def route(x: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return top.to(x.dtype), ids
 
 
+def _expert_mm(x: torch.Tensor, weights: torch.Tensor | Fp8Experts, expert: int) -> torch.Tensor:
+    return torch.mm(x, weights[expert]) if isinstance(weights, torch.Tensor) else weights.mm(x, expert)
+
+
 def torch_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     """The reference: (token, expert) pairs sorted by expert, one SwiGLU per expert over its slice.
-    Pairs of other ranks' experts (expert parallel) sort last and are left out."""
+    Pairs of other ranks' experts (expert parallel) sort last and are left out. Block-FP8 experts
+    (chip_child.fp8_experts) run their W8A8 math in torch ops: the fused MoE's reference."""
     weights, ids = route(x, w)
     k = w.top_k
     flat = w.local_ids(ids).flatten()
@@ -139,8 +148,8 @@ def torch_moe(x: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     start = 0
     for expert, n in enumerate(counts):
         if n:
-            gate, up = torch.mm(xs[start:start + n], w.gate_up[expert]).chunk(2, -1)
-            torch.mm(F.silu(gate) * up, w.down[expert], out=ys[start:start + n])
+            gate, up = _expert_mm(xs[start:start + n], w.gate_up, expert).chunk(2, -1)
+            ys[start:start + n] = _expert_mm(F.silu(gate) * up, w.down, expert)
             start += n
     ys *= weights.flatten().index_select(0, order).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, tokens, ys)

@@ -89,7 +89,9 @@ def encode(cmd: Command | Shutdown) -> bytes:
     body = [OP_DECODE, cmd.step, cmd.finished_rows, pages]
     if cmd.full_state is not None:
         fs = cmd.full_state
-        body.append([np.ascontiguousarray(getattr(fs, n), dtype=t).tobytes() for n, t in FullState._FIELDS])
+        # Positions and slots left to the device (speculation) travel as empty blobs.
+        body.append([b"" if getattr(fs, n) is None else np.ascontiguousarray(getattr(fs, n), dtype=t).tobytes()
+                     for n, t in FullState._FIELDS])
     return msgpack.packb(body)
 
 
@@ -245,6 +247,9 @@ def _check_token_ids(ids: np.ndarray, limits: Limits, what: str, allow_pad: bool
         raise ProtocolError(f"{what}: token id outside [{low}, {limits.vocab_size or '2**31'})")
 
 
+DEVICE_OWNED = ("positions", "slot_mapping")  # a full state may leave these to the device (empty blobs)
+
+
 def _decode_full_state(raw: object, limits: Limits) -> FullState:
     if not isinstance(raw, list) or len(raw) != len(FullState._FIELDS):
         raise ProtocolError("full_state: wrong number of fields")
@@ -256,6 +261,9 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
         # A writable copy: torch refuses to wrap read-only memory without a warning.
         ok = isinstance(blob, bytes) and len(blob) % np.dtype(dtype).itemsize == 0
         arr = np.frombuffer(blob, dtype=dtype).copy() if ok else None
+        if name in DEVICE_OWNED and blob == b"":  # left to the device (speculation)
+            arrays[name] = None
+            continue
         if name in ids:  # [B, S] for any S
             if arr is None or arr.size % b:
                 raise ProtocolError(f"full_state.{name}: expected a multiple of {b} values of {np.dtype(dtype).name}")
@@ -266,14 +274,15 @@ def _decode_full_state(raw: object, limits: Limits) -> FullState:
     arrays["block_table"] = arrays["block_table"].reshape(b, limits.max_blocks_per_row)
     if arrays["active"].view(np.uint8).max() > 1:
         raise ProtocolError("full_state.active: values must be 0 or 1")
-    positions = arrays["positions"]
-    if positions.min() < 0 or positions.max() >= limits.max_seq_len:
+    positions, slots = arrays["positions"], arrays["slot_mapping"]
+    if (positions is None) != (slots is None):
+        raise ProtocolError("full_state: positions and slot_mapping go together, both given or both left out")
+    if positions is not None and (positions.min() < 0 or positions.max() >= limits.max_seq_len):
         raise ProtocolError(f"full_state.positions: position outside [0, {limits.max_seq_len})")
     # Unassigned blocks hold 0 (the scratch page) in a full block table.
     if arrays["block_table"].min() < 0 or arrays["block_table"].max() >= limits.num_pages:
         raise ProtocolError(f"full_state.block_table: page id outside [0, {limits.num_pages})")
-    slots = arrays["slot_mapping"]
-    if slots.min() < 0 or slots.max() >= limits.num_pages * limits.page_size:
+    if slots is not None and (slots.min() < 0 or slots.max() >= limits.num_pages * limits.page_size):
         raise ProtocolError("full_state.slot_mapping: slot outside the KV cache")
     for f in FULL_STATE_FIELDS:
         _check_full_state_array(f, arrays[f.array], limits)

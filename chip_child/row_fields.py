@@ -187,18 +187,20 @@ class _FullStateMethods:
     _FIELDS = FULL_STATE_BASE + tuple((f.array, f.dtype) for f in FULL_STATE_FIELDS)  # the wire order
 
     def __post_init__(self) -> None:
-        b = len(self.positions)
+        if (self.positions is None) != (self.slot_mapping is None):
+            raise ValueError("a full state gives positions and slot_mapping both or neither")
+        b = len(self.active)
         for f in FULL_STATE_FIELDS:
             if getattr(self, f.array) is None:
                 neutral = np.zeros((b, 0), f.dtype) if f.kind == "ids" else np.full(b, f.neutral, f.dtype)
                 setattr(self, f.array, neutral)
 
     @classmethod
-    def from_rows(cls, positions: np.ndarray, active: np.ndarray, block_table: np.ndarray,
-                  slot_mapping: np.ndarray, rows: Iterable[tuple[int, dict[str, Any]]]) -> "FullState":
+    def from_rows(cls, positions: np.ndarray | None, active: np.ndarray, block_table: np.ndarray,
+                  slot_mapping: np.ndarray | None, rows: Iterable[tuple[int, dict[str, Any]]]) -> "FullState":
         """A full state whose listed rows hold their row_values() and every other row neutral ones."""
         rows = list(rows)
-        b, index = len(positions), np.array([r for r, _ in rows], np.int64)
+        b, index = len(active), np.array([r for r, _ in rows], np.int64)
         arrays = {}
         for f in FULL_STATE_FIELDS:
             if f.kind == "ids":  # each row's ids, padded with -1
@@ -221,5 +223,7 @@ FullState = make_dataclass(
         positions (int64 [B]), active (bool [B]), block_table (int32 [B, max_blocks]), slot_mapping
         (int64 [B]), and the array of every per-row field a full state carries (named and typed by
         ROW_FIELDS; stop_ids int32 [B, S], each row's padded with -1). The output token counts are
-        not sent: like the KV cache they are state the device builds. Arrays left None hold the
-        neutral values, so a sender that knows only some fields still works."""})
+        not sent: like the KV cache they are state the device builds. Neither are positions and
+        slot_mapping (both None) under speculative decoding, where acceptance moves them on the
+        device. Per-row arrays left None hold the neutral values, so a sender that knows only some
+        fields still works."""})

@@ -191,9 +191,11 @@ class RowState:
 
     def load_full_state(self, fs: FullState) -> None:
         """copy_policy="always": overwrite every decode input from the host, as older systems did,
-        the per-row fields included (the output token counts are device state, kept)."""
+        the per-row fields included (the output token counts are device state, kept; so are the
+        positions and slots when the state leaves them out, as it does under speculation)."""
         st = self.state
-        for name in ("positions", "active", "block_table", "slot_mapping", *(f.array for f in DEVICE_FIELDS)):
+        given = ("positions", "slot_mapping") if fs.positions is not None else ()
+        for name in (*given, "active", "block_table", *(f.array for f in DEVICE_FIELDS)):
             st[name].copy_(self._h2d(getattr(fs, name)))
         has_stops = (fs.stop_ids >= 0).any(axis=1)
         min_pos = _min_pos(fs.prompt_lens, fs.min_tokens, has_stops)
@@ -202,7 +204,8 @@ class RowState:
         rows, cols = np.nonzero(fs.stop_ids >= 0)
         if rows.size:
             self._mask_stops(rows.astype(np.int64), fs.stop_ids[rows, cols])
-        self.positions[:] = fs.positions
+        if fs.positions is not None:
+            self.positions[:] = fs.positions
         self.active[:] = fs.active
         for f in FULL_STATE_FIELDS:
             if f.kind != "ids":

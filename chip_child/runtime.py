@@ -22,9 +22,10 @@ state (output token counts, prompt tokens, stop ids) is set at admission and upd
 device from the sampled ids; a grammar's matcher is host state (chip_child.constrained_rows),
 advanced with the sampled ids, its mask filled while the forward runs.
 
-With speculative decoding configured (chip_child.speculative), a decode-only step with the plain
-sampler where some row has drafts runs the "verify" callable instead: each row moves on by 1 to
-k + 1 tokens, and the step's per-row tokens go to the ring beside the sampled ids.
+With speculative decoding configured (chip_child.speculative), a decode-only step where some row
+has drafts runs the "verify" callable instead: each row moves on by 1 to k + 1 tokens (rows using
+penalties, log-probabilities or a grammar get no drafts: 1), and the step's per-row tokens go to
+the ring beside the sampled ids.
 """
 from __future__ import annotations
 
@@ -259,9 +260,13 @@ class ChipRuntime:
             self.state["block_table"][rows, blocks] = pages.to(torch.int32)
             self.rows.slot_steps = 0  # a row's current page may have changed: recompute its slot
         timer.start()
-        if cmd.full_state is not None:
-            self.rows.load_full_state(cmd.full_state)
-        n, plan, lanes = self._run_step(cmd.chunks, staging, cmd.full_state is None, outputs is not None)
+        fs = cmd.full_state
+        if fs is not None:
+            self.rows.load_full_state(fs)
+            if self.spec is not None:  # the host's active set may hold rows already at their limit here
+                self.spec.stop_finished(self.cfg.max_batch_size)
+        n, plan, lanes = self._run_step(cmd.chunks, staging, fs is None or fs.slot_mapping is None,
+                                        outputs is not None)
         timer.stop()
         # The sampled ids: the step's only synchronisation. Lanes [0, lanes) hold every active
         # row, the only rows the parent reads; the rest of `out` is left as it was.
@@ -342,9 +347,8 @@ class ChipRuntime:
             raise ValueError(f"a row would pass max_seq_len={self.cfg.max_seq_len}: the parent sent a step too many")
         page, lanes = self.cfg.page_size, facts.lanes
         spec = self.spec
-        if spec is not None and spec.applies(plan, facts, not compute_slots) and spec.propose(lanes, facts):
-            self.submit_next_level("verify", (), lanes=lanes, facts=facts)
-            return -1, None, lanes
+        if spec is not None and spec.applies(plan, facts) and spec.propose(lanes, facts, features):
+            return self.submit_next_level("verify", (), lanes=lanes, facts=facts, features=features), None, lanes
         if not compute_slots:
             slots = "given"
         elif rows.slot_steps > 0 and plan is None:
@@ -361,7 +365,7 @@ class ChipRuntime:
                                any_filter=facts.any_filter, slots=slots, features=features)
         rows.advance()
         if self.spec is not None:
-            self.spec.after_plain_step(lanes, plan)
+            self.spec.after_plain_step(lanes, plan, chunks)
         return (-1 if features is None else features.logprobs), plan, lanes
 
     def _step(self, *, plan: ChunkPlan | None, lanes: int, lane_lens: np.ndarray, max_lane_len: int,
@@ -427,7 +431,7 @@ class ChipRuntime:
         meta = AttentionMetadata(v["lane_starts"], v["lane_seq_lens"], v["block_table"], v["slot_mapping"], 1,
                                  max_seq_len, seq_lens_host=seq_lens_host)
         hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
-                         v["positions"], self._all_reduce, self.ops)
+                         v["positions"], self._all_reduce, self.ops, self.spec and self.spec.aux())
         final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
@@ -439,11 +443,8 @@ class ChipRuntime:
             input_ids.copy_(sample(logits, v["temperature"], v["top_k"], v["top_p"], v["seed_keys"], positions,
                                    v["vocab_keys"], any_random, any_filter))
         else:
-            params = RowParams(v["temperature"], v["top_k"], v["top_p"], v["seed_keys"], v["min_p"],
-                               v["presence_penalty"], v["frequency_penalty"], v["repetition_penalty"], v["min_pos"],
-                               v["output_counts"], v["prompt_seen"], v["stop_mask"], v["grammar_mask"])
-            input_ids.copy_(sample_with_features(logits, params, positions, v["vocab_keys"], any_random, any_filter,
-                                                 features, v["lp_values"], v["lp_ids"]))
+            input_ids.copy_(sample_with_features(logits, RowParams.of_state(v), positions, v["vocab_keys"], any_random,
+                                                 any_filter, features, v["lp_values"], v["lp_ids"]))
             if features.penalties:  # the sampled ids join their rows' outputs, on the device
                 v["output_counts"].scatter_add_(1, input_ids[:, None], active[:, None].to(torch.float32))
         positions.add_(active)
@@ -469,7 +470,7 @@ class ChipRuntime:
                                  max(plan.max_query_len, 1), max_len, query_lens_host=plan.query_lens,
                                  seq_lens_host=plan.seq_lens)
         return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:total],
-                       token_positions[:total], self._all_reduce, self.ops)
+                       token_positions[:total], self._all_reduce, self.ops, self.spec and self.spec.aux())
 
     def _chunk_side_effects(self, plan: ChunkPlan, lanes: int, hidden, tokens, targets, output_counts, prompt_seen,
                             prompt_lp_values, prompt_lp_ids) -> None:

@@ -151,8 +151,31 @@ class RowParams:
     stop_mask: torch.Tensor  # bool [N, V]: the row's stop ids
     grammar_mask: torch.Tensor | None = None  # int32 [N, ceil(V / 32)]: what a row's grammar allows (all bits: any)
 
+    @classmethod
+    def of_state(cls, v: dict[str, torch.Tensor]) -> "RowParams":
+        """From the runtime's pooled row tensors (or a lane bucket's views of them), by slot name."""
+        return cls(v["temperature"], v["top_k"], v["top_p"], v["seed_keys"], v["min_p"], v["presence_penalty"],
+                   v["frequency_penalty"], v["repetition_penalty"], v["min_pos"], v["output_counts"],
+                   v["prompt_seen"], v["stop_mask"], v["grammar_mask"])
+
     def select(self, rows: torch.Tensor) -> "RowParams":
         return RowParams(**{name: None if value is None else value[rows] for name, value in vars(self).items()})
+
+
+def sample_at_positions(logits: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor,
+                        positions: torch.Tensor, any_random: bool, any_filter: bool,
+                        features: "Features | None") -> torch.Tensor:
+    """Ids for tokens of rows `rows` at `positions` (several a row, as speculation verifies or
+    drafts them), from the runtime's pooled row tensors: the plain sampler with the stages that
+    depend on a position alone (min_tokens' stop mask, min_p), so each token is the one a plain
+    step would sample there. Penalties, grammars and log-probabilities are left to the caller."""
+    x, min_p = logits, None
+    if features is not None and features.stop_mask:
+        x = mask_stop_tokens(logits, state["stop_mask"][rows], positions < state["min_pos"][rows])
+    if features is not None and features.min_p:
+        min_p = state["min_p"][rows]
+    return sample(x, state["temperature"][rows], state["top_k"][rows], state["top_p"][rows], state["seed_keys"][rows],
+                  positions, state["vocab_keys"], any_random, any_filter, min_p=min_p)
 
 
 def sample_with_features(logits: torch.Tensor, p: RowParams, counters: torch.Tensor, vocab_keys: torch.Tensor,

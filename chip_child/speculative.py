@@ -2,13 +2,14 @@
 
 Each row's token history (prompt and every token it produced; the ids a prefix-cache hit let its
 chunks skip come with its admit) is kept on the device. A speculative step proposes, for every
-active row, up to k tokens, by n-gram lookup in that history or from a draft model
-(chip_child.draft_model), then runs one forward over a packed axis holding, per row, its input token and its
-drafts (the chunked-prefill attention path: each row is a chunk attending to its pages and
-causally to itself). The target samples at every position with the sampler's hashed noise of
-(seed, position, token), so the token it samples there is fixed by its logits: a draft is
-accepted exactly when it equals that token, and the first mismatch is replaced by the target's
-own. Output is identical to plain decoding, greedy or seeded.
+active row, up to k tokens, by n-gram lookup in that history, from a draft model
+(chip_child.draft_model) or from an EAGLE-3 head (chip_child.eagle3), then runs one forward over
+a packed axis holding, per row, its input token and its drafts (the chunked-prefill attention
+path: each row is a chunk attending to its pages and causally to itself). The target samples
+at every position with the sampler's hashed noise of (seed, position, token), so the token it
+samples there is fixed by its logits: a draft is accepted exactly when it equals that token, and
+the first mismatch is replaced by the target's own. Output is identical to plain decoding,
+greedy or seeded.
 
 A row then moves on by its accepted count + 1: positions, the next input id and the history are
 updated on the device, the counts also on the host (the step's one synchronisation, as the
@@ -17,9 +18,15 @@ written at rejected positions is overwritten by later steps before anything read
 
 Drafts never run past a row's max_new_tokens, and a row that reached it stops being active
 here (the parent, which schedules ahead without knowing acceptance, may still send steps for
-it). Steps with prompt chunks, a full state (copy_policy="always"), or a row using an optional
-sampler stage (penalties, min_p, the min_tokens stop mask, log-probabilities, a grammar) run
-as plain steps: every row then moves on by one token.
+it). Steps with prompt chunks run as plain steps: every row then moves on by one token. min_p and
+min_tokens' stop mask depend on a position alone and are applied at every verified position. A
+row using penalties, log-probabilities or a grammar gets no drafts: it is a chunk of one token in
+the verify step, sampled with its stages (and its penalty counts, log-probabilities and grammar
+advanced) exactly as a plain step would, while the other rows speculate beside it.
+
+Under copy_policy="always" the full state leaves out positions and slots: acceptance moves them
+on the device, so like the KV cache and the penalty counts they are device state, and the host,
+which schedules ahead of acceptance, could only send stale ones.
 """
 from __future__ import annotations
 
@@ -30,10 +37,11 @@ import torch
 
 from chip_child.chunk_layout import ChunkPlan
 from chip_child.draft_model import DraftModel
+from chip_child.eagle3 import Eagle3Head
 from chip_child.model import final_logits, forward
 from chip_child.packed_axis import packed_axis
 from chip_child.row_state import BatchFacts
-from chip_child.sampling import sample
+from chip_child.sampling import Features, RowParams, sample_at_positions, sample_with_features
 from chip_child.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -88,35 +96,54 @@ class Speculation:
         self.counts = np.zeros(b, np.int32)  # tokens each row produced in the last step (0: none)
         self._proposal: tuple | None = None  # propose()'s drafts, for the verify step that follows
         self.drafted = np.zeros(b, np.int32)  # drafts each row verified in the last step
-        self.draft = DraftModel(rt, config.model, self.k) if config.method == "draft_model" else None
+        proposers = {"draft_model": DraftModel, "eagle3": Eagle3Head}
+        self.draft = proposers[config.method](rt, config.model, self.k) if config.method in proposers else None
         rt.register_callable("verify", self.verify)
 
     # -- which steps speculate --------------------------------------------------------------------
     @staticmethod
-    def applies(plan: ChunkPlan | None, facts: BatchFacts, full_state: bool) -> bool:
-        """Whether a step speculates: decode-only, plain sampler, no full state (host facts alone,
-        so tensor-parallel ranks agree)."""
-        return plan is None and facts.plain and not full_state and facts.any_active
+    def applies(plan: ChunkPlan | None, facts: BatchFacts) -> bool:
+        """Whether a step may speculate: decode-only with an active row (host facts alone, so
+        tensor-parallel ranks agree)."""
+        return plan is None and facts.any_active
+
+    def _undrafted(self, act: np.ndarray) -> np.ndarray:
+        """Which of the rows `act` get no drafts: penalized rows and rows held to a grammar, whose
+        state moves with every token, and rows asking for log-probabilities, which go to the ring
+        one token a step. (min_p and min_tokens' stop mask are verified token by token.)"""
+        rows = self.rt.rows
+        return rows.penalized[act] | rows.constrained[act] | (rows.host["logprobs"][act] >= 0)
 
     # -- bookkeeping around a plain step ----------------------------------------------------------
-    def after_plain_step(self, lanes: int, plan: ChunkPlan | None) -> None:
+    def aux(self) -> tuple[tuple[int, ...], dict] | None:
+        """What a plain step's target forward captures for an EAGLE-3 head (None: nothing)."""
+        return self.draft.capturing() if isinstance(self.draft, Eagle3Head) else None
+
+    def after_plain_step(self, lanes: int, plan: ChunkPlan | None, chunks: list) -> None:
         """A plain step ran (every active row moved on by one): the chunks' ids and the sampled
-        ids join the histories; each active row produced one token."""
+        ids join the histories; each active row produced one token; an EAGLE-3 head catches up."""
         rt, v = self.rt, self.rt._lane_views[lanes]
+        ids = None
         if plan is not None:
             ints = plan.layout.unpack(rt.prefill_state["chunk_ints"])
             self.history[ints.rows, ints.positions] = ints.ids
+            ids = ints.ids
+        if isinstance(self.draft, Eagle3Head):
+            rows = rt.rows
+            decoded = np.where(rows.active[:lanes], rows.positions[:lanes] - 1, -1)  # positions have advanced
+            decoded[[c.row for c in chunks if c.last]] = -1  # a prompt that ended here: its chunk's row
+            self.draft.after_plain_step(lanes, chunks, v["input_ids"], ids, decoded)
         # positions have advanced: the sampled id sits at its row's new input position.
         columns = torch.where(v["active"], v["positions"], self.scratch)
         self.history[:lanes].scatter_(1, columns[:, None], v["input_ids"][:, None])
         self.step_ids[:lanes, 0] = v["input_ids"]
         self.counts[:lanes] = rt.rows.active[:lanes]
         self.drafted[:lanes] = 0
-        self._stop_finished(lanes)
+        self.stop_finished(lanes)
 
     # -- the speculative step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, lanes: int, facts: BatchFacts) -> bool:
+    def propose(self, lanes: int, facts: BatchFacts, features: Features | None) -> bool:
         """Drafts for every active lane's row; False when no row has any (the step then runs
         plain, at a plain step's cost)."""
         rt, k = self.rt, self.k
@@ -124,11 +151,12 @@ class Speculation:
         act = np.flatnonzero(rows.active[:lanes])
         pos = rows.positions[act]  # each row's input position
         room = np.clip(self._limits(act) - 1 - pos, 0, k)  # drafts that stay within max_new_tokens
+        room[self._undrafted(act)] = 0
         if not room.any():
             return False
         act_t, pos_t, room_t = rt._h2d(np.stack([act, pos, room]).astype(np.int64)).unbind(0)
         if self.draft is not None:  # the draft model proposes as many as the room allows
-            drafts = self.draft.propose(act, pos, room, self.history, facts.any_random, facts.any_filter)
+            drafts = self.draft.propose(act, pos, room, self.history, facts.any_random, facts.any_filter, features)
             self._proposal = (act, pos, act_t, pos_t, drafts, room)
             return True
         c = self.config
@@ -143,8 +171,9 @@ class Speculation:
         return True
 
     @torch.inference_mode()
-    def verify(self, *, lanes: int, facts: BatchFacts) -> None:
-        """One forward over every active row's input id and drafts (propose's), then acceptance."""
+    def verify(self, *, lanes: int, facts: BatchFacts, features: Features | None) -> int:
+        """One forward over every active row's input id and drafts (propose's), then acceptance.
+        Returns N of the per-row log-probabilities computed (-1: none), as a plain step does."""
         rt, k = self.rt, self.k
         rows, dev = rt.rows, rt.device
         act, pos, act_t, pos_t, drafts, drafted = self._proposal
@@ -154,18 +183,24 @@ class Speculation:
         # The packed axis: per row, its input id then its drafts, at positions pos .. pos + q - 1.
         within = np.arange(k + 1)[None, :] < q[:, None]
         flat = np.flatnonzero(within.reshape(-1))
-        axis = packed_axis(act, pos, q, rt.state["block_table"], rt.cfg.page_size, rt._h2d, flat)
-        flat_t, tok_pos_t, tok_rows_t = axis.extra, axis.positions, axis.rows
+        single = np.flatnonzero(drafted == 0) if features is not None else np.zeros(0, np.int64)
+        # Rows without drafts, sampled with the optional stages: their row, packed index and index in `act`.
+        extra = np.concatenate([flat, act[single], (np.cumsum(q) - 1)[single], single])
+        axis = packed_axis(act, pos, q, rt.state["block_table"], rt.cfg.page_size, rt._h2d, extra)
+        tok_pos_t, tok_rows_t = axis.positions, axis.rows
+        flat_t, single_t = axis.extra[:len(flat)], axis.extra[len(flat):].view(3, -1)
         grid = torch.cat([rt.state["input_ids"][act_t][:, None], drafts], 1)
+        eagle = self.draft if isinstance(self.draft, Eagle3Head) else None  # it reads the target's hidden states
         hidden = forward(rt.model_cfg, rt.weights, rt.attn, rt.attn.plan(axis.meta), rt.rope, grid.reshape(-1)[flat_t],
-                         tok_pos_t, rt._all_reduce, rt.ops)
+                         tok_pos_t, rt._all_reduce, rt.ops, None if eagle is None else eagle.capturing())
         logits = final_logits(rt.weights, hidden, ops=rt.ops)
         st = rt.state
-        sampled = sample(logits, st["temperature"][tok_rows_t], st["top_k"][tok_rows_t], st["top_p"][tok_rows_t],
-                         st["seed_keys"][tok_rows_t], tok_pos_t, st["vocab_keys"], facts.any_random,
-                         facts.any_filter)
+        sampled = sample_at_positions(logits, st, tok_rows_t, tok_pos_t, facts.any_random, facts.any_filter, features)
         target = torch.full((r, k + 1), -1, dtype=torch.int64, device=dev)
         target.view(-1)[flat_t] = sampled
+        if single.size:
+            target[single_t[2], 0] = self._sample_with_features(lanes, facts, features, logits, single_t,
+                                                                 pos_t[single_t[2]])
         # Draft j is accepted while every draft before it was, and it equals the target's token.
         agree = (drafts == target[:, :k]) & (drafts >= 0)
         accepted = agree.to(torch.int64).cumprod(1).sum(1)
@@ -182,10 +217,34 @@ class Speculation:
         self.drafted[:lanes] = 0
         self.drafted[act] = drafted
         rows.positions[act] += made
-        if self.draft is not None:
+        if eagle is not None:
+            eagle.accepted(act, made - 1, pos, q, target)
+        elif self.draft is not None:
             self.draft.accepted(act, made - 1)
         rows.changed()  # positions moved by more than one: facts and slots are recomputed
-        self._stop_finished(lanes)
+        self.stop_finished(lanes)
+        return -1 if features is None else features.logprobs
+
+    def _sample_with_features(self, lanes: int, facts: BatchFacts, features: Features, logits: torch.Tensor,
+                              single: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The undrafted rows' tokens (`single`: rows, packed indices), sampled with the batch's
+        optional stages as a plain step samples them; their penalty counts and log-probabilities
+        are updated in place (a grammar's matcher takes the ids after the step, from the ring)."""
+        rt = self.rt
+        st, v = rt.state, rt._lane_views[lanes]
+        row_t, at_t = single[0], single[1]
+        if features.grammar:
+            rt._grammar_masks(v, lanes)
+        lp_values = lp_ids = None
+        if features.logprobs >= 0:
+            lp_values, lp_ids = st["lp_values"][row_t], st["lp_ids"][row_t]
+        ids = sample_with_features(logits[at_t], RowParams.of_state(st).select(row_t), positions, st["vocab_keys"],
+                                   facts.any_random, facts.any_filter, features, lp_values, lp_ids)
+        if lp_values is not None:
+            st["lp_values"][row_t], st["lp_ids"][row_t] = lp_values, lp_ids
+        if features.penalties:  # the sampled ids join their rows' outputs
+            st["output_counts"].index_put_((row_t, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        return ids
 
     def admitted(self, admits: list) -> None:
         """Rows taken by new sequences: their histories start with the ids their chunks skip
@@ -210,7 +269,7 @@ class Speculation:
         most = host["max_new_tokens"][rows]
         return np.where(most > 0, host["prompt_lens"][rows] + most - 1, self.rt.cfg.max_seq_len)
 
-    def _stop_finished(self, lanes: int) -> None:
+    def stop_finished(self, lanes: int) -> None:
         """Rows that produced their max_new_tokens stop being active: the parent may still send
         steps for them (it schedules ahead of acceptance), which must not move them further."""
         rows = self.rt.rows

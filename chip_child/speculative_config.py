@@ -9,8 +9,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")  # the methods this build verifies; others are refused by name
-PLANNED = ("eagle3",)  # vLLM's other method names: refused as not supported yet
+METHODS = ("ngram", "draft_model", "eagle3")  # the methods this build verifies; others are refused by name
+PLANNED = ("eagle", "mtp")  # vLLM's other method names: refused as not supported yet
 MAX_SPECULATIVE_TOKENS = 16  # drafts per row and step: the verify chunk is k + 1 tokens a row
 MAX_LOOKUP = 64  # the longest n-gram the lookup matches
 
@@ -23,13 +23,16 @@ class SpeculativeConfig:
     verifies them. As in vLLM, a lookup bound left out takes the other's value (both out: 5).
 
     `{"method": "draft_model", "model": DIR, "num_speculative_tokens": k}`: a checkpoint with the
-    target's vocabulary, run in the same child, proposes k tokens per row and step."""
+    target's vocabulary, run in the same child, proposes k tokens per row and step.
+
+    `{"method": "eagle3", "model": DIR, "num_speculative_tokens": k}`: an EAGLE-3 head
+    (chip_child.eagle3) drafts k tokens per row from the target's hidden states."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    model: str | None = None  # draft_model: the draft checkpoint's directory
+    model: str | None = None  # draft_model, eagle3: the draft checkpoint's or head's directory
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

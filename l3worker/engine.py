@@ -331,8 +331,8 @@ class Engine:
     def _take_speculative(self, scheduled: Scheduled, slot: int, now: float, outputs: list[RequestOutput]) -> None:
         """A speculative run's step: each row gave 0 to k + 1 tokens. They are taken one token
         position at a time, so stops, max_tokens and stop strings end a row exactly where plain
-        decoding would, and the tokens after are dropped. Log-probabilities come only with steps
-        that gave one token a row (rows asking for them make the child's step a plain one)."""
+        decoding would, and the tokens after are dropped. Log-probabilities come with position 0
+        only: a row asking for them gets no drafts, so it gives one token a step."""
         buffers, sched = self._buffers, self.scheduler
         counts, ids = buffers.spec_counts[slot].numpy(), buffers.spec_ids[slot].numpy()
         producers = scheduled.producers

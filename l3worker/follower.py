@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -35,6 +34,7 @@ from l3worker.hub import resolve_model
 from l3worker.nodes import (DIED, ERROR, LAUNCH, READY, STEP, STOP, STOPPED, NodeLayout, link_events,
                             link_socket)
 from l3worker.shared import StepBuffers
+from l3worker.socket_dir import make_socket_dir
 
 log = logging.getLogger("l3worker.follower")
 
@@ -83,7 +83,7 @@ class Follower:
         was asked after it had connected; 1: stopped before any head connected."""
         ctx = zmq.Context()
         sock, self._monitor = link_socket(ctx)
-        self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
+        self._socket_dir = make_socket_dir("l3worker-")
         self._ctx, self._sock = ctx, sock
         endpoint = self.layout.command_endpoint(self.layout.node_rank)
         sock.connect(endpoint)

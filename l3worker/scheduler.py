@@ -394,15 +394,20 @@ class Scheduler:
         return rows
 
     def _full_state(self, producers: list[tuple[int, Sequence]]) -> FullState:
-        """copy_policy="always": rebuild every decode input from scratch, as older systems did."""
+        """copy_policy="always": rebuild every decode input from scratch, as older systems did.
+        Speculating, positions and slots are left out: acceptance moves them on the device, and
+        `fed` is only a bound on them while steps are in flight."""
         b, page = len(self.rows), self.page_size
         positions, active = np.zeros(b, np.int64), np.zeros(b, bool)
         block_table, slot_mapping = np.zeros((b, self.max_blocks), np.int32), np.zeros(b, np.int64)
         for row, seq in producers:
-            pos = seq.fed - 1  # this step's input position (fed was advanced when scheduling)
-            positions[row] = pos
             active[row] = True
             block_table[row, :len(seq.pages)] = seq.pages
-            slot_mapping[row] = seq.pages[pos // page] * page + pos % page
-        return FullState.from_rows(positions, active, block_table, slot_mapping,
-                                   ((row, seq.row_values()) for row, seq in producers))
+            if not self.k:
+                pos = seq.fed - 1  # this step's input position (fed was advanced when scheduling)
+                positions[row] = pos
+                slot_mapping[row] = seq.pages[pos // page] * page + pos % page
+        values = ((row, seq.row_values()) for row, seq in producers)
+        if self.k:
+            return FullState.from_rows(None, active, block_table, None, values)
+        return FullState.from_rows(positions, active, block_table, slot_mapping, values)

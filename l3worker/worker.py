@@ -12,7 +12,6 @@ import atexit
 import os
 import shutil
 import sys
-import tempfile
 import time
 import weakref
 from dataclasses import asdict, replace
@@ -24,6 +23,7 @@ from tqdm import tqdm
 
 from chip_child.attention import get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
+from chip_child.eagle3 import head_config
 from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores,
                                 check_optional_bool, default_cpu_threads, device_type, pin_socket_threads, plan_cores)
 from chip_child.fused import resolve_fused_kernels
@@ -46,6 +46,7 @@ from l3worker.params import DEFAULT_BATCHED_TOKENS, RequestOutput, SamplingParam
 from l3worker.recovery import RestartPolicy
 from l3worker.requests import RequestState
 from l3worker.stats import GenerateStats
+from l3worker.socket_dir import make_socket_dir
 
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
 RESTART_GRACE_S = 2.0  # how long a failed generation's live children may take to exit before a kill
@@ -112,9 +113,6 @@ class DistributedWorker:
         if copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {copy_policy!r}")
         speculative = None if speculative_config is None else SpeculativeConfig.of(speculative_config)
-        if speculative is not None and copy_policy == "always":
-            raise ValueError("speculative_config cannot be combined with copy_policy='always': that policy rebuilds "
-                             "every row's position on the host, which does not know how many drafts were accepted")
         if speculative is not None and decode_graphs:
             raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
                              "eagerly (leave decode_graphs None)")
@@ -186,6 +184,9 @@ class DistributedWorker:
         shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
         if speculative is not None and speculative.model is not None:  # the draft: readable, same vocabulary
             speculative = replace(speculative, model=str(Path(speculative.model).expanduser().resolve()))
+        if speculative is not None and speculative.method == "eagle3":
+            head_config(speculative.model, self.model_config, len(device_ids))
+        elif speculative is not None and speculative.model is not None:
             draft = load_config(speculative.model)
             shard_config(draft, layout.tensor_parallel_size)
             if draft.vocab_size != self.model_config.vocab_size:
@@ -245,7 +246,7 @@ class DistributedWorker:
         try:
             self._buffers = StepBuffers.create(self.pipeline_depth + 1, cfg.max_batch_size, cfg.prefill_capacity,
                                                speculative_tokens(cfg))
-            self._socket_dir = tempfile.mkdtemp(prefix="l3worker-")
+            self._socket_dir = make_socket_dir("l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
             local = len(self.device_ids)

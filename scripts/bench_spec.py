@@ -5,7 +5,9 @@ Workers on the same model, one plain and one per method, are prepared once; each
 every (workload, batch) case on each, alternating, and takes tokens/s of generated tokens over
 the generate() wall time. Methods (`--methods`): `ngram` (k drafts by prompt lookup, 2..4) and
 `draft_self` (draft_model with the target itself as the draft: every draft is accepted, so it is
-the upper bound of acceptance, at the cost of k draft forwards a step). Workloads:
+the upper bound of acceptance, at the cost of k draft forwards a step) and `eagle_random` (eagle3
+with a random head of the target's shape: drafts almost never accepted, so its ratio is the cost
+of verifying k + 1 tokens a row and running the head). Workloads:
 
   repetitive      greedy, prompts that are a story repeated (editing or summarising a given text:
                   the answer copies long runs of its input)
@@ -31,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 from bench_common import machine_info  # scripts/, next to this file
-from bench_models import write_random_qwen3  # scripts/, next to this file
+from bench_models import write_random_eagle3_head, write_random_qwen3  # scripts/, next to this file
 
+from chip_child.loader import load_config
 from l3worker import DistributedWorker, SamplingParams
 
 COMPUTE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -64,11 +67,22 @@ def run_case(worker: DistributedWorker, prompts, params) -> tuple[float, list[li
     return sum(len(t) for t in tokens) / wall, tokens
 
 
-def bench_model(name: str, model_dir: str | None) -> tuple[list[dict], bool]:
+def random_head(model_dir: str, head: Path) -> str:
+    """A random EAGLE-3 head shaped like one layer of the target, written to `head`."""
+    c = load_config(model_dir)
+    write_random_eagle3_head(head, c.hidden_size, c.vocab_size, min(c.vocab_size, 32000), c.num_heads,
+                             c.num_kv_heads, c.head_dim, c.intermediate_size)
+    return str(head)
+
+
+def bench_model(name: str, model_dir: str | None, tmp: str) -> tuple[list[dict], bool]:
     common = dict(device="cpu", max_batch_size=max(ARGS.batches), max_seq_len=1024, page_size=64)
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": ARGS.k, "prompt_lookup_min": 2,
                          "prompt_lookup_max": 4},
                "draft_self": {"method": "draft_model", "model": model_dir, "num_speculative_tokens": ARGS.k}}
+    if "eagle_random" in ARGS.methods:
+        head = random_head(model_dir, Path(tmp) / f"{name}-eagle3")
+        configs["eagle_random"] = {"method": "eagle3", "model": head, "num_speculative_tokens": ARGS.k}
     rows, same = [], True
     with ExitStack() as stack:
         plain = stack.enter_context(DistributedWorker(model_dir, **common))
@@ -120,7 +134,7 @@ def main() -> int:
             else:
                 model_dir = str(Path(tmp) / "compute")
                 write_random_qwen3(Path(model_dir), COMPUTE, 0)
-            rows, ok = bench_model(name, model_dir)
+            rows, ok = bench_model(name, model_dir, tmp)
             all_rows += rows
             same &= ok
     print(f"{'model':8} {'method':10} {'workload':15} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} "
@@ -135,7 +149,8 @@ def main() -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["story", "compute"], choices=["story", "compute"])
-    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_self"], choices=["ngram", "draft_self"])
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_self"],
+                        choices=["ngram", "draft_self", "eagle_random"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens (default: 3)")
     parser.add_argument("--new-tokens", type=int, default=64)

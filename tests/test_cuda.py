@@ -147,9 +147,48 @@ def test_cuda_block_fp8_runs_w8a8_on_the_stored_weights(make_checkpoint, tmp_pat
     if "triton" not in results:
         results["triton"] = fp8_run(fp8_dir, dtype, monkeypatch, gemm="triton")[1]
     for name, res in results.items():
-        for mine, ref in zip(res.logits, want.logits):
-            mine, ref = torch.stack(mine), torch.stack(ref)
-            rel = ((mine - ref).abs().max() / ref.abs().max()).item()
-            assert rel <= (1e-4 if dtype == "float32" else 0.03), f"{name}: relative logits error {rel:.2e}"
-        if dtype == "float32":
-            assert res.token_ids == want.token_ids, name
+        assert_tracks_reference(res, want, dtype, name)
+
+
+def assert_tracks_reference(res, want, dtype: str, name: str) -> None:
+    """fp32: the reference's tokens, logits within accumulation error; bf16: logits within a few bf16 steps."""
+    for mine, ref in zip(res.logits, want.logits):
+        mine, ref = torch.stack(mine), torch.stack(ref)
+        rel = ((mine - ref).abs().max() / ref.abs().max()).item()
+        assert rel <= (1e-4 if dtype == "float32" else 0.03), f"{name}: relative logits error {rel:.2e}"
+    if dtype == "float32":
+        assert res.token_ids == want.token_ids, name
+
+
+FP8_MOE_SHAPE = dict(FP8_SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                     norm_topk_prob=True, mlp_only_layers=[1])  # a dense layer too: both kinds of fp8 layer
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_block_fp8_moe_runs_w8a8_experts_on_the_stored_weights(make_checkpoint, tmp_path: Path, dtype: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A random block-FP8 Qwen3-MoE checkpoint on the GPU keeps its experts fp8 (128 x 128 blocks) and
+    runs them through our fused MoE's W8A8 kernels; against the torch reference of the same math
+    (torch_moe on the same fp8 experts, the dense projections through the torch GEMM) as above."""
+    from chip_child import fp8_linear
+    from chip_child.fp8 import FP8
+    from chip_child.fp8_experts import Fp8Experts
+    from chip_child.moe import torch_moe
+    from chip_child.moe_triton import triton_moe
+    from test_fp8 import write_fp8_pair
+
+    src = make_checkpoint("cuda-fp8-moe", seed=7, family="qwen3_moe", **FP8_MOE_SHAPE)
+    fp8_dir, _ = write_fp8_pair(src, tmp_path, (128, 128))
+    ps = prompts((5, 40, 130), 300, seed=4)
+    results = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(fp8_linear, "choose_gemm", lambda *a: "torch")
+        rt = ChipRuntime(RuntimeConfig(str(fp8_dir), device="cuda", dtype=dtype, max_batch_size=4, max_seq_len=256,
+                                       page_size=16, fused_kernels=fused))
+        assert rt.ops.moe is (triton_moe if fused else torch_moe)
+        experts = [getattr(lw.moe, n) for lw in rt.weights.layers if lw.moe is not None for n in ("gate_up", "down")]
+        assert experts and all(isinstance(e, Fp8Experts) and e.weight.dtype == FP8 and e.weight.is_cuda
+                               for e in experts)
+        results[fused] = LocalDriver(rt).run([LocalRequest(p, 12) for p in ps], keep_logits=True)
+    assert_tracks_reference(results[True], results[False], dtype, "fused W8A8 MoE")

@@ -139,6 +139,14 @@ def test_full_state_positions_and_flags_are_checked() -> None:
     flags[4][1] = bytes([0, 2, 0, 7])
     with pytest.raises(protocol.ProtocolError, match="active"):
         protocol.decode(msgpack.packb(flags), LIMITS)
+    # Speculating, positions and slots are left to the device: both out, never one alone.
+    left = protocol.decode(protocol.encode(Command(step=1, full_state=state(positions=None, slot_mapping=None))),
+                           LIMITS).full_state
+    assert left.positions is None and left.slot_mapping is None and left.active.shape == (b,)
+    half = msgpack.unpackb(ok)
+    half[4][0] = b""
+    with pytest.raises(protocol.ProtocolError, match="positions and slot_mapping go together"):
+        protocol.decode(msgpack.packb(half), LIMITS)
 
 
 def test_admit_round_trip_keeps_values() -> None:

@@ -274,19 +274,25 @@ for block_m, block_n in ((16, 64), (64, 128)):  # the decode and the prefill til
 """
 
 
+def compiles_in_child(script: str, capability: int) -> list[str]:
+    """The lines `script` prints when run with the capability as its argument in a child without
+    TRITON_INTERPRET (skips where this triton has no cuda backend)."""
+    import subprocess
+
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="this triton has no cuda backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script, str(capability)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
 @pytest.mark.parametrize("capability", [89, 90])
 def test_kernels_compile_for_fp8_gpus(capability: int) -> None:
     """Both kernels compiled ahead of time for sm_89 and sm_90 (no GPU needed: Triton's own ptxas):
     the interpreter runs what a compiled kernel may not (it reads non-constexpr globals), so this
     checks the source a GPU would build. The quantizer divides with IEEE rounding (div.rn, not the
     approximate div.full Triton's `/` emits)."""
-    import subprocess
-
-    pytest.importorskip("triton.backends.nvidia.compiler", reason="this triton has no cuda backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", COMPILE, str(capability)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[:3] == ["quant div.rn True div.full False", "gemm 16 64 cubin True",
-                                           "gemm 64 128 cubin True"], proc.stdout
+    assert compiles_in_child(COMPILE, capability) == ["quant div.rn True div.full False", "gemm 16 64 cubin True",
+                                                      "gemm 64 128 cubin True"]

@@ -98,9 +98,14 @@ def test_a_full_queue_answers_503(server, http) -> None:
                     return  # closing the stream aborts the request
 
     holders = [threading.Thread(target=hold) for _ in range(4)]
-    for t in holders:
-        t.start()
     try:
+        # Two at a time: four arriving before a step could leave four waiting, and the queue limit
+        # would refuse two of them before any took a row.
+        for t in holders[:2]:
+            t.start()
+        wait_until(lambda: metric(http, "l3worker:num_requests_running") == 2, 60, "two running requests")
+        for t in holders[2:]:
+            t.start()
         wait_until(lambda: metric(http, "l3worker:num_requests_waiting") == 2, 60, "two waiting requests")
         r = http.post("/v1/completions", json=GREEDY)
         assert r.status_code == 503, r.text
@@ -110,7 +115,8 @@ def test_a_full_queue_answers_503(server, http) -> None:
     finally:
         stop.set()
         for t in holders:
-            t.join(60)
+            if t.ident is not None:  # started
+                t.join(60)
     wait_until(lambda: metric(http, "l3worker:num_requests_running") == 0, 60, "the held requests aborted")
     completion(http, GREEDY)
 

@@ -20,12 +20,12 @@ def _repetitive(seed: int, period: int, length: int) -> list[int]:
     return (unit * (length // period + 1))[:length]
 
 
-# Rows that repeat, rows that do not, greedy and seeded, a stop id, min_tokens and penalties (which
-# make the steps they run in plain ones), and a prompt long enough to be prefilled in chunks.
+# Rows that repeat, rows that do not, greedy and seeded, min_p, a stop id, min_tokens, penalties (a
+# row that gets no drafts while the others speculate), and a prompt long enough to be prefilled in chunks.
 PROMPTS = [_repetitive(1, 4, 23), list(range(30, 41)), _repetitive(2, 3, 40), [7, 8, 9],
            _repetitive(3, 5, 70), list(np.random.default_rng(4).integers(5, 250, 19))]
 PARAMS = [SamplingParams(max_new_tokens=30, temperature=0.0),
-          SamplingParams(max_new_tokens=21, temperature=0.9, top_k=20, seed=11),
+          SamplingParams(max_new_tokens=21, temperature=0.9, top_k=20, min_p=0.05, seed=11),
           SamplingParams(max_new_tokens=27, temperature=0.0, stop_token_ids=[17]),
           SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=5),
           SamplingParams(max_new_tokens=25, temperature=0.0, min_tokens=6),
@@ -34,6 +34,19 @@ PARAMS = [SamplingParams(max_new_tokens=30, temperature=0.0),
 
 def _tokens(outs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _logprobs(out) -> list[tuple]:
+    """A sample's log-probabilities: (token, value, top ids, top values) per position."""
+    return [(lp.token_id, lp.logprob, [i for i, _ in lp.top], [v for _, v in lp.top]) for lp in out.outputs[0].logprobs]
+
+
+def _assert_same_logprobs(got: list[tuple], want: list[tuple]) -> None:
+    """The same tokens and top ids; values equal up to float32 rounding, since a row without drafts
+    may share a verify step, whose forward (another shape, through the chunk attention path)
+    rounds differently from a plain step's; the sampled tokens are the same ones."""
+    assert [(t, ids) for t, _, ids, _ in got] == [(t, ids) for t, _, ids, _ in want]
+    assert [[v, *top] for _, v, _, top in got] == [pytest.approx([v, *top], abs=1e-5) for _, v, _, top in want]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +89,58 @@ def test_ngram_tokens_identical_to_plain_decoding(plain, options) -> None:
         assert w.engine.metrics.value("l3worker:generation_tokens_total") == sum(len(t) for t in plain)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_copy_policy_always_gives_the_plain_tokens(plain, depth) -> None:
+    """The full state rebuilt each step leaves positions and slots to the device, which moves them
+    by acceptance: run-ahead or not, the tokens are plain decoding's and drafts are accepted."""
+    with DistributedWorker(**SMALL, speculative_config=NGRAM, copy_policy="always", pipeline_depth=depth) as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        assert _check_counts(w)["num_accepted_tokens"] > 0
+
+
+def test_rows_with_sampler_stages_fall_back_alone(tmp_path) -> None:
+    """A penalized row, a row asking for log-probabilities and one held to a grammar get no
+    drafts, and the greedy row beside them speculates: tokens and log-probabilities are plain
+    decoding's. The first three rows run the whole chain's length together, and only the greedy
+    one drafts, so every accepted draft was its own while the others shared its steps."""
+    model = write_scripted_model(tmp_path / "scripted")
+    tok = build_tokenizer()
+    chain = _ids(tok, TOOL_CHAIN) + [tok.token_to_id(EOS_TOKEN)]
+    prompt = [10, *chain, 10]
+    n = len(chain)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0),
+              SamplingParams(max_new_tokens=n, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(max_new_tokens=n, temperature=0.7, seed=3, logprobs=3),
+              SamplingParams(max_new_tokens=n, temperature=0.0, structured_outputs={"choice": ["Paris", "Rome"]})]
+
+    with DistributedWorker(model, **SMALL) as w:
+        expected = w.generate([prompt] * 4, params)
+    assert _tokens(expected)[0] == chain and len(_logprobs(expected[2])) == n
+    assert expected[3].outputs[0].text in ("Paris", "Rome")
+    with DistributedWorker(model, **SMALL, speculative_config=NGRAM) as w:
+        outs = w.generate([prompt] * 4, params)
+        assert _tokens(outs) == _tokens(expected)
+        _assert_same_logprobs(_logprobs(outs[2]), _logprobs(expected[2]))
+        s = _check_counts(w)
+        assert s["num_accepted_tokens"] > 0 and s["num_accepted_tokens"] == s["num_draft_tokens"]
+
+
+def test_min_p_and_min_tokens_rows_speculate(tmp_path) -> None:
+    """min_p and min_tokens' stop mask apply position by position: a row using both drafts, and
+    accepts, with plain decoding's tokens (the chain's logit dwarfs every other, so a seeded draw
+    follows it)."""
+    model = write_scripted_model(tmp_path / "scripted")
+    tok = build_tokenizer()
+    chain = _ids(tok, TOOL_CHAIN) + [tok.token_to_id(EOS_TOKEN)]
+    params = SamplingParams(max_new_tokens=len(chain), temperature=0.7, seed=4, min_p=0.1, min_tokens=3)
+    with DistributedWorker(model, **SMALL) as w:
+        (expected,) = w.generate([[10, *chain, 10]], params)
+    with DistributedWorker(model, **SMALL, speculative_config=NGRAM) as w:
+        (out,) = w.generate([[10, *chain, 10]], params)
+        assert list(out.outputs[0].token_ids) == list(expected.outputs[0].token_ids) == chain
+        assert _check_counts(w)["num_accepted_tokens"] > 0
+
+
 def test_batch_compositions_and_a_second_call(plain) -> None:
     """Each request alone, then all of them again: the same tokens whatever shares the batch."""
     with DistributedWorker(**SMALL, speculative_config=NGRAM) as w:
@@ -85,7 +150,7 @@ def test_batch_compositions_and_a_second_call(plain) -> None:
 
 
 def test_logprobs_stop_strings_and_streams_see_exactly_the_plain_tokens() -> None:
-    """A row asking for log-probabilities (its steps run plain) beside speculating ones, n=2
+    """A row asking for log-probabilities (it gets no drafts) beside speculating ones, n=2
     samples, a stop string on the built-in model's text, and a stream whose deltas add up."""
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
     params = [SamplingParams(max_new_tokens=20, temperature=0.0, logprobs=2),
@@ -95,7 +160,7 @@ def test_logprobs_stop_strings_and_streams_see_exactly_the_plain_tokens() -> Non
     def run(w: DistributedWorker):
         outs = w.generate(prompts, params)
         samples = [(list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
-        logprobs = [(lp.logprob, lp.token_id) for lp in outs[0].outputs[0].logprobs]
+        logprobs = _logprobs(outs[0])
         streamed: dict[tuple, list[int]] = {}
         for out in w.stream(prompts[1:], params[1:]):
             for c in out.outputs:
@@ -105,7 +170,9 @@ def test_logprobs_stop_strings_and_streams_see_exactly_the_plain_tokens() -> Non
     with DistributedWorker(**SMALL) as w:
         expected = run(w)
     with DistributedWorker(**SMALL, speculative_config=NGRAM) as w:
-        assert run(w) == expected
+        samples, logprobs, streamed = run(w)
+        assert (samples, streamed) == (expected[0], expected[2])
+        _assert_same_logprobs(logprobs, expected[1])
         assert w.stats()["speculative"]["num_accepted_tokens"] > 0
     assert sorted(t for t, *_ in expected[0][1:]) == expected[2]  # the stream's deltas are the final tokens
 
@@ -186,7 +253,7 @@ def test_a_draft_model_of_another_vocabulary_is_refused(make_checkpoint) -> None
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "mtp", "model": "x", "num_speculative_tokens": 2}, "not supported yet"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes no model"),
     ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
@@ -208,7 +275,6 @@ def test_lookup_bounds_default_as_vllm() -> None:
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"copy_policy": "always"}, "copy_policy='always'"),
     ({"decode_graphs": True}, "decode_graphs=True"),
 ])
 def test_unsupported_combinations_are_refused(options, message) -> None:

@@ -5,8 +5,10 @@ a follower exits when its head goes away; nothing is left behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -41,6 +43,15 @@ def follower(tmp_path: Path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+@pytest.fixture
+def head_dir():
+    """A short private directory for the head's TMPDIR: its socket paths then fit a Unix socket
+    address under it, so the test sees (and checks) the socket directories there."""
+    d = Path(tempfile.mkdtemp(prefix="head-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -137,17 +148,18 @@ def test_a_follower_that_comes_back_is_restarted_and_requests_resume(make_checkp
 
 
 def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_everything(
-        make_checkpoint, follower, tmp_path: Path) -> None:
+        make_checkpoint, follower, head_dir: Path) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
     port = free_master_port(2)
     node = follower(path, port)
-    head = Served(tmp_path / "head", str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
+    head = Served(head_dir, str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
                   "--master-port", str(port), "--max-model-len", "128", "--block-size", "8", "--max-restarts", "0")
     try:
         url = head.ready().group(1)
         head_tree = tree(head.proc.pid)
         follower_tree = tree(node.pid)
-        assert len(head_tree) == 2 and len(follower_tree) == 2  # each: the process and one chip-child
+        assert len(head_tree) == 3  # the API server, its engine core and one chip-child
+        assert len(follower_tree) == 2  # the follower and one chip-child
         with httpx.Client(base_url=url, timeout=60) as client:
             body = {"model": path.name, "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
             assert client.post("/v1/completions", json=body).status_code == 200
@@ -158,16 +170,16 @@ def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_eve
         head.proc.send_signal(signal.SIGTERM)
         assert head.proc.wait(60) == 0
         assert gone(head_tree + follower_tree)
-        assert not list((tmp_path / "head" / "tmp").iterdir())  # no socket dir left
+        assert not list((head_dir / "tmp").iterdir())  # no socket dir left
     finally:
         head.stop()
 
 
-def test_a_follower_exits_when_its_head_is_killed(make_checkpoint, follower, tmp_path: Path) -> None:
+def test_a_follower_exits_when_its_head_is_killed(make_checkpoint, follower, tmp_path: Path, head_dir: Path) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
     port = free_master_port(2)
     node = follower(path, port)
-    head = Served(tmp_path / "head", str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
+    head = Served(head_dir, str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
                   "--master-port", str(port), "--max-model-len", "128", "--block-size", "8")
     try:
         head.ready()

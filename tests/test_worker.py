@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 
+from fault_helpers import shm_entries
 from l3worker import ChildDiedError, ChildError, DistributedWorker, SamplingParams, WorkerError
 
 MAX_NEW = 32
@@ -246,10 +247,6 @@ def test_missing_device_is_reported_by_the_child(ckpt: Path) -> None:
 
 
 # -- failures and clean-up -------------------------------------------------------------------------
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 def assert_nothing_left(pids: list[int], socket_dir: str, shm_before: set[str]) -> None:
     assert pids and not any(psutil.pid_exists(p) for p in pids)
     assert not os.path.exists(socket_dir)

@@ -23,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 from chip_child.device import allowed_cores, device_type
@@ -31,6 +30,7 @@ from l3worker.engine_core import CoreConfig
 from l3worker.server.core_client import CoreClient
 from l3worker.server.router import Router, RouterConfig
 from l3worker.server.runner import ModelInfo, ServeOptions
+from l3worker.socket_dir import make_socket_dir
 
 log = logging.getLogger("l3worker.server")
 STOP_GRACE_S = 30.0  # how long a started process may take to stop before it is killed
@@ -59,7 +59,7 @@ class ApiServerConfig:
 
 
 def _endpoints(run_dir: str, dp_size: int, api_server_count: int) -> tuple[list[str], list[str]]:
-    # Short names: a socket path has at most 107 bytes, and run_dir lies under the user's TMPDIR.
+    # Short names: a socket path has at most 107 bytes.
     return ([f"ipc://{run_dir}/core-{e}" for e in range(dp_size)],
             [f"ipc://{run_dir}/out-{i}" for i in range(api_server_count)])
 
@@ -161,7 +161,7 @@ def launch_core(worker_kwargs: dict, api_server_count: int, dp: DataParallel = D
                 router: RouterConfig | None = None) -> tuple[Launch, CoreClient]:
     """Starts the engine cores (each prepares its worker on its own) and returns API server 0's
     client, whose outputs socket is bound before the cores start."""
-    launch = Launch(tempfile.mkdtemp(prefix="l3worker-serve-"))
+    launch = Launch(make_socket_dir("l3worker-serve-"))
     controls, outputs = _endpoints(launch.run_dir, dp.size, api_server_count)
     try:
         client = CoreClient(0, controls, outputs[0], [], Router(router) if router else None,

@@ -1,0 +1,80 @@
+"""EAGLE-3 speculation: a random head in the public Qwen3 heads' format (config keys and tensor
+names as published) gives the plain tokens, greedy and seeded, at pipeline depths 1 and 2 and
+under preemption; counts add up; a head that does not fit the target is refused."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from chip_child.eagle3 import aux_layers
+from l3worker import DistributedWorker
+from test_speculative import PARAMS, PROMPTS, SMALL, _check_counts, _tokens, plain  # noqa: F401  (a fixture)
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+from bench_models import write_random_eagle3_head  # noqa: E402  (scripts/: the benchmarks use it too)
+
+
+def write_head(path: Path, hidden: int = 64, aux: list[int] | None = None) -> Path:
+    """A random head for the built-in tiny Qwen3 (hidden 64, vocab 320, 2 layers)."""
+    return write_random_eagle3_head(path, hidden=hidden, vocab=320, draft_vocab=64, aux=aux)
+
+
+def _eagle(head: Path, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("options, aux", [
+    ({}, None),  # run-ahead (pipeline_depth 2); vLLM's default layers
+    ({"pipeline_depth": 1}, [0, 1, 1]),
+    ({"max_num_batched_tokens": 8}, None),  # prompts prefilled in chunks beside speculating rows
+    ({"num_pages": 14, "enable_prefix_caching": False}, None),  # rows preempted and resumed
+], ids=["depth2", "depth1", "chunked", "preempted"])
+def test_eagle3_tokens_identical_to_plain_decoding(plain, tmp_path, options, aux) -> None:
+    head = write_head(tmp_path / "head", aux=aux)
+    with DistributedWorker(**SMALL, speculative_config=_eagle(head), **options) as w:
+        for _ in range(2):  # the second call: prefix-cache hits where on, and rows the head saw before
+            assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        s = _check_counts(w)
+        assert s["num_drafts"] > 0 and s["num_draft_tokens"] > 0
+        if "num_pages" in options:
+            assert w.engine.scheduler.num_preemptions > 0
+        stats = w.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_aux_layers_from_the_config_else_vllms_default() -> None:
+    assert aux_layers({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 17, 32]}}, 36) == (1, 17, 32)
+    assert aux_layers({}, 36) == (2, 18, 33)
+    assert aux_layers({}, 2) == (1, 1, 0)  # clamped into a shallow target
+    with pytest.raises(ValueError, match="must be 3 layers of the target's 36"):
+        aux_layers({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 40, 3]}}, 36)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden": 32}, "hidden_size 32 differs from the target's 64"),
+    ({"aux": [0, 1, 2]}, "must be 3 layers of the target's 2"),
+])
+def test_a_head_that_does_not_fit_the_target_is_refused(tmp_path, change, message) -> None:
+    head = write_head(tmp_path / "head", **change)
+    with pytest.raises(ValueError, match=message):
+        DistributedWorker(**SMALL, speculative_config=_eagle(head))
+
+
+def test_a_checkpoint_that_is_no_eagle3_head_is_refused() -> None:
+    from chip_child.tiny_model import ensure_tiny_model
+
+    with pytest.raises(ValueError, match="is not an EAGLE-3 head"):
+        DistributedWorker(**SMALL, speculative_config=_eagle(ensure_tiny_model()))
+
+
+def test_a_head_whose_d2t_leaves_the_target_vocabulary_is_refused(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    head = write_head(tmp_path / "head")
+    tensors = load_file(str(head / "model.safetensors"))
+    tensors["d2t"][-1] = 320  # the last draft id would map past the target's 320 ids
+    save_file(tensors, str(head / "model.safetensors"))
+    with pytest.raises(ValueError, match="d2t maps draft ids outside the target's 320 ids"):
+        DistributedWorker(**SMALL, speculative_config=_eagle(head))
