@@ -1,10 +1,11 @@
-"""The wire between API servers and the engine-core process: msgpack arrays over ZeroMQ ipc://.
+"""The wire between API servers and the engine-core process(es): msgpack arrays over ZeroMQ ipc://.
+Each API server connects to every engine core (`--data-parallel-size`) alike.
 
 Control socket (each API server's DEALER, identity `api-<i>`, to the core's ROUTER):
   in:  ["hello"]                       -> ["ready"] once the engine runs
        ["add", request_id, prompt_ids, params] (accepted silently; refused -> ["refused", id, kind, text])
        ["abort", request_id]
-       ["metrics", seq]                -> ["metrics", seq, exposition text]
+       ["metrics", seq]                -> ["metrics", seq, metric families (l3worker.metrics.families_to_wire)]
        ["shutdown"]                    (the launching API server, when it stops)
   out: ["health", healthy]             whenever the engine's health changes (a restart begins or ends)
 Outputs socket (the core's PUSH to each API server's PULL), written by the step loop only:

@@ -29,6 +29,7 @@ from l3worker.async_engine import run_step_loop
 from l3worker.core_wire import identity, output_to_wire, pack, params_from_wire, unpack
 from l3worker.engine import EngineDeadError
 from l3worker.errors import EngineBusyError
+from l3worker.metrics import families_to_wire
 from l3worker.params import RequestOutput
 from l3worker.worker import DistributedWorker
 
@@ -43,6 +44,8 @@ class CoreConfig:
     control: str  # the control ROUTER's endpoint (the core binds it)
     outputs: list[str]  # each API server's outputs PULL endpoint, by index (they bind them)
     parent_pid: int
+    engine: int = 0  # its data-parallel rank: the `engine` label of its metrics
+    cpu_cores: list[int] | None = None  # its share of the machine's cores (data parallel on a cpu)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -119,9 +122,7 @@ class EngineCore:
         elif kind == "abort":
             self.engine.abort(msg[1])
         elif kind == "metrics":
-            from prometheus_client import generate_latest
-
-            self._reply(who, ["metrics", msg[1], generate_latest(self.engine.metrics.registry)])
+            self._reply(who, ["metrics", msg[1], families_to_wire(self.engine.metrics.registry, self.config.engine)])
         elif kind == "hello":
             self._reply(who, ["ready", self.engine.healthy, self.worker.cpu_layout_in_use])
         elif kind == "shutdown":
@@ -196,6 +197,9 @@ def main() -> int:
     _sigterm_when_parent_dies()
     if os.getppid() != config.parent_pid:
         return 0
+    if config.cpu_cores:
+        # Before any thread starts: the worker sizes and pins its children within this share.
+        os.sched_setaffinity(0, config.cpu_cores)
     worker = DistributedWorker(**config.worker)
     try:
         core = EngineCore(config, worker)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 # Bucket edges in seconds, from sub-millisecond steps of a tiny model to minutes-long requests.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -72,3 +73,30 @@ class EngineMetrics:
         """A sample's current value, e.g. value("l3worker:generation_tokens_total")."""
         got = self.registry.get_sample_value(name, labels)
         return 0.0 if got is None else got
+
+
+def families_to_wire(registry: CollectorRegistry, engine: int) -> list:
+    """The registry's samples as plain lists, each labelled with `engine` (vLLM's convention), for
+    an engine-core process to send to an API server, which merges every engine's (`exposition`)."""
+    return [[f.name, f.documentation, f.type, f.unit,
+             [[s.name, {**s.labels, "engine": str(engine)}, s.value] for s in f.samples]]
+            for f in registry.collect()]
+
+
+def exposition(engines: list[list]) -> bytes:
+    """One Prometheus exposition of several engines' families_to_wire lists: a family appears
+    once, with the samples of every engine."""
+    merged: dict[str, Metric] = {}
+    for families in engines:
+        for name, doc, kind, unit, samples in families:
+            metric = merged.get(name)
+            if metric is None:
+                metric = merged[name] = Metric(name, doc, kind, unit)
+            for sample_name, labels, value in samples:
+                metric.add_sample(sample_name, labels, value)
+
+    class _Merged:
+        def collect(self):
+            return merged.values()
+
+    return generate_latest(_Merged())

@@ -64,9 +64,22 @@ def hash_page(parent_hash: int, ids: bytes) -> int:
 
     Python's own hash: the pool lives in one process, and SipHash over the 512 bytes of a
     128-token page costs a fraction of a microsecond (hashlib's sha256 about three times more).
-    Values differ between processes; nothing outside the pool sees them.
+    Values differ between processes: a data-parallel router hashes prompts itself (chain_hashes)
+    and only ever compares its own values.
     """
     return hash((parent_hash, ids))
+
+
+def chain_hashes(token_ids: Sequence[int], page_size: int, max_pages: int | None = None) -> list[int]:
+    """The chain hashes of the full pages that start `token_ids` (at most `max_pages`), as the
+    pool of this process computes them: what a router keeps to guess which engine caches a prefix."""
+    pack = struct.Struct(f"={page_size}i").pack
+    stop = len(token_ids) // page_size if max_pages is None else min(max_pages, len(token_ids) // page_size)
+    hashes, key = [], ROOT_HASH
+    for s in range(0, stop * page_size, page_size):
+        key = hash_page(key, pack(*token_ids[s:s + page_size]))
+        hashes.append(key)
+    return hashes
 
 
 class _Entry(NamedTuple):

@@ -2,13 +2,18 @@
 result fields), with what only this checkout needs: --launch starts `l3worker serve` on a free port and
 stops it after; --offline first runs the same prompts through DistributedWorker.generate (same model
 and batch size) and reports served ITL p50 / offline TPOT p50; --repeats alternates the two;
---idle-cpu-s measures the idle server's CPU first; the server's gauges are read after the run.
+--idle-cpu-s measures the idle server's CPU first; the server's gauges are read after the run, and
+its prefix-cache counters around each run (the hit rate, summed over data-parallel engines).
 
   # against a running server (the same as `l3worker bench serve --base-url ...`, plus the gauges)
   python scripts/bench_serve.py --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 20
 
   # start `l3worker serve`, compare with the offline worker, stop it
   python scripts/bench_serve.py --launch --offline --max-num-seqs 16 --max-concurrency 16 --num-prompts 64
+
+  # data parallel on a shared-prefix workload: one routing per launch
+  for r in cache_aware least_loaded round_robin; do python scripts/bench_serve.py --launch \
+    --serve-args "--data-parallel-size 2 --data-parallel-routing $r" --dataset-name prefix_repetition ...; done
 
 Defaults differ from `l3worker bench serve` where this script's figures were taken with them: 200
 prompts of 128 random tokens, 128 new tokens, temperature 0. Timings are the client's: run the
@@ -43,19 +48,32 @@ ROOT = Path(__file__).resolve().parent.parent
 READY = re.compile(r"ready at (http://\S+) serving (\S+)")
 
 
+SCRAPED = ("l3worker:num_requests_running", "l3worker:num_requests_waiting", "l3worker:kv_cache_usage_perc",
+           "l3worker:prefix_cache_hits_total", "l3worker:prefix_cache_queries_total")
+
+
 def scrape(base_url: str) -> dict:
-    """The server's l3worker gauges after the run, where it exports them."""
+    """The server's l3worker gauges and prefix-cache counters, summed over its engines (the
+    `engine` label), where it exports them."""
     try:
         text = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    names = ("l3worker:num_requests_running", "l3worker:num_requests_waiting", "l3worker:kv_cache_usage_perc")
-    found = {}
+    found: dict[str, float] = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] in names:
-            found[parts[0]] = float(parts[1])
+        name = parts[0].split("{")[0] if len(parts) == 2 else None
+        if name in SCRAPED:
+            found[name] = found.get(name, 0.0) + float(parts[1])
     return found
+
+
+def prefix_hit_rate(before: dict, after: dict) -> float | None:
+    """Prompt tokens the prefix caches supplied over those looked up, between two scrapes."""
+    hits, queries = ("l3worker:prefix_cache_hits_total", "l3worker:prefix_cache_queries_total")
+    if queries not in before or queries not in after or after[queries] == before[queries]:
+        return None
+    return (after[hits] - before[hits]) / (after[queries] - before[queries])
 
 
 # -- offline comparison --------------------------------------------------------------------------------
@@ -198,6 +216,8 @@ def print_report(args: argparse.Namespace, result: dict) -> None:
                                  parse_percentiles(args.metric_percentiles))))
     for e in result["errors"]:
         print(f"  error: {e}")
+    if s.get("prefix_cache_hit_rate") is not None:
+        print(f"{'prefix cache hit rate (prompt tokens)':<40} {s['prefix_cache_hit_rate']:.3f}")
     if s.get("server_cpu_us_per_token"):
         print(f"{'API server CPU per output token (us)':<40} {s['server_cpu_us_per_token']:.1f}")
     if s.get("engine_core_cpu_us_per_token"):
@@ -254,7 +274,9 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):  # offline and served alternate, so drifting machine load hits both
             run = {"offline": offline_tpot(args, samples)} if args.offline else {}
             cpu0 = server.cpu_s() if server else None
+            counters0 = scrape(base_url)
             run["served"], outputs = serve_once(args, base_url, model, samples, args.request_rate[0])
+            run["served"]["prefix_cache_hit_rate"] = prefix_hit_rate(counters0, scrape(base_url))
             if cpu0 is not None:  # includes the test request's few tokens
                 cpu1, tokens = server.cpu_s(), max(run["served"]["total_output_tokens"], 1)
                 run["served"]["server_cpu_us_per_token"] = (cpu1["api_servers"] - cpu0["api_servers"]) / tokens * 1e6

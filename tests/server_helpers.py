@@ -56,13 +56,17 @@ def stream_into(url: str, body: dict, raw: list[bytes], started: threading.Event
 
 
 def metric(client: httpx.Client, name: str, labels: str = "") -> float:
-    """A sample from GET /metrics, e.g. metric(c, "l3worker:num_requests_running")."""
-    text = client.get("/metrics").text
-    key = f"{name}{{{labels}}}" if labels else name
-    for line in text.splitlines():
-        if line.startswith(key + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"{key} not in /metrics")
+    """A sample from GET /metrics, e.g. metric(c, "l3worker:num_requests_running"): the sum over
+    the samples named so whose labels include `labels` (e.g. 'finished_reason="length"'), so over
+    every engine unless `labels` names one ('engine="1"')."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = dict(re.findall(r'([\w:]+)="([^"]*)"', labels))
+    found = [s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples
+             if s.name == name and wanted.items() <= s.labels.items()]
+    if not found:
+        raise AssertionError(f"{name}{{{labels}}} not in /metrics")
+    return sum(found)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:

@@ -88,7 +88,7 @@ def test_scheduling_flags_chunk_long_prompts_and_turn_the_prefix_cache_off(serve
         metrics = client.get("/metrics").text
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert re.search(r"^l3worker:prefix_cache_queries_total 0\.0$", metrics, re.M)
+    assert re.search(r"^l3worker:prefix_cache_queries_total\{engine=\"0\"\} 0\.0$", metrics, re.M)
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0
 
@@ -110,7 +110,7 @@ def test_the_cpu_layout_flag_reaches_the_worker_and_is_reported(served) -> None:
     assert ", cpu layout every_core" in base.string
     with httpx.Client(base_url=base[1], timeout=60) as client:
         metrics = client.get("/metrics").text
-    assert re.search(r'^l3worker:cpu_layout_info\{layout="every_core"\} 1\.0$', metrics, re.M)
+    assert re.search(r'^l3worker:cpu_layout_info\{engine="0",layout="every_core"\} 1\.0$', metrics, re.M)
     assert 'layout="spare_core"' not in metrics
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0

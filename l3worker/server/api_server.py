@@ -1,5 +1,6 @@
 """API server 1..N-1 of `l3worker serve --api-server-count N`: uvicorn on the listening socket it
-inherits from API server 0, with its own connection to the engine core.
+inherits from API server 0, with its own connections to the engine cores (and, with several, its
+own router: routing state is kept per API server, each seeing only its own requests).
 
 `python -m l3worker.server.api_server` (its ApiServerConfig as JSON on stdin), started by
 server/launcher.py. It stops on SIGTERM (aborting its requests, as API server 0 does), and by
@@ -16,6 +17,7 @@ import sys
 from chip_child.loader import load_tokenizer
 from l3worker.server.core_client import CoreClient
 from l3worker.server.launcher import ApiServerConfig
+from l3worker.server.router import Router, RouterConfig
 from l3worker.server.runner import ModelInfo, ServeOptions, SignalStop, model_for, serve
 
 
@@ -24,7 +26,8 @@ async def _serve(config: ApiServerConfig, stop: SignalStop) -> None:
     info = ModelInfo(**config.model)
     model = model_for(info, load_tokenizer(info.model_dir), options)
     sock = socket.socket(fileno=config.fd)
-    client = CoreClient(config.index, config.control, config.outputs, config.core_pid)
+    router = Router(RouterConfig(**config.router)) if config.router else None  # this server's own state
+    client = CoreClient(config.index, config.controls, config.outputs, config.core_pids, router)
     loop = asyncio.get_running_loop()
     parent = os.pidfd_open(config.parent_pid)
 

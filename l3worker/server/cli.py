@@ -12,10 +12,31 @@ from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
 from l3worker.server.chat_reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
+from l3worker.server.router import ROUTINGS
 from l3worker.server.runner import ModelInfo, ServeOptions, SignalStop, bind, serve, served_model
 
 log = logging.getLogger("l3worker.server")
 DEFAULT_MAX_WAITING = 4096  # enough for any burst a single worker can serve in reasonable time
+# Data-parallel engines on other nodes (vLLM's flags): not supported; refused by name.
+DP_NODE_FLAGS = ("--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-address",
+                 "--data-parallel-rpc-port")
+
+
+def data_parallel_refusal(args: argparse.Namespace) -> str | None:
+    """Why these data-parallel arguments cannot be served, or None. Engines on other nodes
+    (--headless DP engines, the DP node flags) are not supported: every engine core runs under
+    this command on this machine. `--headless` alone (tensor-parallel followers) is not ours."""
+    given = [f for f in DP_NODE_FLAGS if getattr(args, f[2:].replace("-", "_"), None) is not None]
+    if given:
+        return (f"{', '.join(given)}: data-parallel engines on other nodes are not supported; "
+                "--data-parallel-size N runs N engine cores on this machine")
+    if args.data_parallel_size < 1:
+        return f"--data-parallel-size must be >= 1, got {args.data_parallel_size}"
+    if getattr(args, "headless", False) and args.data_parallel_size > 1:
+        return "--headless with --data-parallel-size: headless data-parallel engines are not supported"
+    if getattr(args, "nnodes", 1) > 1 and args.data_parallel_size > 1:
+        return "--data-parallel-size with --nnodes: tensor parallel across nodes serves one engine"
+    return None
 
 
 def _device_ids(text: str) -> tuple[int, ...]:
@@ -124,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="API server processes sharing the listening socket, each with its own connection to the "
                         "engine-core process (default: %(default)s)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="engine-core processes, each with its share of --device-ids (on a cpu, of the cores), "
+                        "behind the API server(s) (default: %(default)s)")
+    p.add_argument("--data-parallel-routing", choices=ROUTINGS, default="cache_aware",
+                   help="which engine a request goes to: the one holding the longest prefix of its prompt unless "
+                        "it is busier than the least loaded by half a batch (cache_aware), the least loaded, or "
+                        "in turn (default: %(default)s)")
+    for flag in DP_NODE_FLAGS:  # vLLM's names, so its launch lines fail clearly here rather than misparse
+        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
@@ -150,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "enable_auto_tool_choice", False) and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.command == "serve":
+        refusal = data_parallel_refusal(args)
+        if refusal:
+            parser.error(refusal)
         return serve_command(args)
     if args.command == "bench":
         return bench_command(args)
@@ -170,7 +203,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from chip_child.loader import load_config
     from chip_child.tiny_model import ensure_tiny_model
     from l3worker.hub import resolve_model
-    from l3worker.server.launcher import launch_api_servers, launch_core
+    from l3worker.server.launcher import DataParallel, launch_api_servers, launch_core
 
     builtin = args.model_dir is None
     try:
@@ -197,9 +230,11 @@ def serve_command(args: argparse.Namespace) -> int:
                              master_port=args.master_port)
         if args.api_server_count < 1:
             raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
-        # Checks every argument and reads the model here, before any process starts; the engine
+        dp = DataParallel(args.data_parallel_size, args.data_parallel_routing)
+        # Checks every argument and reads the model here, before any process starts; each engine
         # core makes (and prepares) its own worker from the same arguments.
-        worker = DistributedWorker(**worker_kwargs)
+        worker = DistributedWorker(**dp.engine_kwargs(worker_kwargs, 0))
+        router = dp.router(args.block_size, worker.runtime_config.total_pages - 1, args.max_num_seqs)
         options = ServeOptions(host=args.host, port=args.port, served_model_names=tuple(names),
                                api_key=args.api_key or None, chat_template=args.chat_template,
                                generation_config=args.generation_config, max_body_bytes=DEFAULT_MAX_BODY_BYTES,
@@ -230,12 +265,13 @@ def serve_command(args: argparse.Namespace) -> int:
               f"{', chat template' if model.chat_template else ', no chat template'}"
               f"{f', cpu layout {client.cpu_layout}' if client.cpu_layout else ''}"
               f"{', API key required' if options.api_key else ''}"
-              f"{f', {args.api_server_count} API servers' if args.api_server_count > 1 else ''})", flush=True)
+              f"{f', {args.api_server_count} API servers' if args.api_server_count > 1 else ''}"
+              f"{f', {dp.size} engines ({dp.routing})' if dp.size > 1 else ''})", flush=True)
 
     launch = None
     try:
-        launch, client = launch_core(worker_kwargs, args.api_server_count)
-        launch_api_servers(launch, args.api_server_count, sock, info, options)
+        launch, client = launch_core(worker_kwargs, args.api_server_count, dp, router)
+        launch_api_servers(launch, args.api_server_count, sock, info, options, router)
 
         async def on_stop() -> None:
             launch.signal_api_servers()

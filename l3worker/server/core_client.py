@@ -1,13 +1,16 @@
 """An API server's engine when the engine runs in an engine-core process (`l3worker serve`).
 
 It offers what the server asks of AsyncEngine (generate, abort, health, the metrics exposition,
-start and shutdown) over the wire of l3worker/core_wire.py. Each API server has one connection:
-its control DEALER (requests, aborts, scrapes in; health and refusals back) and an outputs PULL
-it binds, where the core's step loop sends one message per step.
+start and shutdown) over the wire of l3worker/core_wire.py. Each API server has, per engine core
+(`--data-parallel-size`), a control DEALER (requests, aborts, scrapes in; health and refusals
+back), and one outputs PULL it binds, where every core's step loop sends one message per step.
+With several engine cores, a Router (server/router.py) picks each request's engine.
 
-The engine core's death is seen at once: a pidfd on its process sits in the event loop, and its
-readiness fails every open stream and turns /health and new requests into 503s. All metrics live
-in the core, so whichever API server answers a scrape relays the same, whole registry.
+An engine core's death is seen at once: a pidfd on each core's process sits in the event loop,
+and its readiness fails every open stream and turns /health and new requests into 503s (one dead
+engine stops the service: its requests are gone, as vLLM does). All metrics live in the cores:
+whichever API server answers a scrape asks every core and shows each engine's series under an
+`engine` label.
 """
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ import zmq
 import zmq.asyncio
 
 from l3worker.core_wire import identity, output_from_wire, pack, params_to_wire, unpack
+from l3worker.metrics import exposition
 from l3worker.async_engine import checked
 from l3worker.engine import EngineDeadError
 from l3worker.errors import EngineBusyError
 from l3worker.params import RequestOutput, SamplingParams
+from l3worker.server.router import Router
 
 log = logging.getLogger("l3worker.server")
 METRICS_TIMEOUT_S = 10.0
@@ -75,9 +80,11 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 
 class CoreClient:
-    def __init__(self, index: int, control: str, outputs: str, core_pid: int,
+    def __init__(self, index: int, controls: list[str], outputs: str, core_pids: list[int],
+                 router: Router | None = None,
                  on_shutdown: Callable[["CoreClient"], Awaitable[None]] | None = None):
-        self.core_pid = core_pid
+        self.core_pids = core_pids
+        self.router = router  # None: one engine core
         self.error: BaseException | None = None
         self.cpu_layout: str | None = None  # what the core's cpu children run with (its ready reply); None off the cpu
         self._on_shutdown = on_shutdown  # the launching API server's: stops the processes it started
@@ -85,20 +92,24 @@ class CoreClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(outputs)  # before the core starts: nothing it sends is lost
-        self._control = self._ctx.socket(zmq.DEALER)
-        self._control.setsockopt(zmq.IDENTITY, identity(index))
-        self._control.setsockopt(zmq.LINGER, 0)
-        self._control.connect(control)
+        self._pull.bind(outputs)  # before the cores start: nothing they send is lost
+        self._controls = []
+        for endpoint in controls:
+            control = self._ctx.socket(zmq.DEALER)
+            control.setsockopt(zmq.IDENTITY, identity(index))
+            control.setsockopt(zmq.LINGER, 0)
+            control.connect(endpoint)
+            self._controls.append(control)
         self._queues: dict[str, _Outputs] = {}
         self._prompts: dict[str, list[int]] = {}
-        self._scrapes: dict[int, asyncio.Future] = {}
+        self._engine_of: dict[str, int] = {}
+        self._scrapes: dict[tuple[int, int], asyncio.Future] = {}
         self._seq = itertools.count()
-        self._core_healthy = False
+        self._core_healthy = [False] * len(controls)
         self._stopping = False
         self._closed = False
-        self._pidfd: int | None = None
-        self._gone: asyncio.Future | None = None
+        self._pidfds: list[int] = []
+        self._gone: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -107,32 +118,39 @@ class CoreClient:
 
     @property
     def healthy(self) -> bool:
-        return not self._stopping and self.error is None and self._core_healthy
+        return not self._stopping and self.error is None and all(self._core_healthy)
 
     async def start(self) -> None:
-        """Waits until the engine core serves (it may still be loading the model). Raises
-        EngineDeadError if its process exits first."""
+        """Waits until every engine core serves (they may still be loading the model). Raises
+        EngineDeadError if one's process exits first."""
         loop = asyncio.get_running_loop()
-        self._gone = loop.create_future()
-        self._pidfd = os.pidfd_open(self.core_pid)
-        loop.add_reader(self._pidfd, self._core_exited)
-        await self._control.send(pack(["hello"]))
-        while True:  # a health change may come before the reply
-            reply = asyncio.ensure_future(self._control.recv())
-            await asyncio.wait({reply, self._gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not reply.done():
-                reply.cancel()
-                raise self.error or EngineDeadError("the engine-core process exited while starting")
-            kind, self._core_healthy, *extra = unpack(reply.result())
-            if kind == "ready":
-                self.cpu_layout = extra[0]
-                break
-        self._tasks = [asyncio.ensure_future(self._read_control()), asyncio.ensure_future(self._read_outputs())]
+        for engine, pid in enumerate(self.core_pids):
+            self._gone.append(loop.create_future())
+            self._pidfds.append(os.pidfd_open(pid))
+            loop.add_reader(self._pidfds[-1], self._core_exited, engine)
+        for control in self._controls:
+            await control.send(pack(["hello"]))
+        layouts = []
+        for engine, control in enumerate(self._controls):
+            while True:  # a health change may come before the reply
+                reply = asyncio.ensure_future(control.recv())
+                await asyncio.wait({reply, *self._gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done():
+                    reply.cancel()
+                    raise self.error or EngineDeadError("an engine-core process exited while starting")
+                kind, self._core_healthy[engine], *extra = unpack(reply.result())
+                if kind == "ready":
+                    layouts.append(extra[0])
+                    break
+        # Data-parallel engines on a cpu each run their own layout: one word when they agree.
+        self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
+        self._tasks = [*(asyncio.ensure_future(self._read_control(e)) for e in range(len(self._controls))),
+                       asyncio.ensure_future(self._read_outputs())]
 
     async def generate(self, prompt: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate. The core checks the request; a refusal is raised before any output."""
-        if self._stopping or self._gone is None:
+        if self._stopping or not self._gone:
             raise EngineDeadError("the engine is not running")
         if self.error is not None:
             raise self.error
@@ -140,9 +158,11 @@ class CoreClient:
         request_id = request_id or uuid.uuid4().hex
         queue = self._queues[request_id] = _Outputs()
         self._prompts[request_id] = list(prompt)
+        engine = self._engine_of[request_id] = self.router.choose(prompt) if self.router else 0
         finished = False
         try:
-            await self._control.send(pack(["add", request_id, self._prompts[request_id], params_to_wire(params)]))
+            await self._controls[engine].send(pack(["add", request_id, self._prompts[request_id],
+                                                    params_to_wire(params)]))
             while not finished:
                 item = checked(await queue.get())
                 finished = item.finished
@@ -150,23 +170,31 @@ class CoreClient:
         finally:
             self._queues.pop(request_id, None)
             self._prompts.pop(request_id, None)
+            if self.router:
+                self.router.finished(engine)
             if not finished and self.error is None and not self._closed:
                 await self.abort(request_id)
+            self._engine_of.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        await self._control.send(pack(["abort", request_id]))
+        engine = self._engine_of.get(request_id)
+        if engine is not None:
+            await self._controls[engine].send(pack(["abort", request_id]))
 
     async def metrics_text(self) -> bytes:
-        """The core's /metrics exposition (empty once it is gone)."""
-        if self._closed or self._gone is None or self._gone.done():
+        """Every engine core's /metrics series in one exposition (empty once one is gone)."""
+        if self._closed or not self._gone or any(g.done() for g in self._gone):
             return b""
         seq = next(self._seq)
-        self._scrapes[seq] = future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        futures = [self._scrapes.setdefault((e, seq), loop.create_future()) for e in range(len(self._controls))]
         try:
-            await self._control.send(pack(["metrics", seq]))
-            return await asyncio.wait_for(future, METRICS_TIMEOUT_S)
+            for control in self._controls:
+                await control.send(pack(["metrics", seq]))
+            return exposition(await asyncio.wait_for(asyncio.gather(*futures), METRICS_TIMEOUT_S))
         finally:
-            self._scrapes.pop(seq, None)
+            for e in range(len(self._controls)):
+                self._scrapes.pop((e, seq), None)
 
     async def shutdown(self) -> None:
         """Fails what still waits, stops the processes this server started (if it did), closes. Idempotent."""
@@ -179,12 +207,13 @@ class CoreClient:
         self._fail_waiters(EngineDeadError("the server is shutting down"))
         for task in self._tasks:
             task.cancel()
-        self._unwatch()
+        for engine in range(len(self._pidfds)):
+            self._unwatch(engine)
         self._ctx.destroy(linger=0)
 
-    async def send_shutdown(self) -> None:
-        """Tells the engine core to stop (the launching API server, last)."""
-        await self._control.send(pack(["shutdown"]))
+    async def send_shutdown(self, engine: int) -> None:
+        """Tells an engine core to stop (the launching API server, last)."""
+        await self._controls[engine].send(pack(["shutdown"]))
 
     # -- readers -----------------------------------------------------------------------------------
     async def _read_outputs(self) -> None:
@@ -198,39 +227,40 @@ class CoreClient:
             elif msg[0] == "dead":
                 self._die(EngineDeadError(f"the engine stopped: {msg[1]}"))
 
-    async def _read_control(self) -> None:
+    async def _read_control(self, engine: int) -> None:
+        control = self._controls[engine]
         while True:
-            msg = unpack(await self._control.recv())
+            msg = unpack(await control.recv())
             kind = msg[0]
             if kind == "health":
-                self._core_healthy = msg[1]
+                self._core_healthy[engine] = msg[1]
             elif kind == "refused":
                 queue = self._queues.get(msg[1])
                 if queue is not None:
                     queue.put(_REFUSED[msg[2]](msg[3]))
             elif kind == "metrics":
-                future = self._scrapes.get(msg[1])
+                future = self._scrapes.get((engine, msg[1]))
                 if future is not None and not future.done():
                     future.set_result(msg[2])
 
-    def _core_exited(self) -> None:
-        self._unwatch()
-        if not self._gone.done():
-            self._gone.set_result(None)
+    def _core_exited(self, engine: int) -> None:
+        self._unwatch(engine)
+        if not self._gone[engine].done():
+            self._gone[engine].set_result(None)
         if not self._stopping:
-            log.error("the engine-core process (pid %d) exited", self.core_pid)
-            self._die(EngineDeadError("the engine-core process exited"))
+            log.error("the engine-core process %d (pid %d) exited", engine, self.core_pids[engine])
+            self._die(EngineDeadError(f"engine-core process {engine} exited"))
 
     def _die(self, exc: EngineDeadError) -> None:
         if self.error is None:
             self.error = exc
         self._fail_waiters(exc)
 
-    def _unwatch(self) -> None:
-        if self._pidfd is not None:
-            asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+    def _unwatch(self, engine: int) -> None:
+        if self._pidfds[engine] >= 0:
+            asyncio.get_running_loop().remove_reader(self._pidfds[engine])
+            os.close(self._pidfds[engine])
+            self._pidfds[engine] = -1
 
     def _fail_waiters(self, exc: BaseException) -> None:
         for queue in self._queues.values():

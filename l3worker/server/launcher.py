@@ -1,13 +1,15 @@
-"""`l3worker serve`'s processes: this one (API server 0, which launches the rest), the engine core,
-and with `--api-server-count N` N-1 more API servers on the same listening socket.
+"""`l3worker serve`'s processes: this one (API server 0, which launches the rest), the engine
+core(s) (`--data-parallel-size D`), and with `--api-server-count N` N-1 more API servers on the same
+listening socket.
 
     l3worker serve ── API server 0 (uvicorn on the bound socket)
-          ├── engine core (l3worker/engine_core.py: the worker, its step loop, its chip-children)
+          ├── engine cores 0..D-1 (l3worker/engine_core.py: a worker, its step loop, its chip-children;
+          │                        each its share of the devices, or on a cpu of the cores)
           └── API servers 1..N-1 (l3worker/server/api_server.py: the socket's descriptor inherited)
 
 Every process it starts runs in a session of its own, so a Ctrl-C at the terminal reaches this
 one alone, which stops the rest in order: the other API servers first (each aborts its requests
-while the core still runs), then the engine core (which stops its chip-children), then the socket
+while the core still runs), then the engine cores (each stops its chip-children), then the socket
 directory goes. Each started process also exits by itself when this one disappears.
 """
 from __future__ import annotations
@@ -23,8 +25,10 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
+from chip_child.device import allowed_cores, device_type
 from l3worker.engine_core import CoreConfig
 from l3worker.server.core_client import CoreClient
+from l3worker.server.router import Router, RouterConfig
 from l3worker.server.runner import ModelInfo, ServeOptions
 from l3worker.socket_dir import make_socket_dir
 
@@ -38,12 +42,13 @@ class ApiServerConfig:
 
     index: int
     fd: int  # the listening socket, inherited
-    control: str
+    controls: list[str]
     outputs: str
-    core_pid: int
+    core_pids: list[int]
     parent_pid: int
     model: dict  # ModelInfo
     options: dict  # ServeOptions
+    router: dict | None  # RouterConfig; None: one engine core
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -53,8 +58,47 @@ class ApiServerConfig:
         return cls(**json.loads(text))
 
 
-def _endpoints(run_dir: str, api_server_count: int) -> tuple[str, list[str]]:
-    return f"ipc://{run_dir}/core-control", [f"ipc://{run_dir}/api-{i}-outputs" for i in range(api_server_count)]
+def _endpoints(run_dir: str, dp_size: int, api_server_count: int) -> tuple[list[str], list[str]]:
+    # Short names: a socket path has at most 107 bytes.
+    return ([f"ipc://{run_dir}/core-{e}" for e in range(dp_size)],
+            [f"ipc://{run_dir}/out-{i}" for i in range(api_server_count)])
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """`--data-parallel-size` engine cores and how requests are routed to them."""
+
+    size: int = 1
+    routing: str = "cache_aware"
+
+    def engine_kwargs(self, worker_kwargs: dict, engine: int) -> dict:
+        """Engine `engine`'s worker arguments: its consecutive share of the device ids."""
+        if self.size == 1:
+            return worker_kwargs
+        ids = worker_kwargs.get("device_ids")
+        if ids is None:  # the default: each engine its tensor-parallel ranks' worth, in order
+            ids = list(range(self.size * (worker_kwargs.get("tensor_parallel_size") or 1)))
+        if len(ids) % self.size:
+            raise ValueError(f"--device-ids has {len(ids)} devices, which --data-parallel-size {self.size} "
+                             "cannot share equally")
+        per = len(ids) // self.size
+        return {**worker_kwargs, "device_ids": ids[engine * per:(engine + 1) * per]}
+
+    def cpu_cores(self, worker_kwargs: dict, engine: int) -> list[int] | None:
+        """On a cpu, engine `engine`'s consecutive share of this process's cores (None: all, or not a cpu)."""
+        if self.size == 1 or device_type(worker_kwargs["device"]) != "cpu":
+            return None
+        cores = allowed_cores()
+        if len(cores) < self.size:
+            return None  # fewer cores than engines: they share them all
+        per = len(cores) // self.size
+        return cores[engine * per:(engine + 1) * per]
+
+    def router(self, page_size: int, num_pages: int, max_num_seqs: int) -> RouterConfig | None:
+        """The margin: half a batch's rows; beyond it the request would wait for a row anyway."""
+        if self.size == 1:
+            return None
+        return RouterConfig(self.size, page_size, num_pages, self.routing, max(1, max_num_seqs // 2))
 
 
 def _spawn(module: str, config_json: str, **popen) -> subprocess.Popen:
@@ -70,7 +114,7 @@ class Launch:
     """The processes this API server started, and how to stop them."""
 
     run_dir: str
-    core: subprocess.Popen | None = None
+    cores: list[subprocess.Popen] = field(default_factory=list)
     api_servers: list[subprocess.Popen] = field(default_factory=list)
 
     def signal_api_servers(self) -> None:
@@ -80,19 +124,21 @@ class Launch:
                 proc.send_signal(signal.SIGTERM)
 
     async def shutdown(self, client: CoreClient) -> None:
-        """The other API servers, then the engine core, then the socket directory."""
+        """The other API servers, then the engine cores, then the socket directory."""
         loop = asyncio.get_running_loop()
         self.signal_api_servers()
         for proc in self.api_servers:
             await loop.run_in_executor(None, _wait_or_kill, proc)
-        if self.core is not None and self.core.poll() is None:
-            await client.send_shutdown()
-            await loop.run_in_executor(None, _wait_or_kill, self.core)
+        for engine, core in enumerate(self.cores):
+            if core.poll() is None:
+                await client.send_shutdown(engine)
+        for core in self.cores:
+            await loop.run_in_executor(None, _wait_or_kill, core)
         self.remove()
 
     def kill(self) -> None:
         """Start-up failed: nothing is serving yet."""
-        for proc in [*self.api_servers, *([self.core] if self.core else [])]:
+        for proc in [*self.api_servers, *self.cores]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             _wait_or_kill(proc)
@@ -111,16 +157,20 @@ def _wait_or_kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def launch_core(worker_kwargs: dict, api_server_count: int) -> tuple[Launch, CoreClient]:
-    """Starts the engine core (it prepares the worker on its own) and returns API server 0's
-    client, whose outputs socket is bound before the core starts."""
+def launch_core(worker_kwargs: dict, api_server_count: int, dp: DataParallel = DataParallel(),
+                router: RouterConfig | None = None) -> tuple[Launch, CoreClient]:
+    """Starts the engine cores (each prepares its worker on its own) and returns API server 0's
+    client, whose outputs socket is bound before the cores start."""
     launch = Launch(make_socket_dir("l3worker-serve-"))
-    control, outputs = _endpoints(launch.run_dir, api_server_count)
+    controls, outputs = _endpoints(launch.run_dir, dp.size, api_server_count)
     try:
-        client = CoreClient(0, control, outputs[0], 0, on_shutdown=launch.shutdown)
-        config = CoreConfig(worker_kwargs, control, outputs, os.getpid())
-        launch.core = _spawn("l3worker.engine_core", config.to_json())
-        client.core_pid = launch.core.pid
+        client = CoreClient(0, controls, outputs[0], [], Router(router) if router else None,
+                            on_shutdown=launch.shutdown)
+        for engine in range(dp.size):
+            config = CoreConfig(dp.engine_kwargs(worker_kwargs, engine), controls[engine], outputs, os.getpid(),
+                                engine, dp.cpu_cores(worker_kwargs, engine))
+            launch.cores.append(_spawn("l3worker.engine_core", config.to_json()))
+        client.core_pids = [core.pid for core in launch.cores]
     except BaseException:
         launch.kill()
         raise
@@ -128,10 +178,10 @@ def launch_core(worker_kwargs: dict, api_server_count: int) -> tuple[Launch, Cor
 
 
 def launch_api_servers(launch: Launch, count: int, sock: socket.socket, info: ModelInfo,
-                       options: ServeOptions) -> None:
-    """API servers 1..count-1 on `sock`, each with its own engine connection."""
-    control, outputs = _endpoints(launch.run_dir, count)
+                       options: ServeOptions, router: RouterConfig | None = None) -> None:
+    """API servers 1..count-1 on `sock`, each with its own engine connections and router."""
+    controls, outputs = _endpoints(launch.run_dir, len(launch.cores), count)
     for index in range(1, count):
-        config = ApiServerConfig(index, sock.fileno(), control, outputs[index], launch.core.pid, os.getpid(),
-                                 asdict(info), asdict(options))
+        config = ApiServerConfig(index, sock.fileno(), controls, outputs[index], [c.pid for c in launch.cores],
+                                 os.getpid(), asdict(info), asdict(options), asdict(router) if router else None)
         launch.api_servers.append(_spawn("l3worker.server.api_server", config.to_json(), pass_fds=(sock.fileno(),)))
