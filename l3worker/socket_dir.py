@@ -6,7 +6,9 @@ import tempfile
 
 import zmq
 
-_NAME_ROOM = 24  # the longest socket file name written into such a directory, with its slash
+# The longest socket file name written into such a directory, with its slash: "/chip15-99999.sock"
+# (rank, restart generation), beside "/core-7" and "/out-7".
+_NAME_ROOM = 20
 _RANDOM_SUFFIX = 8  # what mkdtemp appends to the prefix
 
 
