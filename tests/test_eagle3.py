@@ -78,3 +78,17 @@ def test_a_head_whose_d2t_leaves_the_target_vocabulary_is_refused(tmp_path) -> N
     save_file(tensors, str(head / "model.safetensors"))
     with pytest.raises(ValueError, match="d2t maps draft ids outside the target's 320 ids"):
         DistributedWorker(**SMALL, speculative_config=_eagle(head))
+
+
+@pytest.mark.parametrize("parallel", [
+    {"device_ids": [0, 0]},  # two ranks on this node
+    {"tensor_parallel_size": 2, "nnodes": 2},  # one rank here, one on a follower node (a port added below)
+], ids=["one-node", "two-nodes"])
+def test_eagle3_under_tensor_parallel_is_refused(tmp_path, parallel) -> None:
+    from l3worker.nodes import free_master_port
+
+    head = write_head(tmp_path / "head")
+    if "nnodes" in parallel:  # refused before anything binds it
+        parallel = {**parallel, "master_port": free_master_port(2)}
+    with pytest.raises(ValueError, match="eagle3 runs without tensor parallelism"):
+        DistributedWorker(**SMALL, **parallel, speculative_config=_eagle(head))
