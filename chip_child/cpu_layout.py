@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from chip_child.device import is_socket_thread, process_threads
 from chip_child.loader import ModelConfig
 
 # Weight elements a decode step reads from which every core is preferred: between the 230k- and
@@ -83,31 +85,51 @@ def decide_cpu_layout(decode_s: dict[str, list[float]], preferred: str, other_co
     return preferred
 
 
-def choose_cpu_layout(time_steps: Callable[[], tuple[float, float]], spare_threads: int, every_cores: list[int],
-                      preferred: str, rounds: int = ROUNDS) -> dict:
+@dataclass(frozen=True)
+class LayoutCores:
+    """Where a cpu child's threads run under each layout. `spare` is the child's share under
+    spare_core (every core where nothing is pinned: pin_cores=False), `service` the core left to
+    the parent and every socket thread (empty: socket threads unpinned)."""
+
+    every: list[int]
+    spare: list[int]
+    service: list[int]
+
+    def mask(self, layout: str) -> list[int]:
+        return self.every if layout == "every_core" else self.spare
+
+    def threads(self, layout: str) -> int:
+        return len(self.every) if layout == "every_core" else max(1, len(self.every) - 1)
+
+    def socket_cores(self, layout: str) -> list[int]:
+        """Where socket threads run under `layout`: as a worker started with that layout fixed
+        puts them (spare_core: the service core; every_core: anywhere)."""
+        return self.service if layout == "spare_core" and self.service else self.every
+
+
+def choose_cpu_layout(time_steps: Callable[[], tuple[float, float]], cores: LayoutCores, preferred: str,
+                      rounds: int = ROUNDS) -> dict:
     """Times `time_steps()` (seconds of a prefill step and of a decode step) under the
-    `spare_core` layout (the caller's threads and affinities as they are, `spare_threads`
-    threads) and the `every_core` one (every thread of this process allowed on `every_cores`,
-    one intra-op thread per core), alternated over `rounds`; sets the threads as
-    decide_cpu_layout says, given the rounds' decode times and the cores other processes kept
-    busy meanwhile. Returns the choice, the preferred layout, the median times, that load and how
-    long the trial took."""
+    `spare_core` and `every_core` layouts (`cores`), alternated over `rounds`, from threads set
+    up as `preferred` has them; sets every thread of this process as decide_cpu_layout says, given
+    the rounds' decode times and the cores other processes kept busy meanwhile (socket threads
+    too: where a worker started with the chosen layout fixed would have them). Returns the
+    choice, the preferred layout, the median times, that load and how long the trial took."""
     t0 = time.perf_counter()
     busy0 = _others_busy_s()
-    pinned = _thread_affinities()
     times: dict[str, list[tuple[float, float]]] = {"spare_core": [], "every_core": []}
     try:
         for _ in range(rounds):
             for layout in times:
-                set_layout(layout, spare_threads, every_cores, pinned)
+                set_layout(layout, cores)
                 times[layout].append(tuple(time_steps()))
     except BaseException:
-        set_layout("spare_core", spare_threads, every_cores, pinned)
+        set_layout(preferred, cores)
         raise
     busy1 = _others_busy_s()
     other_cores = (busy1 - busy0) / (time.perf_counter() - t0) if busy0 is not None and busy1 is not None else 0.0
     chosen = decide_cpu_layout({layout: [d for _, d in t] for layout, t in times.items()}, preferred, other_cores)
-    set_layout(chosen, spare_threads, every_cores, pinned)
+    set_layout(chosen, cores)
     median = lambda xs: float(sorted(xs)[len(xs) // 2])  # noqa: E731
     step_s = {layout: {"prefill": median([p for p, _ in t]), "decode": median([d for _, d in t])}
               for layout, t in times.items()}
@@ -127,25 +149,14 @@ def _others_busy_s() -> float | None:
     return busy - sum(os.times()[:2])
 
 
-def _thread_affinities() -> dict[int, set[int]]:
-    """Every thread of this process and its affinity mask (empty where the platform has none)."""
-    if not (hasattr(os, "sched_getaffinity") and os.path.isdir("/proc/self/task")):
-        return {}
-    masks = {}
-    for tid in os.listdir("/proc/self/task"):
+def set_layout(layout: str, cores: LayoutCores) -> None:
+    """Every thread of this process on the layout's cores (OpenMP workers started under
+    every_core stay outside spare_core's smaller team), socket threads where that layout puts
+    them, and the layout's intra-op thread count."""
+    for tid, name in process_threads().items():
+        mask = cores.socket_cores(layout) if is_socket_thread(name) else cores.mask(layout)
         try:
-            masks[int(tid)] = os.sched_getaffinity(int(tid))
+            os.sched_setaffinity(tid, mask)
         except OSError:  # a thread that just ended
             pass
-    return masks
-
-
-def set_layout(layout: str, spare_threads: int, every_cores: list[int], pinned: dict[int, set[int]]) -> None:
-    """Threads started under every_core (OpenMP workers) keep its mask: with spare_core's fewer
-    threads they are not part of the team."""
-    for tid, mask in pinned.items():
-        try:
-            os.sched_setaffinity(tid, every_cores if layout == "every_core" else mask)
-        except OSError:
-            pass
-    torch.set_num_threads(len(every_cores) if layout == "every_core" else spare_threads)
+    torch.set_num_threads(cores.threads(layout))

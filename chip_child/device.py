@@ -133,6 +133,44 @@ def pin_socket_threads(ctx: zmq.Context, cores: list[int]) -> None:
         pass
 
 
+# libzmq (4.3 on) names its background threads "ZMQbg/IO/0", "ZMQbg/Reaper": how a thread that
+# already runs is told apart from the process's own (OpenMP workers, the main thread).
+SOCKET_THREAD_PREFIX = "ZMQbg/"
+
+
+def is_socket_thread(name: str) -> bool:
+    return name.startswith(SOCKET_THREAD_PREFIX)
+
+
+def process_threads() -> dict[int, str]:
+    """Every thread of this process and its name; empty where the platform has no /proc."""
+    threads = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                threads[int(tid)] = f.read().strip()
+        except OSError:  # a thread that just ended
+            pass
+    return threads
+
+
+def repin_socket_threads(cores: list[int]) -> None:
+    """Moves the ZeroMQ threads already running in this process to `cores` (pin_socket_threads
+    acts on a context before its threads start; this, after a layout changed under them)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    for tid, name in process_threads().items():
+        if is_socket_thread(name):
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError:
+                pass
+
+
 def synchronize(dev: torch.device) -> None:
     if dev.type != "cpu":
         getattr(torch, dev.type).synchronize(dev)

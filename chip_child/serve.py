@@ -24,7 +24,7 @@ import zmq
 
 from chip_child import protocol
 from chip_child.config import RuntimeConfig
-from chip_child.cpu_layout import choose_cpu_layout, preferred_cpu_layout, step_weight_elements
+from chip_child.cpu_layout import LayoutCores, choose_cpu_layout
 from chip_child.device import pin_socket_threads
 from chip_child.runtime import ChipRuntime, LaunchedStep, StepOutputs
 from chip_child.spec import ChildSpec
@@ -99,17 +99,18 @@ def _inject_fault(rt: ChipRuntime, fault: str) -> None:
 
 
 def start_runtime(spec: ChildSpec) -> tuple[ChipRuntime, dict]:
-    """Opens the device and builds the runtime (weights, KV cache, warm-up); with layout_cores,
+    """Opens the device and builds the runtime (weights, KV cache, warm-up); with layout_trial,
     times the cpu layouts first. Returns the runtime and what the trial chose."""
     if spec.cpu_cores:
         os.sched_setaffinity(0, spec.cpu_cores)  # before torch starts its thread pool
     rt = ChipRuntime(RuntimeConfig(**spec.runtime))
     try:
         layout = {"layout": None, "preferred": None, "step_s": None, "other_cores": None, "trial_s": None}
-        if spec.layout_cores:
-            preferred = preferred_cpu_layout(step_weight_elements(rt.model_cfg), len(spec.layout_cores))
+        if spec.layout_trial:
+            trial = dict(spec.layout_trial)
+            preferred, cores = trial.pop("preferred"), LayoutCores(**trial)
             layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
-                                       torch.get_num_threads(), spec.layout_cores, preferred)
+                                       cores, preferred)
             rt.reset()
         if spec.fault:
             _inject_fault(rt, spec.fault)

@@ -21,7 +21,9 @@ class ChildSpec:
     wake_every_step: bool = False  # send a wake-up after every step, not only to a sleeping parent
     cpu_cores: list[int] | None = None  # a cpu child's threads run here only
     service_cores: list[int] | None = None  # and its socket threads here
-    layout_cores: list[int] | None = None  # cpu_layout="auto": the cores every_core would take; times both
+    # cpu_layout="auto": the layout the rule prefers, which the threads and pins above set up,
+    # and chip_child.cpu_layout.LayoutCores' fields; the child times both layouts and keeps one
+    layout_trial: dict | None = None
     fault: str | None = None  # test-only: "[CALLABLE:]raise@N", "hang@N" or "exit@N"; CALLABLE "startup": at start-up
     overlap_steps: bool | None = None  # launch a step before completing the last; None: on accelerators
     generation: int = 0  # how many times the parent restarted its children before this start

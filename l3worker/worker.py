@@ -24,8 +24,9 @@ from tqdm import tqdm
 from chip_child.attention import get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.eagle3 import head_config
-from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, allowed_cores, available_cores,
-                                check_optional_bool, default_cpu_threads, device_type, pin_socket_threads, plan_cores)
+from chip_child.cpu_layout import step_weight_elements
+from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, available_cores, check_optional_bool, device_type,
+                                pin_socket_threads)
 from chip_child.fused import resolve_fused_kernels
 from chip_child.graphs import resolve_decode_graphs
 from chip_child.loader import load_config, load_tokenizer, resolve_dtype
@@ -34,6 +35,7 @@ from chip_child.prepack import resolve_cpu_prepack
 from chip_child.speculative_config import SpeculativeConfig
 from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.child import ChildProcess, child_spec, wait_all_ready
+from l3worker.cpu_placement import CpuPlacement
 from l3worker.shared import StepBuffers
 from l3worker.speculation import speculative_tokens
 from l3worker.doorbell import ORDERED_STORES, Doorbell
@@ -216,8 +218,9 @@ class DistributedWorker:
         self._faults = [fault_injection] if isinstance(fault_injection, str) or fault_injection is None \
             else list(fault_injection)
         self._generation = 0  # starts of the children so far, restarts included
-        self._threads: int | None = None
-        self._layout_cores: list[int] | None = None
+        self._placement = CpuPlacement(cpu_layout, num_threads, pin_cores, device_type(device) == "cpu",
+                                       step_weight_elements(self.model_config), layout.tensor_parallel_size,
+                                       self.runtime_config.reachable_positions)
         check_optional_bool("overlap_steps", overlap_steps)
         self.overlap_steps = overlap_steps
         self._children: list[ChildProcess] = []
@@ -249,10 +252,7 @@ class DistributedWorker:
             self._socket_dir = make_socket_dir("l3worker-")
             self._ctx = zmq.Context()
             self._state = "ready"  # from here on close() has something to release
-            local = len(self.device_ids)
-            self._threads = self._cpu_threads(local)
-            self._core_plan = plan = self._plan_cores(local, self._threads)
-            self._layout_cores = self._layout_trial(self.layout.tensor_parallel_size)
+            self._core_plan = plan = self._plan_cores()
             self._nodes = [RemoteNode(self._ctx, self.layout, node, self._buffers)
                            for node in range(1, self.layout.nnodes)]
             _live_workers.add(self)
@@ -273,6 +273,8 @@ class DistributedWorker:
         the head's word, with the same config."""
         cfg, plan, gen, layout = self.runtime_config, self._core_plan, self._generation, self.layout
         world = layout.tensor_parallel_size
+        threads = self._placement.threads(len(self.device_ids))
+        trial = self._placement.trial(others_pinned=self._others_pinned())
         fault = self._faults[gen] if gen < len(self._faults) else None
         self._generation += 1
         dist_init = None if world == 1 else layout.dist_init if layout.nnodes > 1 else \
@@ -286,33 +288,35 @@ class DistributedWorker:
             node.start(gen, dict(launch, node_rank=node.node), self.startup_timeout_s, self.engine.stopping)
         for rank, device_id in enumerate(self.device_ids):
             rc = replace(cfg, device_id=device_id, tp_rank=rank)
-            if self._threads is not None:
+            if threads is not None:
                 # The child's own default would count only the cores it is pinned to.
-                rc = replace(rc, num_threads=self._threads)
+                rc = replace(rc, num_threads=threads)
             spec = child_spec(rank, rc, self._buffers, self._socket_dir, wake_every_step=not ORDERED_STORES,
                               fault=fault, cpu_cores=plan.children[rank] if plan else None,
                               service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
-                              layout_cores=self._layout_cores, generation=gen)
+                              layout_trial=trial, generation=gen)
             self._children.insert(rank, ChildProcess(self._ctx, spec, self._buffers))  # local ranks first
         wait_all_ready(self._children, self.startup_timeout_s, self.engine.stopping)
-        if self._layout_cores and self._children[0].info.get("cpu_layout") == "spare_core":
-            # Restarts keep the layout the trial chose, and skip the trial (seconds on a loaded
-            # machine): spare_core is a child's set-up without one.
-            self._layout_cores = None
+        # Restarts run what the trial chose, untimed (it takes seconds on a loaded machine).
+        self._placement.started(trial, self._children[0].info.get("cpu_layout"))
+        if trial is not None:
+            self._core_plan = self._plan_cores()
         self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget(),
                                   self.engine.stopping)
         self.engine.metrics.set_cpu_layout(self.cpu_layout_in_use)
 
     @property
     def cpu_layout_in_use(self) -> str | None:
-        """The layout the cpu children run with: what the start-up trial chose, else the one
+        """The layout the cpu children run with: what the start-up trial chose (this start's or the
+        first's), else the one
         asked for, else (`auto` without a trial) what their threads amount to: every_core where
         they take every core. None off the cpu or before the children started."""
         info = self._children[0].info if self._children else {}
         if info.get("device") != "cpu":
             return None
-        if info.get("cpu_layout"):
-            return info["cpu_layout"]
+        chosen = info.get("cpu_layout") or self._placement.chosen
+        if chosen:
+            return chosen
         if self.cpu_layout != "auto":
             return self.cpu_layout
         return "every_core" if info.get("threads", 1) * len(self._children) >= available_cores() else "spare_core"
@@ -334,35 +338,11 @@ class DistributedWorker:
             child.stop(grace_s)
         self._doorbell = None
 
-    def _cpu_threads(self, children: int) -> int | None:
-        """Intra-op threads per cpu child (None off the cpu): num_threads, else the layout's;
-        `auto` starts a child as `spare_core` (see _layout_trial)."""
-        if device_type(self.runtime_config.device) != "cpu":
-            return None
-        layout = "spare_core" if self.cpu_layout == "auto" else self.cpu_layout
-        return self.runtime_config.num_threads or default_cpu_threads(children, layout)
+    def _others_pinned(self) -> bool:
+        return any(w._core_plan for w in _live_workers if w is not self)
 
-    def _layout_trial(self, children: int) -> list[int] | None:
-        """With cpu_layout="auto", one cpu child and more than one core, the child prefers a layout
-        by the model's size and the core count, and times its decode step with a core spared for
-        the parent and with every core: only a clear win of the other layout, beyond the trial's
-        noise, moves it (chip_child.cpu_layout; every core loses on a loaded machine). Returns the
-        cores every_core would take; None: no trial (tensor-parallel children step together and
-        keep spare_core; a cache of fewer than 3 positions has no room for the timed steps)."""
-        cfg = self.runtime_config
-        if (self.cpu_layout != "auto" or cfg.num_threads is not None or children != 1
-                or device_type(cfg.device) != "cpu" or available_cores() < 2 or cfg.reachable_positions < 3):
-            return None
-        return allowed_cores()
-
-    def _plan_cores(self, children: int, threads: int | None) -> CorePlan | None:
-        """Cores for cpu children only, and not when another worker of this process already
-        pinned its children: both would pick the same cores."""
-        if not self.pin_cores or threads is None:
-            return None
-        if any(w._core_plan for w in _live_workers if w is not self):
-            return None
-        return plan_cores(children, threads)
+    def _plan_cores(self) -> CorePlan | None:
+        return self._placement.plan(len(self.device_ids), self._others_pinned())
 
     def _spin_budget(self) -> float:
         """Spin only where a core is free for it: on accelerators, or when the cpu children's

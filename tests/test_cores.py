@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from chip_child import cpu_layout, device
+from l3worker import cpu_placement
+from l3worker.cpu_placement import CpuPlacement
 from chip_child.device import CorePlan, allowed_cores, plan_cores
 from l3worker import DistributedWorker, SamplingParams
 
@@ -98,6 +100,31 @@ def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: 
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+def test_auto_preferring_every_core_starts_and_runs_as_that_layout_fixed(ckpt: Path, monkeypatch) -> None:
+    """The rule prefers every core (the threshold lowered for the test's small model): the child
+    starts unpinned on every core, and whatever the trial keeps, every thread, the child's and
+    the parent's socket threads included, ends where a worker with that layout fixed puts it."""
+    if len(allowed_cores()) < 2:
+        pytest.skip("one core: nothing to choose")
+    monkeypatch.setattr(cpu_layout, "EVERY_CORE_MIN_WEIGHTS", 0)
+    parent_before = set(zmq_threads(os.getpid()))
+    with DistributedWorker(ckpt, **{**COMMON, "num_threads": None}) as w:
+        s = w.stats()
+        assert s["cpu_layout_preferred"] == "every_core"
+        parent_io = set(zmq_threads(os.getpid())) - parent_before
+        child_io = zmq_threads(w.child_pids[0])
+        if s["cpu_layout"] == "every_core":
+            assert_every_core(w)
+            sockets = set(allowed_cores())
+        else:  # other processes kept the machine busy through the trial
+            assert_spare_core(w)
+            sockets = set(plan_cores(1, len(allowed_cores()) - 1).service)
+        assert parent_io and child_io
+        assert all(os.sched_getaffinity(t) == sockets for t in [*parent_io, *child_io])
+        assert w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
 def test_explicit_layouts_are_not_timed_and_are_reported(ckpt: Path) -> None:
     if len(allowed_cores()) < 2:
         pytest.skip("one core: both layouts are one thread")
@@ -148,21 +175,65 @@ def test_a_second_worker_is_left_unpinned_while_the_first_holds_its_cores(ckpt: 
 
 def test_accelerator_children_are_not_pinned_nor_timed(ckpt: Path) -> None:
     w = DistributedWorker(ckpt, **{**COMMON, "device": "cuda", "num_threads": None})
-    assert w._cpu_threads(1) is None and w._plan_cores(1, w._cpu_threads(1)) is None
-    assert w._layout_trial(1) is None
+    assert w._placement.threads(1) is None and w._plan_cores() is None
+    assert w._placement.trial(others_pinned=False) is None
     assert w.cpu_layout_in_use is None  # no cpu children: no layout, and no metric series
 
 
-def test_tensor_parallel_cpu_children_keep_a_core_spare_untimed(ckpt: Path, monkeypatch) -> None:
-    import l3worker.worker
+def placement(**fields) -> CpuPlacement:
+    return CpuPlacement(**{**dict(layout="auto", num_threads=None, pin_cores=True, on_cpu=True,
+                                  step_weights=cpu_layout.EVERY_CORE_MIN_WEIGHTS, tensor_parallel_size=1,
+                                  reachable_positions=64), **fields})
 
-    for module in (device, l3worker.worker):
-        monkeypatch.setattr(module, "allowed_cores", lambda: list(range(8)))
-    w = DistributedWorker(ckpt, **{**COMMON, "num_threads": None})
-    assert w._layout_trial(2) is None and w._cpu_threads(2) == 3
-    assert w._layout_trial(1) == list(range(8)) and w._cpu_threads(1) == 7  # starts as spare_core
-    tiny_cache = DistributedWorker(ckpt, **{**COMMON, "num_threads": None, "page_size": 1, "num_pages": 2})
-    assert tiny_cache._layout_trial(1) is None  # no room for a prompt and two decode steps
+
+def test_tensor_parallel_cpu_children_keep_a_core_spare_untimed(monkeypatch) -> None:
+    monkeypatch.setattr(device, "allowed_cores", lambda: list(range(8)))
+    monkeypatch.setattr(cpu_placement, "allowed_cores", lambda: list(range(8)))
+    tp = placement(tensor_parallel_size=2)
+    assert tp.trial(others_pinned=False) is None and tp.threads(2) == 3
+    assert placement(reachable_positions=2).trial(others_pinned=False) is None  # no room for the timed steps
+
+
+@pytest.mark.parametrize("weights, start", [(cpu_layout.EVERY_CORE_MIN_WEIGHTS, "every_core"),
+                                            (cpu_layout.EVERY_CORE_MIN_WEIGHTS - 1, "spare_core")])
+def test_auto_starts_as_the_fixed_preferred_layout_would(monkeypatch, weights: int, start: str) -> None:
+    """The first start sets up the rule's layout exactly as that layout fixed does (threads, core
+    plan), and the trial gets both layouts' cores."""
+    for module in (device, cpu_placement):
+        monkeypatch.setattr(module, "allowed_cores", lambda: [0, 1])
+    auto, fixed = placement(step_weights=weights), placement(layout=start)
+    assert auto.start_layout(1) == start
+    assert (auto.threads(1), auto.plan(1, False)) == (fixed.threads(1), fixed.plan(1, False))
+    assert auto.trial(others_pinned=False) == {"preferred": start, "every": [0, 1], "spare": [1], "service": [0]}
+    # pinned by another worker of this process, or pin_cores=False: spare_core pins nothing
+    assert auto.trial(others_pinned=True) == {"preferred": start, "every": [0, 1], "spare": [0, 1], "service": []}
+    assert fixed.trial(others_pinned=False) is None  # a layout asked for is not timed
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+def test_a_changed_choice_moves_the_parents_socket_threads_and_restarts_keep_it(monkeypatch) -> None:
+    import zmq
+
+    cores = allowed_cores()
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to choose")
+    auto = placement()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    try:
+        sockets = [tid for tid, name in device.process_threads().items() if device.is_socket_thread(name)]
+        trial = auto.trial(others_pinned=False)
+        assert trial["preferred"] == "every_core"
+        auto.started(trial, "spare_core")  # the trial saw a loaded machine
+        assert all(os.sched_getaffinity(t) == set(trial["service"]) for t in sockets)
+        assert auto.chosen == "spare_core" and auto.start_layout(1) == "spare_core"
+        assert auto.trial(others_pinned=False) is None  # a restart is not timed
+        assert auto.threads(1) == len(cores) - 1
+    finally:
+        for tid in sockets:
+            os.sched_setaffinity(tid, cores)
+        sock.close()
+        ctx.term()
 
 
 def test_pin_cores_must_be_a_bool(ckpt: Path) -> None:

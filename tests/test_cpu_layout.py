@@ -15,9 +15,9 @@ import torch
 
 from chip_child import cpu_layout
 from chip_child.config import RuntimeConfig
-from chip_child.cpu_layout import (EVERY_CORE_MIN_WEIGHTS, SWITCH_MARGIN, choose_cpu_layout, decide_cpu_layout,
-                                   preferred_cpu_layout, step_weight_elements)
-from chip_child.device import allowed_cores
+from chip_child.cpu_layout import (EVERY_CORE_MIN_WEIGHTS, SWITCH_MARGIN, LayoutCores, choose_cpu_layout,
+                                   decide_cpu_layout, preferred_cpu_layout, set_layout, step_weight_elements)
+from chip_child.device import allowed_cores, process_threads
 from chip_child.loader import load_config
 from chip_child.runtime import ChipRuntime
 from chip_child.spec import ChildSpec
@@ -135,7 +135,11 @@ class FakeLoad:
 def restore_threads():
     cores, threads = allowed_cores(), torch.get_num_threads()
     yield cores
-    os.sched_setaffinity(0, cores)
+    for tid in process_threads():  # set_layout moves every thread of the process
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            pass
     torch.set_num_threads(threads)
 
 
@@ -147,49 +151,52 @@ def restore_threads():
 def test_the_threads_run_as_chosen(restore_threads, monkeypatch, preferred, every_s, chosen) -> None:
     cores = restore_threads
     monkeypatch.setattr(cpu_layout, "_others_busy_s", FakeLoad(0.0))
-    os.sched_setaffinity(0, cores[-1:])  # this thread pinned, as a spare_core child's are
-    torch.set_num_threads(1)
+    layouts = LayoutCores(every=cores, spare=cores[-1:], service=cores[:1])
+    set_layout(preferred, layouts)  # the child starts as the rule prefers
     steps = FakeSteps(cores, 1.0, every_s, seed=0)
-    result = choose_cpu_layout(steps, 1, cores, preferred)
+    result = choose_cpu_layout(steps, layouts, preferred)
     assert result["layout"] == chosen and result["preferred"] == preferred and result["trial_s"] >= 0
     assert result["other_cores"] == pytest.approx(0.0)
     assert set(result["step_s"]) == {"spare_core", "every_core"}
     assert steps.seen == ["spare_core", "every_core"] * cpu_layout.ROUNDS  # alternated
     if chosen == "every_core":
         assert torch.get_num_threads() == len(cores) and os.sched_getaffinity(0) == set(cores)
-    else:  # back as it was
-        assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {cores[-1]}
+    else:
+        assert torch.get_num_threads() == len(cores) - 1 and os.sched_getaffinity(0) == {cores[-1]}
 
 
 @needs_affinity
 def test_a_trial_on_a_loaded_machine_keeps_a_core_spare(restore_threads, monkeypatch) -> None:
     cores = restore_threads
     monkeypatch.setattr(cpu_layout, "_others_busy_s", FakeLoad(1.0))
-    os.sched_setaffinity(0, cores[-1:])
-    torch.set_num_threads(1)
-    result = choose_cpu_layout(FakeSteps(cores, 1.0, 0.5, seed=0), 1, cores, "every_core")
+    layouts = LayoutCores(every=cores, spare=cores[-1:], service=cores[:1])
+    set_layout("every_core", layouts)
+    result = choose_cpu_layout(FakeSteps(cores, 1.0, 0.5, seed=0), layouts, "every_core")
     assert result["layout"] == "spare_core" and result["other_cores"] == pytest.approx(1.0, rel=0.05)
-    assert torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {cores[-1]}
+    assert torch.get_num_threads() == len(cores) - 1 and os.sched_getaffinity(0) == {cores[-1]}
 
 
 @needs_affinity
-@pytest.mark.parametrize("min_weights, every_s, chosen", [
-    (None, 0.95, "spare_core"),  # the test model is tiny: spare_core, every core barely faster
-    (0, 1.05, "every_core"),  # the rule prefers every core; spare_core barely faster
+@pytest.mark.parametrize("preferred, every_s, chosen", [
+    ("spare_core", 0.95, "spare_core"),  # every core barely faster: the preference holds
+    ("every_core", 1.05, "every_core"),  # spare_core barely faster: likewise
+    ("every_core", 3.0, "spare_core"),  # every core far slower: the trial moves it
 ])
 def test_back_to_back_starts_choose_the_same_layout_and_report_it(make_checkpoint, monkeypatch, restore_threads,
-                                                                  min_weights, every_s, chosen) -> None:
-    """The child's start-up (chip_child.serve.start_runtime), twice, each with its own noise."""
+                                                                  preferred, every_s, chosen) -> None:
+    """The child's start-up (chip_child.serve.start_runtime), twice, each with its own noise,
+    from threads set up as the parent sets up the preferred layout."""
     from chip_child.serve import ready_message, start_runtime
     import msgpack
 
     cores = restore_threads
     monkeypatch.setattr(cpu_layout, "_others_busy_s", FakeLoad(0.0))
-    if min_weights is not None:
-        monkeypatch.setattr(cpu_layout, "EVERY_CORE_MIN_WEIGHTS", min_weights)
+    layouts = LayoutCores(every=cores, spare=cores[1:], service=cores[:1])
     rc = RuntimeConfig(str(make_checkpoint("default")), device="cpu", dtype="float32", max_batch_size=2,
-                       max_seq_len=64, page_size=8, num_threads=len(cores) - 1)
-    spec = ChildSpec(rank=0, socket_dir="", runtime=asdict(rc), buffers={}, cpu_cores=cores[1:], layout_cores=cores)
+                       max_seq_len=64, page_size=8, num_threads=layouts.threads(preferred))
+    spec = ChildSpec(rank=0, socket_dir="", runtime=asdict(rc), buffers={},
+                     cpu_cores=layouts.spare if preferred == "spare_core" else None,
+                     layout_trial={"preferred": preferred, **asdict(layouts)})
     for seed in range(2):
         monkeypatch.setattr(ChipRuntime, "time_steps", FakeSteps(cores, 1.0, every_s, seed))
         rt, layout = start_runtime(spec)
@@ -197,8 +204,32 @@ def test_back_to_back_starts_choose_the_same_layout_and_report_it(make_checkpoin
             ready = msgpack.unpackb(ready_message(rt, layout))
         finally:
             rt.close()
-        assert ready["cpu_layout"] == chosen
-        threads, mask = (len(cores), cores) if chosen == "every_core" else (len(cores) - 1, cores[1:])
-        assert ready["threads"] == threads == torch.get_num_threads()
-        assert ready["cores"] == sorted(mask) == sorted(os.sched_getaffinity(0))
+        assert ready["cpu_layout"] == chosen and ready["layout_preferred"] == preferred
+        assert ready["threads"] == layouts.threads(chosen) == torch.get_num_threads()
+        assert ready["cores"] == sorted(layouts.mask(chosen)) == sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, cores)  # as the next start's process would begin
+
+
+@needs_affinity
+def test_socket_threads_go_where_the_chosen_layout_puts_them(restore_threads) -> None:
+    """A worker with the layout fixed pins its ZeroMQ threads to the service core under
+    spare_core and leaves them on every core under every_core; set_layout does the same to
+    threads that already run."""
+    import zmq
+
+    cores = restore_threads
+    layouts = LayoutCores(every=cores, spare=cores[1:], service=cores[:1])
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)  # starts the context's threads
+    try:
+        sockets = [tid for tid, name in process_threads().items() if name.startswith("ZMQbg/")]
+        assert sockets
+        set_layout("spare_core", layouts)
+        assert all(os.sched_getaffinity(t) == {cores[0]} for t in sockets)
+        assert os.sched_getaffinity(0) == set(cores[1:])
+        set_layout("every_core", layouts)
+        assert all(os.sched_getaffinity(t) == set(cores) for t in sockets)
+        assert os.sched_getaffinity(0) == set(cores)
+    finally:
+        sock.close()
+        ctx.term()
