@@ -147,13 +147,13 @@ class Launched:
 
     def cpu_s(self) -> dict | None:
         """CPU seconds of the API server processes (`l3worker serve` and any --api-server-count
-        others) and of the engine-core process, not the chip-children's; None without psutil."""
+        others), of the engine-core process and of the chip-children; None without psutil."""
         try:
             import psutil
         except ImportError:
             return None
         main = psutil.Process(self.proc.pid)
-        spent = {"api_servers": sum(main.cpu_times()[:2]), "engine_core": 0.0}
+        spent = {"api_servers": sum(main.cpu_times()[:2]), "engine_core": 0.0, "chip_children": 0.0}
         for proc in main.children(recursive=True):
             try:
                 cmdline, cpu = proc.cmdline(), sum(proc.cpu_times()[:2])
@@ -163,6 +163,8 @@ class Launched:
                 spent["api_servers"] += cpu
             elif "l3worker.engine_core" in cmdline:
                 spent["engine_core"] += cpu
+            elif "chip_child" in cmdline:
+                spent["chip_children"] += cpu
         return spent
 
     def stop(self) -> int:
@@ -220,8 +222,10 @@ def print_report(args: argparse.Namespace, result: dict) -> None:
         print(f"{'prefix cache hit rate (prompt tokens)':<40} {s['prefix_cache_hit_rate']:.3f}")
     if s.get("server_cpu_us_per_token"):
         print(f"{'API server CPU per output token (us)':<40} {s['server_cpu_us_per_token']:.1f}")
-    if s.get("engine_core_cpu_us_per_token"):
-        print(f"{'engine core CPU per output token (us)':<40} {s['engine_core_cpu_us_per_token']:.1f}")
+    for key, label in (("engine_core", "engine core"), ("chip_children", "chip-children"),
+                       ("client", "load client (this process)")):
+        if s.get(f"{key}_cpu_us_per_token"):
+            print(f"{label + ' CPU per output token (us)':<40} {s[f'{key}_cpu_us_per_token']:.1f}")
     if result.get("idle"):
         i = result["idle"]
         print(f"{'idle server CPU':<40} {i['server_cpu_s']:.3f} s server + {i['children_cpu_s']:.3f} s children "
@@ -275,13 +279,16 @@ def main(argv=None) -> int:
             run = {"offline": offline_tpot(args, samples)} if args.offline else {}
             cpu0 = server.cpu_s() if server else None
             counters0 = scrape(base_url)
+            client0 = _own_cpu_s()
             run["served"], outputs = serve_once(args, base_url, model, samples, args.request_rate[0])
+            tokens = max(run["served"]["total_output_tokens"], 1)
+            run["served"]["client_cpu_us_per_token"] = (_own_cpu_s() - client0) / tokens * 1e6
             run["served"]["prefix_cache_hit_rate"] = prefix_hit_rate(counters0, scrape(base_url))
             if cpu0 is not None:  # includes the test request's few tokens
-                cpu1, tokens = server.cpu_s(), max(run["served"]["total_output_tokens"], 1)
-                run["served"]["server_cpu_us_per_token"] = (cpu1["api_servers"] - cpu0["api_servers"]) / tokens * 1e6
-                run["served"]["engine_core_cpu_us_per_token"] = \
-                    (cpu1["engine_core"] - cpu0["engine_core"]) / tokens * 1e6
+                cpu1 = server.cpu_s()
+                for name, key in (("api_servers", "server"), ("engine_core", "engine_core"),
+                                  ("chip_children", "chip_children")):
+                    run["served"][f"{key}_cpu_us_per_token"] = (cpu1[name] - cpu0[name]) / tokens * 1e6
             result["repeats"].append(run)
         result["server_after"] = scrape(base_url)
         result["per_request"] = [asdict(o) | {"tpot": o.tpot} for o in outputs]  # the last repeat's
