@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from chip_child.cpu_layout import LayoutCores, preferred_cpu_layout
-from chip_child.device import CorePlan, allowed_cores, default_cpu_threads, plan_cores, repin_socket_threads
+from chip_child.device import (CorePlan, allowed_cores, available_cores, default_cpu_threads, plan_cores,
+                               repin_socket_threads)
 
 # The trial times a prompt and two decode steps: a cache must hold three positions.
 TRIAL_MIN_POSITIONS = 3
@@ -84,3 +85,27 @@ class CpuPlacement:
         if chosen != trial["preferred"]:
             cores = LayoutCores(**{k: v for k, v in trial.items() if k != "preferred"})
             repin_socket_threads(cores.socket_cores(chosen))
+
+    def in_use(self, info: dict, children: int) -> str | None:
+        """The layout `children` cpu children whose first reported `info` run with: what the
+        trial chose (this start's or the first's), else the one asked for, else (auto without a
+        trial) what their threads amount to. None off the cpu."""
+        if info.get("device") != "cpu":
+            return None
+        chosen = info.get("cpu_layout") or self.chosen
+        if chosen:
+            return chosen
+        if self.layout != "auto":
+            return self.layout
+        return "every_core" if info.get("threads", 1) * children >= available_cores() else "spare_core"
+
+    @staticmethod
+    def spin_budget(info: dict, children: int, spin_wait_s: float) -> float:
+        """How long the parent spins on the doorbell: only where a core is free for it (on
+        accelerators, or where the cpu children's threads leave one); a spinning parent inside a
+        child's OpenMP team slows every step."""
+        if info.get("device") == "cpu":
+            cores = available_cores()
+            if info.get("threads", cores) * children >= cores:
+                return 0.0
+        return spin_wait_s

@@ -25,7 +25,7 @@ from chip_child.attention import get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.eagle3 import head_config
 from chip_child.cpu_layout import step_weight_elements
-from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, available_cores, check_optional_bool, device_type,
+from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, check_optional_bool, device_type,
                                 pin_socket_threads)
 from chip_child.fused import resolve_fused_kernels
 from chip_child.graphs import resolve_decode_graphs
@@ -307,19 +307,9 @@ class DistributedWorker:
 
     @property
     def cpu_layout_in_use(self) -> str | None:
-        """The layout the cpu children run with: what the start-up trial chose (this start's or the
-        first's), else the one
-        asked for, else (`auto` without a trial) what their threads amount to: every_core where
-        they take every core. None off the cpu or before the children started."""
+        """The layout the cpu children run with (None off the cpu or before they started)."""
         info = self._children[0].info if self._children else {}
-        if info.get("device") != "cpu":
-            return None
-        chosen = info.get("cpu_layout") or self._placement.chosen
-        if chosen:
-            return chosen
-        if self.cpu_layout != "auto":
-            return self.cpu_layout
-        return "every_core" if info.get("threads", 1) * len(self._children) >= available_cores() else "spare_core"
+        return self._placement.in_use(info, len(self._children))
 
     def _relaunch(self) -> tuple[list[ChildProcess], Doorbell]:
         """The engine's restart: stops every child (tensor-parallel ranks go together), then
@@ -345,14 +335,7 @@ class DistributedWorker:
         return self._placement.plan(len(self.device_ids), self._others_pinned())
 
     def _spin_budget(self) -> float:
-        """Spin only where a core is free for it: on accelerators, or when the cpu children's
-        threads leave one. A spinning parent inside a child's OpenMP team slows every step."""
-        info = self._children[0].info
-        if info.get("device") == "cpu":
-            cores = available_cores()
-            if info.get("threads", cores) * len(self._children) >= cores:
-                return 0.0
-        return self.spin_wait_s
+        return self._placement.spin_budget(self._children[0].info, len(self._children), self.spin_wait_s)
 
     def close(self) -> None:
         """Stops every child and removes the socket directory. Idempotent; safe after failures."""
