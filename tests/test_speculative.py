@@ -162,8 +162,9 @@ def plain_logprobs() -> list[tuple[list[int], list[tuple] | None]]:
     ("ngram", {"copy_policy": "always"}),
     ("draft_model", {}),
     ("draft_model", {"pipeline_depth": 1, "copy_policy": "always"}),
+    ("draft_model", {"device_ids": (0, 1)}),  # rank 0 alone computes log-probabilities
 ], ids=["ngram-depth2", "ngram-depth1", "ngram-chunked", "ngram-preempted", "ngram-always", "draft-depth2",
-        "draft-depth1-always"])
+        "draft-depth1-always", "draft-tp2"])
 def test_logprob_rows_speculate_with_plain_tokens_and_logprobs(plain_logprobs, method, options) -> None:
     """Rows asking for log-probabilities (greedy and seeded, beside a plain row and a penalized
     one) verify drafts, and give plain decoding's tokens with one entry per token, plain
