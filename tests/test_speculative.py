@@ -209,6 +209,34 @@ def test_streamed_logprobs_come_one_per_token(plain_logprobs) -> None:
                                for lp in entries[i]], want_lps)
 
 
+def test_the_openai_server_gives_one_logprob_entry_per_token(plain_logprobs) -> None:
+    """/v1/completions, whole and streamed, on a speculating worker: one entry per completion
+    token, plain decoding's values."""
+    import httpx
+
+    from l3worker.server.runner import ServeOptions, ServerThread
+    from server_helpers import metric, sse_events, stream_raw
+
+    row = LP_ROWS[0]
+    p = LP_PARAMS[row]
+    body = {"model": "l3worker-tiny", "prompt": LP_PROMPTS[row], "max_tokens": p.max_new_tokens, "temperature": 0,
+            "logprobs": p.logprobs, "min_tokens": p.min_tokens, "stop_token_ids": list(p.stop_token_ids)}
+    want_tokens, want = plain_logprobs[row]
+    with ServerThread(DistributedWorker(**SMALL, speculative_config=NGRAM), options=ServeOptions(port=0)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert r.json()["usage"]["completion_tokens"] == len(lp["token_logprobs"]) == len(want_tokens)
+        _, raw = stream_raw(http, "/v1/completions", {**body, "stream": True})
+        streamed = [v for e in sse_events(raw)[:-1] for c in e["choices"] if c["logprobs"]
+                    for v in c["logprobs"]["token_logprobs"]]
+        drafted = metric(http, "l3worker:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0
+    assert lp["token_logprobs"] == pytest.approx([v for _, v, _, _ in want], abs=1e-5)
+    assert streamed == pytest.approx([v for _, v, _, _ in want], abs=1e-5)
+
+
 def test_restart_mid_speculation_resumes_identically(plain) -> None:
     with DistributedWorker(**SMALL, speculative_config=NGRAM, fault_injection="verify:exit@3") as w:
         assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
