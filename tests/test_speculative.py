@@ -1,6 +1,7 @@
 """Speculative decoding (ngram, draft model): tokens identical to plain decoding, greedy and seeded, through real
 chip-children, across batch compositions, chunked prefill, preemption, pipeline depths and a
-restart; drafts accepted where the text repeats; counts that add up; refusals."""
+restart; rows asking for log-probabilities speculate with plain decoding's values, one entry per
+token; drafts accepted where the text repeats; counts that add up; refusals."""
 from __future__ import annotations
 
 import pytest
