@@ -24,8 +24,8 @@ advanced with the sampled ids, its mask filled while the forward runs.
 
 With speculative decoding configured (chip_child.speculative), a decode-only step where some row
 has drafts runs the "verify" callable instead: each row moves on by 1 to k + 1 tokens (rows using
-penalties, log-probabilities or a grammar get no drafts: 1), and the step's per-row tokens go to
-the ring beside the sampled ids.
+penalties or a grammar get no drafts: 1), and the step's per-row tokens (with their
+log-probabilities, for rows asking) go to the ring beside the sampled ids.
 """
 from __future__ import annotations
 

@@ -164,18 +164,30 @@ class RowParams:
 
 def sample_at_positions(logits: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor,
                         positions: torch.Tensor, any_random: bool, any_filter: bool,
-                        features: "Features | None") -> torch.Tensor:
+                        features: "Features | None",
+                        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Ids for tokens of rows `rows` at `positions` (several a row, as speculation verifies or
     drafts them), from the runtime's pooled row tensors: the plain sampler with the stages that
     depend on a position alone (min_tokens' stop mask, min_p), so each token is the one a plain
-    step would sample there. Penalties, grammars and log-probabilities are left to the caller."""
+    step would sample there. Penalties and grammars are left to the caller.
+
+    `logprobs` (at, values, ids), given with features.logprobs >= 0: the log-probabilities of the
+    tokens `at` (indices into `logits`), of rows using neither penalties nor a grammar, into
+    values [len(at), 1 + N] and ids [len(at), N], N = features.logprobs: what
+    `sample_with_features` writes for them in a plain step (penalties at neutral values and an
+    all-allowing mask leave their logits as they are)."""
     x, min_p = logits, None
     if features is not None and features.stop_mask:
         x = mask_stop_tokens(logits, state["stop_mask"][rows], positions < state["min_pos"][rows])
     if features is not None and features.min_p:
         min_p = state["min_p"][rows]
-    return sample(x, state["temperature"][rows], state["top_k"][rows], state["top_p"][rows], state["seed_keys"][rows],
-                  positions, state["vocab_keys"], any_random, any_filter, min_p=min_p)
+    temperature = state["temperature"][rows]
+    ids = sample(x, temperature, state["top_k"][rows], state["top_p"][rows], state["seed_keys"][rows], positions,
+                 state["vocab_keys"], any_random, any_filter, min_p=min_p)
+    if logprobs is not None:
+        at, values, top_ids = logprobs
+        token_logprobs(x[at], temperature[at], ids[at], features.logprobs, values, top_ids)
+    return ids
 
 
 def sample_with_features(logits: torch.Tensor, p: RowParams, counters: torch.Tensor, vocab_keys: torch.Tensor,

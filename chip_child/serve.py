@@ -160,9 +160,9 @@ def map_ring(spec: ChildSpec) -> Ring:
         views = [open_shared(spec.buffers[n]).unbind(0) for n in names]
         outputs = [StepOutputs(*per_slot) for per_slot in zip(*views)]
         if "spec_counts" in spec.buffers:  # speculative decoding: each row's tokens of the step
-            for out, counts, ids in zip(outputs, open_shared(spec.buffers["spec_counts"]).unbind(0),
-                                        open_shared(spec.buffers["spec_ids"]).unbind(0)):
-                out.spec_counts, out.spec_ids = counts, ids
+            for name in ("spec_counts", "spec_ids", "spec_logprobs", "spec_logprob_ids"):
+                for out, view in zip(outputs, open_shared(spec.buffers[name]).unbind(0)):
+                    setattr(out, name, view)
     return Ring(out=list(sampled.unbind(0)), staging=list(open_shared(spec.buffers["staging"]).numpy()),
                 outputs=outputs, step_stats=open_shared(spec.buffers["step_stats"]).numpy(),
                 doorbell=open_shared(spec.buffers["doorbell"]).numpy())

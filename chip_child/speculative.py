@@ -19,10 +19,14 @@ written at rejected positions is overwritten by later steps before anything read
 Drafts never run past a row's max_new_tokens, and a row that reached it stops being active
 here (the parent, which schedules ahead without knowing acceptance, may still send steps for
 it). Steps with prompt chunks run as plain steps: every row then moves on by one token. min_p and
-min_tokens' stop mask depend on a position alone and are applied at every verified position. A
-row using penalties, log-probabilities or a grammar gets no drafts: it is a chunk of one token in
-the verify step, sampled with its stages (and its penalty counts, log-probabilities and grammar
-advanced) exactly as a plain step would, while the other rows speculate beside it.
+min_tokens' stop mask depend on a position alone and are applied at every verified position.
+So are log-probabilities: a row asking for them gets, at every verified position, those of the
+distribution a plain step would sample from there; the first position's go where a plain step
+leaves them, the others to the ring's per-position entries (StepOutputs.spec_logprobs), so the
+parent takes one entry per token it takes. A row using penalties or a grammar gets no drafts:
+its state moves with every token. It is a chunk of one token in the verify step, sampled with its
+stages (and its penalty counts, log-probabilities and grammar advanced) exactly as a plain step
+would, while the other rows speculate beside it.
 
 Under copy_policy="always" the full state leaves out positions and slots: acceptance moves them
 on the device, so like the KV cache and the penalty counts they are device state, and the host,
@@ -40,6 +44,7 @@ from chip_child.draft_model import DraftModel
 from chip_child.eagle3 import Eagle3Head
 from chip_child.model import final_logits, forward
 from chip_child.packed_axis import packed_axis
+from chip_child.row_fields import MAX_LOGPROBS
 from chip_child.row_state import BatchFacts
 from chip_child.sampling import Features, RowParams, sample_at_positions, sample_with_features
 from chip_child.speculative_config import SpeculativeConfig
@@ -96,6 +101,11 @@ class Speculation:
         self.counts = np.zeros(b, np.int32)  # tokens each row produced in the last step (0: none)
         self._proposal: tuple | None = None  # propose()'s drafts, for the verify step that follows
         self.drafted = np.zeros(b, np.int32)  # drafts each row verified in the last step
+        # Log-probabilities of each row's tokens 0..k of the last verify step (token 0's also go
+        # to the runtime's lp_values, as a plain step's), and their N (-1: that step computed none).
+        self.lp_values = torch.zeros(b, self.k + 1, 1 + MAX_LOGPROBS, device=dev)
+        self.lp_ids = torch.zeros(b, self.k + 1, MAX_LOGPROBS, dtype=torch.int64, device=dev)
+        self.lp_n = -1
         proposers = {"draft_model": DraftModel, "eagle3": Eagle3Head}
         self.draft = proposers[config.method](rt, config.model, self.k) if config.method in proposers else None
         rt.register_callable("verify", self.verify)
@@ -109,10 +119,10 @@ class Speculation:
 
     def _undrafted(self, act: np.ndarray) -> np.ndarray:
         """Which of the rows `act` get no drafts: penalized rows and rows held to a grammar, whose
-        state moves with every token, and rows asking for log-probabilities, which go to the ring
-        one token a step. (min_p and min_tokens' stop mask are verified token by token.)"""
+        state moves with every token. (min_p, min_tokens' stop mask and log-probabilities are
+        verified token by token.)"""
         rows = self.rt.rows
-        return rows.penalized[act] | rows.constrained[act] | (rows.host["logprobs"][act] >= 0)
+        return rows.penalized[act] | rows.constrained[act]
 
     # -- bookkeeping around a plain step ----------------------------------------------------------
     def aux(self) -> tuple[tuple[int, ...], dict] | None:
@@ -139,6 +149,7 @@ class Speculation:
         self.step_ids[:lanes, 0] = v["input_ids"]
         self.counts[:lanes] = rt.rows.active[:lanes]
         self.drafted[:lanes] = 0
+        self.lp_n = -1
         self.stop_finished(lanes)
 
     # -- the speculative step ---------------------------------------------------------------------
@@ -184,18 +195,30 @@ class Speculation:
         within = np.arange(k + 1)[None, :] < q[:, None]
         flat = np.flatnonzero(within.reshape(-1))
         single = np.flatnonzero(drafted == 0) if features is not None else np.zeros(0, np.int64)
-        # Rows without drafts, sampled with the optional stages: their row, packed index and index in `act`.
-        extra = np.concatenate([flat, act[single], (np.cumsum(q) - 1)[single], single])
+        asks, lp = self._logprob_tokens(act, drafted, q, features)
+        # Rows without drafts, sampled with the optional stages: their row, packed index and index
+        # in `act`; then the tokens whose log-probabilities are computed, and their rows.
+        extra = np.concatenate([flat, act[single], (np.cumsum(q) - 1)[single], single, lp.reshape(-1), asks])
         axis = packed_axis(act, pos, q, rt.state["block_table"], rt.cfg.page_size, rt._h2d, extra)
         tok_pos_t, tok_rows_t = axis.positions, axis.rows
-        flat_t, single_t = axis.extra[:len(flat)], axis.extra[len(flat):].view(3, -1)
+        flat_t, single_t, lp_t, asks_t = axis.extra.split([len(flat), 3 * len(single), lp.size, len(asks)])
+        single_t, lp_t = single_t.view(3, -1), lp_t.view(3, -1)
         grid = torch.cat([rt.state["input_ids"][act_t][:, None], drafts], 1)
         eagle = self.draft if isinstance(self.draft, Eagle3Head) else None  # it reads the target's hidden states
         hidden = forward(rt.model_cfg, rt.weights, rt.attn, rt.attn.plan(axis.meta), rt.rope, grid.reshape(-1)[flat_t],
                          tok_pos_t, rt._all_reduce, rt.ops, None if eagle is None else eagle.capturing())
         logits = final_logits(rt.weights, hidden, ops=rt.ops)
         st = rt.state
-        sampled = sample_at_positions(logits, st, tok_rows_t, tok_pos_t, facts.any_random, facts.any_filter, features)
+        lp_out = None
+        if asks.size:
+            n = features.logprobs
+            lp_out = (lp_t[0], torch.empty(lp.shape[1], 1 + n, device=dev),
+                      torch.empty(lp.shape[1], n, dtype=torch.int64, device=dev))
+        sampled = sample_at_positions(logits, st, tok_rows_t, tok_pos_t, facts.any_random, facts.any_filter, features,
+                                      lp_out)
+        self.lp_n = -1
+        if lp_out is not None:
+            self._keep_logprobs(lp_t[1], lp_t[2], asks_t, *lp_out[1:])
         target = torch.full((r, k + 1), -1, dtype=torch.int64, device=dev)
         target.view(-1)[flat_t] = sampled
         if single.size:
@@ -224,6 +247,30 @@ class Speculation:
         rows.changed()  # positions moved by more than one: facts and slots are recomputed
         self.stop_finished(lanes)
         return -1 if features is None else features.logprobs
+
+    def _logprob_tokens(self, act: np.ndarray, drafted: np.ndarray, q: np.ndarray,
+                        features: Features | None) -> tuple[np.ndarray, np.ndarray]:
+        """The drafted rows of `act` that ask for log-probabilities (rows without drafts get
+        theirs with their other stages), and [3, T] for each of their tokens: its packed index,
+        its row and its index in the row's step (0 .. q - 1)."""
+        if features is None or features.logprobs < 0:
+            return np.zeros(0, np.int64), np.zeros((3, 0), np.int64)
+        asks = np.flatnonzero((self.rt.rows.host["logprobs"][act] >= 0) & (drafted > 0))
+        n = q[asks]
+        cols = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+        return act[asks], np.stack([np.repeat((np.cumsum(q) - q)[asks], n) + cols, np.repeat(act[asks], n), cols])
+
+    def _keep_logprobs(self, rows: torch.Tensor, cols: torch.Tensor, asks: torch.Tensor, values: torch.Tensor,
+                       ids: torch.Tensor) -> None:
+        """Tokens' log-probabilities (of rows `rows`, at step indices `cols`) into lp_values /
+        lp_ids, each row's first also where a plain step leaves it, for the ring's per-row entry."""
+        n = ids.shape[1]
+        self.lp_values[rows, cols, :1 + n] = values
+        self.lp_ids[rows, cols, :n] = ids
+        st = self.rt.state
+        st["lp_values"][asks, :1 + n] = self.lp_values[asks, 0, :1 + n]
+        st["lp_ids"][asks, :n] = self.lp_ids[asks, 0, :n]
+        self.lp_n = n
 
     def _sample_with_features(self, lanes: int, facts: BatchFacts, features: Features, logits: torch.Tensor,
                               single: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -261,6 +308,10 @@ class Speculation:
         outputs.spec_counts[:lanes, 0] = torch.from_numpy(self.counts[:lanes])
         outputs.spec_counts[:lanes, 1] = torch.from_numpy(self.drafted[:lanes])
         outputs.spec_ids[:lanes].copy_(self.step_ids[:lanes])
+        n = self.lp_n
+        if n >= 0:  # tokens 1..k's log-probabilities (token 0's go with a plain step's)
+            outputs.spec_logprobs[:lanes, :, :1 + n].copy_(self.lp_values[:lanes, 1:, :1 + n])
+            outputs.spec_logprob_ids[:lanes, :, :n].copy_(self.lp_ids[:lanes, 1:, :n])
 
     # -- internals --------------------------------------------------------------------------------
     def _limits(self, rows: np.ndarray) -> np.ndarray:

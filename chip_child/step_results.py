@@ -24,9 +24,13 @@ class StepOutputs:
     prompt_logprob_ids: torch.Tensor  # int32 [prefill_capacity, K]
     # Speculative decoding (chip_child.speculative), else None: per row, the tokens the step
     # produced and the drafts it verified (int32 [max_batch_size, 2]), and those tokens in order
-    # (int32 [max_batch_size, k + 1]; sampled ids hold the last).
+    # (int32 [max_batch_size, k + 1]; sampled ids hold the last); the log-probabilities of tokens
+    # 1..k, as `logprobs` / `logprob_ids` hold token 0's (float32 [max_batch_size, k, 1 + K],
+    # int32 [max_batch_size, k, K]), written when a row asking for them verified drafts.
     spec_counts: torch.Tensor | None = None
     spec_ids: torch.Tensor | None = None
+    spec_logprobs: torch.Tensor | None = None
+    spec_logprob_ids: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_batch_size: int, prefill_capacity: int) -> "StepOutputs":

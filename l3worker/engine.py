@@ -83,7 +83,7 @@ class Engine:
         self._buffers: StepBuffers | None = None
         self._doorbell: Doorbell | None = None
         self._relaunch: Relaunch | None = None
-        self._slot_logprobs: list[SlotLogprobs] = []
+        self._slot_logprobs: list[list[SlotLogprobs]] = []  # per ring slot, per token position of a step
         self._inflight: deque[_InFlight] = deque()
         self._inbox: deque[tuple[str, object]] = deque()  # ("add", RequestState) / ("abort", request_id)
         self._work = threading.Event()  # set whenever the inbox gets something, or a grammar compiled
@@ -108,9 +108,15 @@ class Engine:
         )
         self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
         self._inflight.clear()
-        # Per ring slot, made once: numpy views of what a step leaves there besides its ids.
-        self._slot_logprobs = [SlotLogprobs(*(getattr(buffers, name)[slot].numpy() for name in (
-            "logprobs", "logprob_ids", "prompt_logprobs", "prompt_logprob_ids"))) for slot in range(buffers.slots)]
+        # Per ring slot, made once: numpy views of what a step leaves there besides its ids, for
+        # each token position of a step (more than one with speculative decoding).
+        self._slot_logprobs = []
+        for slot in range(buffers.slots):
+            first = SlotLogprobs(*(getattr(buffers, name)[slot].numpy() for name in (
+                "logprobs", "logprob_ids", "prompt_logprobs", "prompt_logprob_ids")))
+            self._slot_logprobs.append([first] + [
+                SlotLogprobs(buffers.spec_logprobs[slot, :, j].numpy(), buffers.spec_logprob_ids[slot, :, j].numpy(),
+                             first.prompt_logprobs, first.prompt_logprob_ids) for j in range(self.speculation.k)])
 
     def fail(self, exc: BaseException) -> None:
         """The children are gone or unusable: every live request is lost, and new ones are refused."""
@@ -320,7 +326,7 @@ class Engine:
         slot = step % buffers.slots
         if buffers.spec_counts is None:
             advanced = self.scheduler.on_tokens(entry.scheduled.producers, buffers.sampled[slot].numpy(), now)
-            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot],
+            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot][0],
                                           entry.scheduled.prompt_logprobs)
         else:
             self._take_speculative(entry.scheduled, slot, now, outputs)
@@ -331,8 +337,8 @@ class Engine:
     def _take_speculative(self, scheduled: Scheduled, slot: int, now: float, outputs: list[RequestOutput]) -> None:
         """A speculative run's step: each row gave 0 to k + 1 tokens. They are taken one token
         position at a time, so stops, max_tokens and stop strings end a row exactly where plain
-        decoding would, and the tokens after are dropped. Log-probabilities come with position 0
-        only: a row asking for them gets no drafts, so it gives one token a step."""
+        decoding would, and the tokens after are dropped. Each position's log-probabilities come
+        with its tokens (the ring holds k + 1 entries per row)."""
         buffers, sched = self._buffers, self.scheduler
         counts, ids = buffers.spec_counts[slot].numpy(), buffers.spec_ids[slot].numpy()
         producers = scheduled.producers
@@ -343,7 +349,7 @@ class Engine:
             if j and not taking:
                 break
             advanced = sched.on_tokens(taking, ids[:, j], now)
-            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot] if j == 0 else None,
+            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot][j],
                                           scheduled.prompt_logprobs if j == 0 else ())
         sched.settle(producers)
 

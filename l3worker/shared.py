@@ -58,9 +58,14 @@ class StepBuffers:
     prompt_logprob_ids: torch.Tensor  # int32 [slots, prefill_capacity, K]
     specs: dict[str, BufferSpec]
     # Speculative decoding with k drafts (else None): int32 [slots, max_batch_size, 2], each row's
-    # tokens produced and drafts verified, and int32 [slots, max_batch_size, k + 1] those tokens.
+    # tokens produced and drafts verified, and int32 [slots, max_batch_size, k + 1] those tokens;
+    # float32 [slots, max_batch_size, k, 1 + K] and int32 [slots, max_batch_size, k, K] the
+    # log-probabilities of tokens 1..k (token 0's in `logprobs` / `logprob_ids`, as a plain step's),
+    # written on steps where a row asking for them verified drafts.
     spec_counts: torch.Tensor | None = None
     spec_ids: torch.Tensor | None = None
+    spec_logprobs: torch.Tensor | None = None
+    spec_logprob_ids: torch.Tensor | None = None
 
     @classmethod
     def create(cls, slots: int, max_batch_size: int, prefill_capacity: int,
@@ -76,6 +81,8 @@ class StepBuffers:
         if speculative_tokens:
             shapes["spec_counts"] = ((slots, max_batch_size, 2), torch.int32)
             shapes["spec_ids"] = ((slots, max_batch_size, speculative_tokens + 1), torch.int32)
+            shapes["spec_logprobs"] = ((slots, max_batch_size, speculative_tokens, 1 + k), torch.float32)
+            shapes["spec_logprob_ids"] = ((slots, max_batch_size, speculative_tokens, k), torch.int32)
         made = {name: make_shared(shape, dtype) for name, (shape, dtype) in shapes.items()}
         made["doorbell"][0][1] = -1
         return cls(**{name: tensor for name, (tensor, _) in made.items()},

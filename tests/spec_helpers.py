@@ -1,5 +1,6 @@
 """What the speculative-decoding tests share: the workload (run plainly by conftest's `plain`
-fixture) and the check that the speculation counters add up."""
+fixture), a workload of rows asking for log-probabilities, and the check that the speculation
+counters add up."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,6 +26,16 @@ PARAMS = [SamplingParams(max_new_tokens=30, temperature=0.0),
           SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=5),
           SamplingParams(max_new_tokens=25, temperature=0.0, min_tokens=6),
           SamplingParams(max_new_tokens=15, temperature=0.0, repetition_penalty=1.3)]
+
+# Rows asking for log-probabilities (greedy with min_tokens' stop mask over a stop id it would
+# sample early; seeded with top-k and min_p), a plain row, and a penalized one asking too (it
+# gets no drafts): the batch test_speculative's log-probability tests run.
+LP_PROMPTS = PROMPTS[0:1] + PROMPTS[2:3] + [_repetitive(3, 5, 30), PROMPTS[5]]
+LP_PARAMS = [SamplingParams(max_new_tokens=30, temperature=0.0, logprobs=3, min_tokens=8, stop_token_ids=[249]),
+             SamplingParams(max_new_tokens=26, temperature=0.8, seed=7, top_k=20, min_p=0.05, logprobs=5),
+             SamplingParams(max_new_tokens=24, temperature=0.0),
+             SamplingParams(max_new_tokens=18, temperature=0.0, repetition_penalty=1.3, logprobs=2)]
+LP_ROWS = (0, 1)  # the rows that speculate and ask for log-probabilities
 
 
 def _tokens(outs) -> list[list[int]]:

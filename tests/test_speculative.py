@@ -1,25 +1,28 @@
 """Speculative decoding (ngram, draft model): tokens identical to plain decoding, greedy and seeded, through real
 chip-children, across batch compositions, chunked prefill, preemption, pipeline depths and a
-restart; drafts accepted where the text repeats; counts that add up; refusals."""
+restart; rows asking for log-probabilities speculate with plain decoding's values, one entry per
+token; drafts accepted where the text repeats; counts that add up; refusals."""
 from __future__ import annotations
 
 import pytest
 
 from chip_child.speculative_config import SpeculativeConfig
 from l3worker import DistributedWorker, SamplingParams
-from spec_helpers import PARAMS, PROMPTS, SMALL, _check_counts, _tokens
+from spec_helpers import LP_PARAMS, LP_PROMPTS, LP_ROWS, PARAMS, PROMPTS, SMALL, _check_counts, _tokens
 from scripted_model import EOS_TOKEN, TOOL_CHAIN, _ids, build_tokenizer, write_scripted_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
 def _logprobs(out) -> list[tuple]:
     """A sample's log-probabilities: (token, value, top ids, top values) per position."""
     return [(lp.token_id, lp.logprob, [i for i, _ in lp.top], [v for _, v in lp.top]) for lp in out.outputs[0].logprobs]
 
 
 def _assert_same_logprobs(got: list[tuple], want: list[tuple]) -> None:
-    """The same tokens and top ids; values equal up to float32 rounding, since a row without drafts
-    may share a verify step, whose forward (another shape, through the chunk attention path)
-    rounds differently from a plain step's; the sampled tokens are the same ones."""
+    """The same tokens and top ids; values equal up to float32 rounding (1e-5 absolute), since a
+    verify step's forward (another shape, through the chunk attention path) rounds differently
+    from a plain step's; the sampled tokens are the same ones."""
     assert [(t, ids) for t, _, ids, _ in got] == [(t, ids) for t, _, ids, _ in want]
     assert [[v, *top] for _, v, _, top in got] == [pytest.approx([v, *top], abs=1e-5) for _, v, _, top in want]
 
@@ -52,11 +55,10 @@ def test_copy_policy_always_gives_the_plain_tokens(plain, depth) -> None:
         assert _check_counts(w)["num_accepted_tokens"] > 0
 
 
-def test_rows_with_sampler_stages_fall_back_alone(tmp_path) -> None:
-    """A penalized row, a row asking for log-probabilities and one held to a grammar get no
-    drafts, and the greedy row beside them speculates: tokens and log-probabilities are plain
-    decoding's. The first three rows run the whole chain's length together, and only the greedy
-    one drafts, so every accepted draft was its own while the others shared its steps."""
+def test_penalized_and_grammar_rows_fall_back_alone(tmp_path) -> None:
+    """A penalized row and one held to a grammar get no drafts, and the greedy row and a seeded
+    row asking for log-probabilities beside them speculate: tokens and log-probabilities are
+    plain decoding's. The chain's logit dwarfs every other, so every draft is accepted."""
     model = write_scripted_model(tmp_path / "scripted")
     tok = build_tokenizer()
     chain = _ids(tok, TOOL_CHAIN) + [tok.token_to_id(EOS_TOKEN)]
@@ -104,7 +106,7 @@ def test_batch_compositions_and_a_second_call(plain) -> None:
 
 
 def test_logprobs_stop_strings_and_streams_see_exactly_the_plain_tokens() -> None:
-    """A row asking for log-probabilities (it gets no drafts) beside speculating ones, n=2
+    """A row asking for log-probabilities beside other speculating ones, n=2
     samples, a stop string on the built-in model's text, and a stream whose deltas add up."""
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
     params = [SamplingParams(max_new_tokens=20, temperature=0.0, logprobs=2),
@@ -129,6 +131,111 @@ def test_logprobs_stop_strings_and_streams_see_exactly_the_plain_tokens() -> Non
         _assert_same_logprobs(logprobs, expected[1])
         assert w.stats()["speculative"]["num_accepted_tokens"] > 0
     assert sorted(t for t, *_ in expected[0][1:]) == expected[2]  # the stream's deltas are the final tokens
+
+
+def _samples(outs) -> list[tuple[list[int], list[tuple] | None]]:
+    """Each request's first sample: its tokens and, when it asked, its log-probabilities."""
+    return [(list(o.outputs[0].token_ids), None if o.outputs[0].logprobs is None else _logprobs(o)) for o in outs]
+
+
+def _assert_plain_samples(outs, expected: list[tuple[list[int], list[tuple] | None]]) -> None:
+    """Plain decoding's tokens, and one log-probability entry per token, plain decoding's."""
+    for (tokens, lps), (want_tokens, want_lps) in zip(_samples(outs), expected, strict=True):
+        assert tokens == want_tokens
+        assert (lps is None) == (want_lps is None)
+        if lps is not None:
+            assert len(lps) == len(tokens) == len(want_lps)
+            _assert_same_logprobs(lps, want_lps)
+
+
+@pytest.fixture(scope="module")
+def plain_logprobs() -> list[tuple[list[int], list[tuple] | None]]:
+    """The log-probability workload (spec_helpers) decoded without speculation."""
+    with DistributedWorker(**SMALL) as w:
+        return _samples(w.generate(LP_PROMPTS, LP_PARAMS))
+
+
+@pytest.mark.parametrize("method, options", [
+    ("ngram", {}),
+    ("ngram", {"pipeline_depth": 1}),
+    ("ngram", {"max_num_batched_tokens": 8}),
+    ("ngram", {"num_pages": 14, "enable_prefix_caching": False}),
+    ("ngram", {"copy_policy": "always"}),
+    ("draft_model", {}),
+    ("draft_model", {"pipeline_depth": 1, "copy_policy": "always"}),
+    ("draft_model", {"device_ids": (0, 1)}),  # rank 0 alone computes log-probabilities
+], ids=["ngram-depth2", "ngram-depth1", "ngram-chunked", "ngram-preempted", "ngram-always", "draft-depth2",
+        "draft-depth1-always", "draft-tp2"])
+def test_logprob_rows_speculate_with_plain_tokens_and_logprobs(plain_logprobs, method, options) -> None:
+    """Rows asking for log-probabilities (greedy and seeded, beside a plain row and a penalized
+    one) verify drafts, and give plain decoding's tokens with one entry per token, plain
+    decoding's. Run alone, those rows accept drafts: rows that fell back would verify none (a
+    draft model equal to the target accepts every draft, so every position is exercised)."""
+    from chip_child.tiny_model import ensure_tiny_model
+
+    config = NGRAM if method == "ngram" else _draft(ensure_tiny_model())
+    with DistributedWorker(**SMALL, speculative_config=config, **options) as w:
+        _assert_plain_samples(w.generate(LP_PROMPTS, LP_PARAMS), plain_logprobs)
+        before = _check_counts(w)
+        outs = w.generate([LP_PROMPTS[i] for i in LP_ROWS], [LP_PARAMS[i] for i in LP_ROWS])
+        _assert_plain_samples(outs, [plain_logprobs[i] for i in LP_ROWS])
+        s = _check_counts(w)
+        drafted = s["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = s["num_accepted_tokens"] - before["num_accepted_tokens"]
+        assert accepted > 0
+        if method == "draft_model":
+            assert accepted == drafted
+        if "num_pages" in options:
+            assert w.engine.scheduler.num_preemptions > 0
+
+
+def test_streamed_logprobs_come_one_per_token(plain_logprobs) -> None:
+    """A stream's deltas carry as many log-probability entries as tokens, even when a step gave
+    a row several tokens; together they are plain decoding's."""
+    prompts = [LP_PROMPTS[i] for i in LP_ROWS]
+    with DistributedWorker(**SMALL, speculative_config=NGRAM) as w:
+        tokens: dict[int, list[int]] = {}  # per prompt's index
+        entries: dict[int, list] = {}
+        for out in w.stream(prompts, [LP_PARAMS[i] for i in LP_ROWS]):
+            (c,) = out.outputs
+            assert len(c.delta_logprobs) == len(c.delta_token_ids)
+            i = prompts.index(list(out.prompt_token_ids))
+            tokens.setdefault(i, []).extend(c.delta_token_ids)
+            entries.setdefault(i, []).extend(c.delta_logprobs)
+        assert w.stats()["speculative"]["num_accepted_tokens"] > 0
+    for i, row in enumerate(LP_ROWS):
+        want_tokens, want_lps = plain_logprobs[row]
+        assert tokens[i] == want_tokens
+        _assert_same_logprobs([(lp.token_id, lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top])
+                               for lp in entries[i]], want_lps)
+
+
+def test_the_openai_server_gives_one_logprob_entry_per_token(plain_logprobs) -> None:
+    """/v1/completions, whole and streamed, on a speculating worker: one entry per completion
+    token, plain decoding's values."""
+    import httpx
+
+    from l3worker.server.runner import ServeOptions, ServerThread
+    from server_helpers import metric, sse_events, stream_raw
+
+    row = LP_ROWS[0]
+    p = LP_PARAMS[row]
+    body = {"model": "l3worker-tiny", "prompt": LP_PROMPTS[row], "max_tokens": p.max_new_tokens, "temperature": 0,
+            "logprobs": p.logprobs, "min_tokens": p.min_tokens, "stop_token_ids": list(p.stop_token_ids)}
+    want_tokens, want = plain_logprobs[row]
+    with ServerThread(DistributedWorker(**SMALL, speculative_config=NGRAM), options=ServeOptions(port=0)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as http:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert r.json()["usage"]["completion_tokens"] == len(lp["token_logprobs"]) == len(want_tokens)
+        _, raw = stream_raw(http, "/v1/completions", {**body, "stream": True})
+        streamed = [v for e in sse_events(raw)[:-1] for c in e["choices"] if c["logprobs"]
+                    for v in c["logprobs"]["token_logprobs"]]
+        drafted = metric(http, "l3worker:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0
+    assert lp["token_logprobs"] == pytest.approx([v for _, v, _, _ in want], abs=1e-5)
+    assert streamed == pytest.approx([v for _, v, _, _ in want], abs=1e-5)
 
 
 def test_restart_mid_speculation_resumes_identically(plain) -> None:
