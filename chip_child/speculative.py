@@ -37,7 +37,7 @@ import torch
 
 from chip_child.chunk_layout import ChunkPlan
 from chip_child.draft_model import DraftModel
-from chip_child.eagle3 import Eagle3Head
+from chip_child.eagle3 import Eagle3Head, eagle3_proposer
 from chip_child.model import final_logits, forward
 from chip_child.packed_axis import packed_axis
 from chip_child.row_state import BatchFacts
@@ -96,7 +96,7 @@ class Speculation:
         self.counts = np.zeros(b, np.int32)  # tokens each row produced in the last step (0: none)
         self._proposal: tuple | None = None  # propose()'s drafts, for the verify step that follows
         self.drafted = np.zeros(b, np.int32)  # drafts each row verified in the last step
-        proposers = {"draft_model": DraftModel, "eagle3": Eagle3Head}
+        proposers = {"draft_model": DraftModel, "eagle3": eagle3_proposer}
         self.draft = proposers[config.method](rt, config.model, self.k) if config.method in proposers else None
         rt.register_callable("verify", self.verify)
 
