@@ -18,6 +18,11 @@ first draft of its next step; drafts 2..k then feed the head's own output back (
 position at a time. A row the head has not caught up with drafts placeholders once. Draft
 tokens never decide output tokens (verification does), so positions the head never saw (a
 chunk's last when the prompt goes on, a prefix-cache hit's) cost acceptance only.
+
+Under tensor parallelism rank 0 alone runs the (unsharded) head and broadcasts its drafts: the
+hidden states it reads, the residual stream after each layer's all-reduce, are the full ones on
+every rank, and one broadcast keeps every rank verifying the same drafts whatever the last bits of
+its own arithmetic. The other ranks neither load the head nor read its directory.
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ def aux_layers(raw: dict, target_layers: int) -> tuple[int, ...]:
     return ids
 
 
-def head_config(model_dir: str, target: ModelConfig, tp_size: int) -> tuple[ModelConfig, tuple[int, ...], int]:
+def head_config(model_dir: str, target: ModelConfig) -> tuple[ModelConfig, tuple[int, ...], int]:
     """(the head's layer as a ModelConfig, the target layers it reads, draft_vocab_size) from its
     config.json; ValueError naming what does not fit the target. The parent checks it before any
     child starts."""
@@ -75,8 +80,6 @@ def head_config(model_dir: str, target: ModelConfig, tp_size: int) -> tuple[Mode
                          f"target's {target.hidden_size}")
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise ValueError("speculative_config: an EAGLE-3 head has num_hidden_layers 1")
-    if tp_size > 1:
-        raise ValueError("speculative_config: eagle3 runs without tensor parallelism (device_ids of one device)")
     heads = int(raw["num_attention_heads"])
     theta, scaling = parse_rope(raw, path, 10000.0)
     cfg = replace(target, vocab_size=int(raw.get("vocab_size", target.vocab_size)), num_layers=1, num_heads=heads,
@@ -147,7 +150,7 @@ class Eagle3Head:
     dict the verify forward fills with the target's hidden states at the head's layers."""
 
     def __init__(self, rt: "ChipRuntime", model_dir: str, k: int):
-        self.cfg, self.layers, draft_vocab = head_config(model_dir, rt.model_cfg, rt.cfg.tp_size)
+        self.cfg, self.layers, draft_vocab = head_config(model_dir, rt.model_cfg)
         self.rt, self.k = rt, k
         self.weights = self._load(Path(model_dir), draft_vocab)
         hidden = self.cfg.hidden_size
@@ -223,6 +226,8 @@ class Eagle3Head:
                 drafts[at[sel], j] = token
                 at = at[sel]
         drafts.masked_fill_(torch.arange(k, device=rt.device)[None, :] >= rt._h2d(room.astype(np.int64))[:, None], -1)
+        if rt.cfg.tp_size > 1:
+            _broadcast(drafts)
         return drafts
 
     def capturing(self) -> tuple[tuple[int, ...], dict[int, torch.Tensor]]:
@@ -318,3 +323,34 @@ class Eagle3Head:
         h = h + (F.silu(gate) * up) @ w.down
         ids = (norm(h, w.norm) @ w.lm_head).argmax(-1)
         return h, ids + w.d2t[ids]
+
+
+def eagle3_proposer(rt: "ChipRuntime", model_dir: str, k: int) -> "Eagle3Head | BroadcastDrafts":
+    """Rank 0's proposer is the head; another tensor-parallel rank's receives its drafts."""
+    return Eagle3Head(rt, model_dir, k) if rt.cfg.tp_rank == 0 else BroadcastDrafts(rt, k)
+
+
+class BroadcastDrafts:
+    """A tensor-parallel rank other than 0 under eagle3: DraftModel's interface, its drafts rank
+    0's (every rank calls propose for the same rows, as the step's host facts decide)."""
+
+    def __init__(self, rt: "ChipRuntime", k: int):
+        self.rt, self.k = rt, k
+
+    def admitted(self, rows: list[int]) -> None:
+        pass  # the rows' head state lives on rank 0
+
+    def propose(self, rows: np.ndarray, pos: np.ndarray, room: np.ndarray, history: torch.Tensor,
+                any_random: bool, any_filter: bool, features: Features | None = None) -> torch.Tensor:
+        return _broadcast(torch.empty((len(rows), self.k), dtype=torch.int64, device=self.rt.device))
+
+    def accepted(self, rows: np.ndarray, accepted: np.ndarray) -> None:
+        pass
+
+
+def _broadcast(drafts: torch.Tensor) -> torch.Tensor:
+    """Rank 0's drafts into `drafts` on every rank (the process group the target's all-reduce uses)."""
+    import torch.distributed as dist
+
+    dist.broadcast(drafts, 0)
+    return drafts

@@ -41,7 +41,7 @@ import torch
 
 from chip_child.chunk_layout import ChunkPlan
 from chip_child.draft_model import DraftModel
-from chip_child.eagle3 import Eagle3Head
+from chip_child.eagle3 import Eagle3Head, eagle3_proposer
 from chip_child.model import final_logits, forward
 from chip_child.packed_axis import packed_axis
 from chip_child.row_fields import MAX_LOGPROBS
@@ -106,7 +106,7 @@ class Speculation:
         self.lp_values = torch.zeros(b, self.k + 1, 1 + MAX_LOGPROBS, device=dev)
         self.lp_ids = torch.zeros(b, self.k + 1, MAX_LOGPROBS, dtype=torch.int64, device=dev)
         self.lp_n = -1
-        proposers = {"draft_model": DraftModel, "eagle3": Eagle3Head}
+        proposers = {"draft_model": DraftModel, "eagle3": eagle3_proposer}
         self.draft = proposers[config.method](rt, config.model, self.k) if config.method in proposers else None
         rt.register_callable("verify", self.verify)
 

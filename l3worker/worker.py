@@ -187,7 +187,7 @@ class DistributedWorker:
         if speculative is not None and speculative.model is not None:  # the draft: readable, same vocabulary
             speculative = replace(speculative, model=str(Path(speculative.model).expanduser().resolve()))
         if speculative is not None and speculative.method == "eagle3":
-            head_config(speculative.model, self.model_config, layout.tensor_parallel_size)
+            head_config(speculative.model, self.model_config)
         elif speculative is not None and speculative.model is not None:
             draft = load_config(speculative.model)
             shard_config(draft, layout.tensor_parallel_size)

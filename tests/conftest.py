@@ -92,6 +92,27 @@ def served(tmp_path: Path):
         s.stop()
 
 
+@pytest.fixture
+def follower(tmp_path: Path):
+    """follower(model_dir, master_port) -> a started follower node (node_helpers.start_follower);
+    every one is killed at the end."""
+    import signal
+
+    from node_helpers import start_follower
+
+    started: list = []
+
+    def start(model_dir, master_port: int, *flags: str):
+        started.append(start_follower(model_dir, master_port, *flags, tmpdir=tmp_path / f"n{len(started)}"))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
 @pytest.fixture(scope="module")
 def plain() -> list[list[int]]:
     """The speculative-decoding tests' workload (spec_helpers), decoded without speculation."""

@@ -1,6 +1,7 @@
 """EAGLE-3 speculation: a random head in the public Qwen3 heads' format (config keys and tensor
 names as published) gives the plain tokens, greedy and seeded, at pipeline depths 1 and 2 and
-under preemption; counts add up; a head that does not fit the target is refused."""
+under preemption, and under tensor parallelism (two ranks on one node, and across two nodes);
+counts add up; a head that does not fit the target is refused."""
 from __future__ import annotations
 
 import sys
@@ -80,15 +81,38 @@ def test_a_head_whose_d2t_leaves_the_target_vocabulary_is_refused(tmp_path) -> N
         DistributedWorker(**SMALL, speculative_config=_eagle(head))
 
 
-@pytest.mark.parametrize("parallel", [
-    {"device_ids": [0, 0]},  # two ranks on this node
-    {"tensor_parallel_size": 2, "nnodes": 2},  # one rank here, one on a follower node (a port added below)
-], ids=["one-node", "two-nodes"])
-def test_eagle3_under_tensor_parallel_is_refused(tmp_path, parallel) -> None:
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory) -> dict:
+    """eagle3's counters after one call of the workload on one device (the default random head)."""
+    head = write_head(tmp_path_factory.mktemp("one-device") / "head")
+    with DistributedWorker(**SMALL, speculative_config=_eagle(head)) as w:
+        w.generate(PROMPTS, PARAMS)
+        return w.stats()["speculative"]
+
+
+# Rank 0's head reads the hidden states one device has (up to the all-reduce's order of summation),
+# so it proposes, and the ranks accept, what one device does: the counters agree.
+@pytest.mark.parametrize("options", [{}, {"pipeline_depth": 1}], ids=["depth2", "depth1"])
+def test_eagle3_under_tensor_parallel_gives_the_plain_tokens(plain, one_device, tmp_path, options) -> None:
+    """Two ranks on this node (gloo): rank 0's head drafts, both ranks verify its drafts."""
+    head = write_head(tmp_path / "head")
+    with DistributedWorker(**SMALL, device_ids=(0, 1), speculative_config=_eagle(head), **options) as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        assert _check_counts(w) == one_device
+        assert one_device["num_drafts"] > 0 and one_device["num_draft_tokens"] > 0
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain  # rows the head saw before, prefix-cache hits
+
+
+def test_eagle3_under_tensor_parallel_across_two_nodes(plain, one_device, tmp_path, follower) -> None:
+    """One rank here and one on a follower node over the loopback: the follower's rank only
+    receives drafts, so the head's directory is read on this node alone."""
+    from chip_child.tiny_model import ensure_tiny_model
     from l3worker.nodes import free_master_port
 
     head = write_head(tmp_path / "head")
-    if "nnodes" in parallel:  # refused before anything binds it
-        parallel = {**parallel, "master_port": free_master_port(2)}
-    with pytest.raises(ValueError, match="eagle3 runs without tensor parallelism"):
-        DistributedWorker(**SMALL, **parallel, speculative_config=_eagle(head))
+    port = free_master_port(2)
+    follower(ensure_tiny_model(), port)
+    with DistributedWorker(**SMALL, tensor_parallel_size=2, nnodes=2, master_port=port, startup_timeout_s=120,
+                           speculative_config=_eagle(head)) as w:
+        assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
+        assert _check_counts(w) == one_device

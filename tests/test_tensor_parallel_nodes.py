@@ -21,28 +21,12 @@ from l3worker import DistributedWorker, SamplingParams
 from l3worker.errors import WorkerError
 from l3worker.follower import follower_command
 from l3worker.nodes import NodeLayout, free_master_port
-from node_helpers import ROOT, start_follower
+from node_helpers import ROOT
 from server_helpers import Served
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 45))]
 WORKER = dict(device="cpu", tensor_parallel_size=2, nnodes=2, max_batch_size=4, max_seq_len=128, page_size=8,
               startup_timeout_s=120)
-
-
-@pytest.fixture
-def follower(tmp_path: Path):
-    """follower(model_dir, master_port) -> a started follower node; every one is killed at the end."""
-    started: list[subprocess.Popen] = []
-
-    def start(model_dir, master_port: int, *flags: str) -> subprocess.Popen:
-        started.append(start_follower(model_dir, master_port, *flags, tmpdir=tmp_path / f"n{len(started)}"))
-        return started[-1]
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 @pytest.fixture
