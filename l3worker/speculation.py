@@ -7,17 +7,39 @@ its tokens are draft tokens, and accepted tokens are those equal to the target's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
 from chip_child.config import RuntimeConfig
+from chip_child.eagle3 import head_config
+from chip_child.loader import ModelConfig, load_config
+from chip_child.model import shard_config
+from chip_child.speculative_config import SpeculativeConfig
 from l3worker.metrics import EngineMetrics
 
 
 def speculative_tokens(cfg: RuntimeConfig) -> int:
     """k: drafts a row verifies per step at most (0: no speculation)."""
     return int(cfg.speculative["num_speculative_tokens"]) if cfg.speculative else 0
+
+
+def check_proposer(speculative: SpeculativeConfig, target: ModelConfig, tp_size: int) -> SpeculativeConfig:
+    """Checks the draft model or EAGLE-3 head against the target before any child starts (its
+    path made absolute: the children resolve it from elsewhere); ValueErrors name what differs."""
+    if speculative.model is None:
+        return speculative
+    speculative = replace(speculative, model=str(Path(speculative.model).expanduser().resolve()))
+    if speculative.method == "eagle3":
+        head_config(speculative.model, target)
+        return speculative
+    draft = load_config(speculative.model)
+    shard_config(draft, tp_size)  # tensor parallelism must divide the draft's heads and MLP too
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocab_size {draft.vocab_size} differs from "
+                         f"the target's {target.vocab_size}")
+    return speculative
 
 
 @dataclass

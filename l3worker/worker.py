@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from chip_child.attention import get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
-from chip_child.eagle3 import head_config
 from chip_child.cpu_layout import step_weight_elements
 from chip_child.device import (CPU_LAYOUTS, DEVICE_TYPES, CorePlan, check_optional_bool, device_type,
                                 pin_socket_threads)
@@ -37,7 +36,7 @@ from chip_child.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.child import ChildProcess, child_spec, wait_all_ready
 from l3worker.cpu_placement import CpuPlacement
 from l3worker.shared import StepBuffers
-from l3worker.speculation import speculative_tokens
+from l3worker.speculation import check_proposer, speculative_tokens
 from l3worker.doorbell import ORDERED_STORES, Doorbell
 from l3worker.engine import Engine
 from l3worker.errors import ChildFailure, WorkerError
@@ -184,16 +183,8 @@ class DistributedWorker:
             raise TypeError(f"enable_expert_parallel must be a bool, got {type(enable_expert_parallel).__name__}")
         # tensor parallelism must divide heads and MLP (expert parallelism: the experts)
         shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
-        if speculative is not None and speculative.model is not None:  # the draft: readable, same vocabulary
-            speculative = replace(speculative, model=str(Path(speculative.model).expanduser().resolve()))
-        if speculative is not None and speculative.method == "eagle3":
-            head_config(speculative.model, self.model_config)
-        elif speculative is not None and speculative.model is not None:
-            draft = load_config(speculative.model)
-            shard_config(draft, layout.tensor_parallel_size)
-            if draft.vocab_size != self.model_config.vocab_size:
-                raise ValueError(f"speculative_config: the draft model's vocab_size {draft.vocab_size} differs from "
-                                 f"the target's {self.model_config.vocab_size}")
+        if speculative is not None:
+            speculative = check_proposer(speculative, self.model_config, layout.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.runtime_config = RuntimeConfig(
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
