@@ -114,11 +114,7 @@ def test_a_killed_engine_core_is_503_at_once_and_sigterm_leaves_nothing(served) 
     assert os.listdir(s.tmpdir) == [] and wait_for(lambda: not shm_entries() - shm_before)
 
 
-def test_engines_on_other_nodes_are_refused_by_name(served) -> None:
-    s = served("--data-parallel-size", "2", "--data-parallel-address", "10.0.0.1")
-    assert s.proc.wait(60) == 2
-    assert any("--data-parallel-address: data-parallel engines on other nodes are not supported" in line
-               for line in s.stderr)
+def test_devices_the_engines_cannot_share_are_refused(served) -> None:
     s = served("--data-parallel-size", "3", "--device-ids", "0,1")
     assert s.proc.wait(60) == 2
     assert any("cannot share equally" in line for line in s.stderr)
