@@ -74,7 +74,7 @@ def _post(url: str, body: dict) -> httpx.Response:
 def test_head_and_headless_engine_give_offline_greedy_output_and_stop_together(served, node, tmp_path: Path) -> None:
     shm_before = shm_entries()
     port = free_master_port(1)
-    s = served(*SMALL, *dp_flags(port))
+    s = served(*SMALL, *dp_flags(port), "--api-server-count", "2")  # the node serves each API server
     wrong = node(port, *SMALL[:-4], "--max-model-len", "32", *SMALL[-2:])  # refused by name before it loads
     assert wrong.wait(120) == 1
     assert "--max-model-len differs: the head has 64, data-parallel rank 1 has 32" in \
@@ -159,3 +159,23 @@ def test_bad_data_parallel_node_flags_are_refused_by_name(argv, named, capsys) -
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", *argv])
     assert exit_.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_ranks_that_never_connect_end_the_relay_at_the_start_up_timeout(tmp_path: Path, caplog) -> None:
+    from l3worker.server.dp_remote import RemoteConfig, RemoteEngines
+
+    config = RemoteConfig(f"tcp://127.0.0.1:{free_master_port(1)}", {"1": f"ipc://{tmp_path}/core-1"},
+                          [f"ipc://{tmp_path}/out-0"], os.getpid(),
+                          dict(dp_size=2, model="m", max_model_len=64, vocab_size=10), startup_timeout_s=0.5)
+    assert RemoteEngines(config).run() == 1
+    assert "data-parallel rank(s) 1 did not connect" in caplog.text and "start-up timeout" in caplog.text
+
+
+def test_sigterm_while_the_head_waits_for_its_nodes_stops_it(served) -> None:
+    s = served(*SMALL, *dp_flags(free_master_port(1)))
+    wait_until(lambda: len(tree(s.proc.pid)) >= 3, 120, "the head's engine core and relay")  # now waiting
+    head_tree = tree(s.proc.pid)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, s.stderr[-20:]
+    assert gone(head_tree)
+    assert os.listdir(s.tmpdir) == []

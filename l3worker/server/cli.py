@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from chip_child.speculative_config import SpeculativeConfig
@@ -277,12 +278,19 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         launch, client = launch_core(worker_kwargs, args.api_server_count, dp, router, remote)
         launch_api_servers(launch, args.api_server_count, sock, info, options, router)
+        if launch.relay is not None:  # a stop while waiting for engines on other nodes ends the wait
+            stop.before_server = lambda: launch.relay.send_signal(signal.SIGTERM)
+            if stop.requested:  # it came before the line above
+                stop.before_server()
 
         async def on_stop() -> None:
             launch.signal_api_servers()
 
         asyncio.run(serve(client, model, options, sock, on_ready=on_ready, on_server=stop.on_server, on_stop=on_stop))
     except Exception:
+        if stop.requested and stop.server is None:  # stopped before it served: nothing failed
+            print("l3worker serve: stopped while starting", flush=True)
+            return 0
         log.exception("l3worker serve failed")
         return 1
     finally:

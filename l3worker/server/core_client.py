@@ -141,7 +141,8 @@ class CoreClient:
                 await asyncio.wait({reply, *self._gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not reply.done():
                     reply.cancel()
-                    raise self.error or EngineDeadError("an engine-core process exited while starting")
+                    raise self.error or EngineDeadError("an engine-core process (or the relay of the engines on "
+                                                        "other nodes) exited while starting: see its log")
                 kind, *extra = unpack(reply.result())
                 if kind == "lost":
                     raise EngineDeadError(extra[0])

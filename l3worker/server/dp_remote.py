@@ -61,7 +61,11 @@ class RemoteEngines:
         self.link.setsockopt(zmq.LINGER, 0)
         self.link.setsockopt(zmq.SNDHWM, 0)
         self.link.setsockopt(zmq.RCVHWM, 0)
-        self.link.bind(config.endpoint)
+        try:
+            self.link.bind(config.endpoint)
+        except zmq.ZMQError:
+            self.ctx.destroy(linger=0)
+            raise
         self.monitor = self.link.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.controls: dict[int, zmq.Socket] = {}
         for rank in self.ranks:
@@ -198,7 +202,11 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launching API server's to handle
-    relay = RemoteEngines(config)
+    try:
+        relay = RemoteEngines(config)
+    except zmq.ZMQError as exc:
+        log.error("cannot listen for data-parallel engines on %s: %s", config.endpoint, exc)
+        return 1
 
     def on_sigterm(signum, frame) -> None:
         relay.stopping = True
