@@ -55,6 +55,31 @@ def stream_into(url: str, body: dict, raw: list[bytes], started: threading.Event
     return t
 
 
+def concurrent_greedy_texts(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Each prompt's greedy completion (ignoring EOS) over POST /v1/completions, all in flight at once."""
+    got: dict[int, str] = {}
+
+    def one(k: int) -> None:
+        with httpx.Client(base_url=url, timeout=120, headers={"connection": "close"}) as c:
+            body = {"prompt": prompts[k], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            got[k] = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return [got.get(k) for k in range(len(prompts))]
+
+
+def offline_greedy_texts(prompts: list[list[int]], max_tokens: int, **worker) -> list[str]:
+    """The same from an offline DistributedWorker of the built-in model (`worker`: its arguments)."""
+    from l3worker import DistributedWorker, SamplingParams
+
+    with DistributedWorker(None, **worker) as ref:
+        return [ref.generate(p, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))[0].text for p in prompts]
+
+
 def metric(client: httpx.Client, name: str, labels: str = "") -> float:
     """A sample from GET /metrics, e.g. metric(c, "l3worker:num_requests_running"): the sum over
     the samples named so whose labels include `labels` (e.g. 'finished_reason="length"'), so over

@@ -19,11 +19,11 @@ import psutil
 import pytest
 
 from fault_helpers import alive, shm_entries, wait_for
-from l3worker import DistributedWorker, SamplingParams
 from l3worker.nodes import free_master_port
 from l3worker.server import cli
-from node_helpers import ROOT
-from server_helpers import metric, sse_events, stream_into, wait_until
+from node_helpers import kill_nodes, start_node
+from server_helpers import (concurrent_greedy_texts, metric, offline_greedy_texts, sse_events, stream_into,
+                            wait_until)
 
 BLOCK = 16
 SMALL = ("--device", "cpu", "--max-num-seqs", "2", "--max-model-len", "64", "--block-size", str(BLOCK))
@@ -40,21 +40,13 @@ def node(tmp_path: Path):
     started: list[subprocess.Popen] = []
 
     def start(port: int, *flags: str) -> subprocess.Popen:
-        tmpdir = tmp_path / f"node{len(started)}"
-        tmpdir.mkdir()
         cmd = [sys.executable, "-m", "l3worker", "serve", "--headless", *dp_flags(port), "--data-parallel-start-rank",
                "1", *flags]
-        with open(tmpdir / "node.log", "ab") as log:
-            started.append(subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, TMPDIR=str(tmpdir), PYTHONPATH=str(ROOT)),
-                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True))
+        started.append(start_node(cmd, tmp_path / f"node{len(started)}", "node.log"))
         return started[-1]
 
     yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    kill_nodes(started)
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -84,21 +76,8 @@ def test_head_and_headless_engine_give_offline_greedy_output_and_stop_together(s
     head_tree, node_tree = tree(s.proc.pid), tree(headless.pid)
     assert len(node_tree) == 3  # the node, its engine core and that core's chip-child
     prompts = [[5 + k, 80, 17, 200 + k, 3, 3, 9] for k in range(6)]
-    got: dict[int, str] = {}
-
-    def one(k: int) -> None:
-        got[k] = _post(url, {"prompt": prompts[k], "max_tokens": 12, "temperature": 0,
-                             "ignore_eos": True}).json()["choices"][0]["text"]
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    with DistributedWorker(None, max_batch_size=2, max_seq_len=64, page_size=BLOCK) as ref:
-        expected = {k: ref.generate(p, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].text
-                    for k, p in enumerate(prompts)}
-    assert got == expected
+    assert concurrent_greedy_texts(url, prompts, 12) == \
+        offline_greedy_texts(prompts, 12, max_batch_size=2, max_seq_len=64, page_size=BLOCK)
     with httpx.Client(base_url=url, timeout=60) as http:
         per_engine = [metric(http, "l3worker:generation_tokens_total", f'engine="{e}"') for e in (0, 1)]
         assert all(n > 0 for n in per_engine) and sum(per_engine) == 12 * len(prompts)

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import httpx
 import psutil
 
 from fault_helpers import alive, shm_entries, wait_for
-from l3worker import DistributedWorker, SamplingParams
-from server_helpers import metric, started_processes, wait_until
+from server_helpers import (concurrent_greedy_texts, metric, offline_greedy_texts, started_processes,
+                            wait_until)
 
 BLOCK = 16
 SMALL = ("--max-num-seqs", "2", "--max-model-len", "64", "--block-size", str(BLOCK))
@@ -39,21 +38,8 @@ def test_two_engines_give_offline_greedy_output_and_stop_together(served) -> Non
         assert not set(cores[0].cpu_affinity()) & set(cores[1].cpu_affinity())
     everything = psutil.Process(s.proc.pid).children(recursive=True)
     prompts = [[5 + k, 80, 17, 200 + k, 3, 3, 9] for k in range(6)]
-    got: dict[int, str] = {}
-
-    def one(k: int) -> None:
-        r = _post(url, {"prompt": prompts[k], "max_tokens": 12, "temperature": 0, "ignore_eos": True})
-        got[k] = r.json()["choices"][0]["text"]
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    with DistributedWorker(None, max_batch_size=2, max_seq_len=64, page_size=BLOCK) as ref:
-        expected = {k: ref.generate(p, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].text
-                    for k, p in enumerate(prompts)}
-    assert got == expected
+    assert concurrent_greedy_texts(url, prompts, 12) == \
+        offline_greedy_texts(prompts, 12, max_batch_size=2, max_seq_len=64, page_size=BLOCK)
     with httpx.Client(base_url=url, timeout=60) as http:
         # Both engines served (new prompts spread), and one scrape shows both under an engine label.
         per_engine = [metric(http, "l3worker:generation_tokens_total", f'engine="{e}"') for e in (0, 1)]

@@ -21,7 +21,7 @@ from l3worker import DistributedWorker, SamplingParams
 from l3worker.errors import WorkerError
 from l3worker.follower import follower_command
 from l3worker.nodes import NodeLayout, free_master_port
-from node_helpers import ROOT, start_follower
+from node_helpers import ROOT, kill_nodes, start_follower
 from server_helpers import Served
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 45))]
@@ -39,10 +39,7 @@ def follower(tmp_path: Path):
         return started[-1]
 
     yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    kill_nodes(started)
 
 
 @pytest.fixture

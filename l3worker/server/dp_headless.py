@@ -87,7 +87,7 @@ class HeadlessNode:
             launch.kill()  # the engine cores (SIGTERM; each stops its chip-children), then the socket directory
             for r in ranks:
                 r.monitor.close(0)
-            ctx.destroy(linger=0)
+            ctx.destroy(linger=1000)  # a last word (gone) still reaches a head that is there
 
     def _serve(self, ranks: list[_Rank]) -> int:
         while not self.stopping:

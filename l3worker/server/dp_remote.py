@@ -129,20 +129,26 @@ class RemoteEngines:
 
     def _take_link(self) -> None:
         while self.link.poll(0):
-            ident, kind, *rest = self.link.recv_multipart()
-            if kind == REGISTER:
-                self._register(ident, Registration.from_wire(rest[0]))
-                continue
-            rank = self.rank_of.get(ident)
-            if rank is None or rank in self.lost:
-                continue
-            self.silence[rank].hear()
-            if kind == CTL:
-                self.controls[rank].send_multipart(rest)
-            elif kind == OUT:
-                self.pushes[int(rest[0])].send(rest[1])
-            elif kind == GONE:
-                self._lose(rank, f"data-parallel rank {rank}'s engine core exited: {rest[0].decode()}")
+            frames = self.link.recv_multipart()
+            try:
+                self._from_link(*frames)
+            except Exception:  # anyone may reach this port: a malformed message must not stop the head
+                log.exception("a malformed message on %s", self.config.endpoint)
+
+    def _from_link(self, ident: bytes, kind: bytes, *rest: bytes) -> None:
+        if kind == REGISTER:
+            self._register(ident, Registration.from_wire(rest[0]))
+            return
+        rank = self.rank_of.get(ident)
+        if rank is None or rank in self.lost:
+            return
+        self.silence[rank].hear()
+        if kind == CTL:
+            self.controls[rank].send_multipart(rest)
+        elif kind == OUT:
+            self.pushes[int(rest[0])].send(rest[1])
+        elif kind == GONE:
+            self._lose(rank, f"data-parallel rank {rank}'s engine core exited: {rest[0].decode()}")
 
     def _register(self, ident: bytes, reg: Registration) -> None:
         reason = reg.mismatch(self.expected)
