@@ -91,6 +91,7 @@ def test_head_and_headless_engine_give_offline_greedy_output_and_stop_together(s
 
 
 def test_a_killed_headless_node_fails_its_requests_and_health_but_not_the_other_engine(served, node) -> None:
+    shm_before = shm_entries()
     port = free_master_port(1)
     s = served(*SMALL[:-4], "--max-model-len", "4096", *SMALL[-2:], *dp_flags(port),
                "--data-parallel-routing", "round_robin")
@@ -117,7 +118,19 @@ def test_a_killed_headless_node_fails_its_requests_and_health_but_not_the_other_
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     assert gone(head_tree + node_tree)
-    assert os.listdir(s.tmpdir) == []
+    assert os.listdir(s.tmpdir) == [] and wait_for(lambda: not shm_entries() - shm_before)
+
+
+def test_a_headless_node_exits_when_its_head_is_killed(served, node, tmp_path: Path) -> None:
+    port = free_master_port(1)
+    s = served(*SMALL, *dp_flags(port))
+    headless = node(port, *SMALL)
+    s.ready()
+    head_tree, node_tree = tree(s.proc.pid), tree(headless.pid)
+    os.kill(s.proc.pid, signal.SIGKILL)  # no stop message: the node sees its link close
+    assert headless.wait(60) == 0
+    assert gone(head_tree + node_tree)
+    assert not list((tmp_path / "node0").glob("l3worker-*"))  # the node's socket directory
 
 
 @pytest.mark.parametrize("argv, named", [
