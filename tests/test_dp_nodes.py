@@ -171,3 +171,44 @@ def test_sigterm_while_the_head_waits_for_its_nodes_stops_it(served) -> None:
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     assert gone(head_tree)
     assert os.listdir(s.tmpdir) == []
+
+
+def test_a_silent_node_is_lost_by_the_heartbeats_and_told_to_stop(tmp_path: Path) -> None:
+    """A registered rank that stops pinging (a frozen node: its connection still open) is lost
+    after dp_link.SILENCE_S: each API server hears it on that rank's control socket, the node a stop."""
+    import msgpack
+    import zmq
+
+    from l3worker.core_wire import unpack
+    from l3worker.nodes import link_socket
+    from l3worker.server.dp_link import REGISTER, STOP, WELCOME, Registration
+    from l3worker.server.dp_remote import RemoteConfig, RemoteEngines
+
+    config = RemoteConfig(f"tcp://127.0.0.1:{free_master_port(1)}", {"1": f"ipc://{tmp_path}/core-1"},
+                          [f"ipc://{tmp_path}/out-0"], os.getpid(),
+                          dict(dp_size=2, model="m", max_model_len=64, vocab_size=10))
+    relay = RemoteEngines(config)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    ctx = zmq.Context()
+    try:
+        api = ctx.socket(zmq.DEALER)
+        api.setsockopt(zmq.IDENTITY, b"api-0")
+        api.connect(config.controls["1"])
+        link, monitor = link_socket(ctx)
+        link.connect(config.endpoint)
+        link.send_multipart([REGISTER, Registration(1, 2, "m", 64, 10).to_wire()])
+        kind, body = link.recv_multipart()
+        assert kind == WELCOME and msgpack.unpackb(body) == {"api_server_count": 1}
+        assert api.poll(30_000), "no lost message"
+        kind, text = unpack(api.recv())
+        assert kind == "lost" and "data-parallel rank 1's node went silent" in text
+        kinds: list[bytes] = []  # pings, then the stop
+        while STOP not in kinds and link.poll(10_000):
+            kinds.append(link.recv_multipart()[0])
+        assert STOP in kinds
+        monitor.close(0)
+    finally:
+        relay.stopping = True
+        thread.join(30)
+        ctx.destroy(linger=0)

@@ -199,6 +199,7 @@ class RemoteEngines:
     def _lose(self, rank: int, text: str) -> None:
         log.error("%s: its requests fail and the server reports unhealthy", text)
         self.lost.add(rank)
+        self._send(None, [self.peer[rank], STOP])  # a node still there (frozen, cut off) need not wait for the silence
         for index in range(len(self.pushes)):
             self.controls[rank].send_multipart([identity(index), pack(["lost", text])])
 
