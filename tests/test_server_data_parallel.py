@@ -12,7 +12,7 @@ import httpx
 import psutil
 
 from fault_helpers import alive, shm_entries, wait_for
-from server_helpers import (concurrent_greedy_texts, metric, offline_greedy_texts, started_processes,
+from server_helpers import (assert_engines_give_offline_greedy, metric, started_processes,
                             wait_until)
 
 BLOCK = 16
@@ -37,14 +37,8 @@ def test_two_engines_give_offline_greedy_output_and_stop_together(served) -> Non
     if len(os.sched_getaffinity(0)) >= 2:  # each engine core its own share of the cores
         assert not set(cores[0].cpu_affinity()) & set(cores[1].cpu_affinity())
     everything = psutil.Process(s.proc.pid).children(recursive=True)
-    prompts = [[5 + k, 80, 17, 200 + k, 3, 3, 9] for k in range(6)]
-    assert concurrent_greedy_texts(url, prompts, 12) == \
-        offline_greedy_texts(prompts, 12, max_batch_size=2, max_seq_len=64, page_size=BLOCK)
-    with httpx.Client(base_url=url, timeout=60) as http:
-        # Both engines served (new prompts spread), and one scrape shows both under an engine label.
-        per_engine = [metric(http, "l3worker:generation_tokens_total", f'engine="{e}"') for e in (0, 1)]
-        assert all(n > 0 for n in per_engine) and sum(per_engine) == 12 * len(prompts)
-        assert http.get("/health").status_code == 200
+    # Both engines served (new prompts spread), and one scrape shows both under an engine label.
+    assert_engines_give_offline_greedy(url, 2, max_batch_size=2, max_seq_len=64, page_size=BLOCK)
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     assert wait_for(lambda: _gone(everything)), "a process outlived the server"
