@@ -1,7 +1,8 @@
 """The engine-core process of `l3worker serve`: the engine's step loop, away from HTTP.
 
 `python -m l3worker.engine_core` (its CoreConfig as JSON on stdin), started by the launching API
-server (l3worker/server/launcher.py). It makes a DistributedWorker from the same arguments, prepares it
+server (l3worker/server/launcher.py), or on another node by a headless data-parallel node
+(l3worker/server/dp_headless.py), which relays its sockets to the head unchanged. It makes a DistributedWorker from the same arguments, prepares it
 (starting the chip-children) and serves its API servers over the wire of l3worker/core_wire.py:
 the main thread answers the control socket (adds, aborts, metrics scrapes, health), the loop thread
 drives Engine.step (run_step_loop, as AsyncEngine does in-process) and sends one message per step

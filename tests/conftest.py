@@ -96,9 +96,7 @@ def served(tmp_path: Path):
 def follower(tmp_path: Path):
     """follower(model_dir, master_port) -> a started follower node (node_helpers.start_follower);
     every one is killed at the end."""
-    import signal
-
-    from node_helpers import start_follower
+    from node_helpers import kill_nodes, start_follower
 
     started: list = []
 
@@ -107,10 +105,7 @@ def follower(tmp_path: Path):
         return started[-1]
 
     yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    kill_nodes(started)
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,43 @@ def stream_into(url: str, body: dict, raw: list[bytes], started: threading.Event
     return t
 
 
+def concurrent_greedy_texts(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Each prompt's greedy completion (ignoring EOS) over POST /v1/completions, all in flight at once."""
+    got: dict[int, str] = {}
+
+    def one(k: int) -> None:
+        with httpx.Client(base_url=url, timeout=120, headers={"connection": "close"}) as c:
+            body = {"prompt": prompts[k], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            got[k] = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return [got.get(k) for k in range(len(prompts))]
+
+
+def offline_greedy_texts(prompts: list[list[int]], max_tokens: int, **worker) -> list[str]:
+    """The same from an offline DistributedWorker of the built-in model (`worker`: its arguments)."""
+    from l3worker import DistributedWorker, SamplingParams
+
+    with DistributedWorker(None, **worker) as ref:
+        return [ref.generate(p, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))[0].text for p in prompts]
+
+
+def assert_engines_give_offline_greedy(url: str, engines: int, max_tokens: int = 12, **worker) -> None:
+    """Data parallel: six prompts at once over HTTP give offline generate()'s greedy text (a
+    DistributedWorker of the built-in model with `worker` arguments), every engine served some, one
+    scrape shows each under its `engine` label, and /health is 200."""
+    prompts = [[5 + k, 80, 17, 200 + k, 3, 3, 9] for k in range(6)]
+    assert concurrent_greedy_texts(url, prompts, max_tokens) == offline_greedy_texts(prompts, max_tokens, **worker)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        per_engine = [metric(http, "l3worker:generation_tokens_total", f'engine="{e}"') for e in range(engines)]
+        assert all(n > 0 for n in per_engine) and sum(per_engine) == max_tokens * len(prompts), per_engine
+        assert http.get("/health").status_code == 200
+
+
 def metric(client: httpx.Client, name: str, labels: str = "") -> float:
     """A sample from GET /metrics, e.g. metric(c, "l3worker:num_requests_running"): the sum over
     the samples named so whose labels include `labels` (e.g. 'finished_reason="length"'), so over

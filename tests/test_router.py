@@ -88,3 +88,14 @@ def test_round_robin_and_least_loaded_ignore_prefixes() -> None:
 def test_a_bad_configuration_is_refused() -> None:
     with pytest.raises(ValueError, match="routing must be one of"):
         RouterConfig(2, PS, 10, "random")
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_loaded", "round_robin"])
+def test_an_engine_that_is_down_is_never_chosen(policy: str) -> None:
+    r = router(policy, engines=3)
+    held = prompt(4, 2)
+    first = r.choose(held)
+    r.finished(first)
+    r.down.add(first)  # lost with the pages it held, however long a prefix of this prompt they are
+    chosen = [r.choose(held if k % 2 else prompt(10 + k, 1)) for k in range(6)]
+    assert first not in chosen and set(chosen) == {0, 1, 2} - {first}

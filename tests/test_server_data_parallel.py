@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import httpx
 import psutil
 
 from fault_helpers import alive, shm_entries, wait_for
-from l3worker import DistributedWorker, SamplingParams
-from server_helpers import metric, started_processes, wait_until
+from server_helpers import (assert_engines_give_offline_greedy, metric, started_processes,
+                            wait_until)
 
 BLOCK = 16
 SMALL = ("--max-num-seqs", "2", "--max-model-len", "64", "--block-size", str(BLOCK))
@@ -38,27 +37,8 @@ def test_two_engines_give_offline_greedy_output_and_stop_together(served) -> Non
     if len(os.sched_getaffinity(0)) >= 2:  # each engine core its own share of the cores
         assert not set(cores[0].cpu_affinity()) & set(cores[1].cpu_affinity())
     everything = psutil.Process(s.proc.pid).children(recursive=True)
-    prompts = [[5 + k, 80, 17, 200 + k, 3, 3, 9] for k in range(6)]
-    got: dict[int, str] = {}
-
-    def one(k: int) -> None:
-        r = _post(url, {"prompt": prompts[k], "max_tokens": 12, "temperature": 0, "ignore_eos": True})
-        got[k] = r.json()["choices"][0]["text"]
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    with DistributedWorker(None, max_batch_size=2, max_seq_len=64, page_size=BLOCK) as ref:
-        expected = {k: ref.generate(p, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].text
-                    for k, p in enumerate(prompts)}
-    assert got == expected
-    with httpx.Client(base_url=url, timeout=60) as http:
-        # Both engines served (new prompts spread), and one scrape shows both under an engine label.
-        per_engine = [metric(http, "l3worker:generation_tokens_total", f'engine="{e}"') for e in (0, 1)]
-        assert all(n > 0 for n in per_engine) and sum(per_engine) == 12 * len(prompts)
-        assert http.get("/health").status_code == 200
+    # Both engines served (new prompts spread), and one scrape shows both under an engine label.
+    assert_engines_give_offline_greedy(url, 2, max_batch_size=2, max_seq_len=64, page_size=BLOCK)
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     assert wait_for(lambda: _gone(everything)), "a process outlived the server"
@@ -114,11 +94,7 @@ def test_a_killed_engine_core_is_503_at_once_and_sigterm_leaves_nothing(served) 
     assert os.listdir(s.tmpdir) == [] and wait_for(lambda: not shm_entries() - shm_before)
 
 
-def test_engines_on_other_nodes_are_refused_by_name(served) -> None:
-    s = served("--data-parallel-size", "2", "--data-parallel-address", "10.0.0.1")
-    assert s.proc.wait(60) == 2
-    assert any("--data-parallel-address: data-parallel engines on other nodes are not supported" in line
-               for line in s.stderr)
+def test_devices_the_engines_cannot_share_are_refused(served) -> None:
     s = served("--data-parallel-size", "3", "--device-ids", "0,1")
     assert s.proc.wait(60) == 2
     assert any("cannot share equally" in line for line in s.stderr)

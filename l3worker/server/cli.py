@@ -5,38 +5,52 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from chip_child.speculative_config import SpeculativeConfig
 from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
 from l3worker.server.chat_reply import REASONING_PARSERS, TOOL_CALL_PARSERS
+from l3worker.server.dp_link import DpLayout
 from l3worker.server.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.server.router import ROUTINGS
 from l3worker.server.runner import ModelInfo, ServeOptions, SignalStop, bind, serve, served_model
 
 log = logging.getLogger("l3worker.server")
 DEFAULT_MAX_WAITING = 4096  # enough for any burst a single worker can serve in reasonable time
-# Data-parallel engines on other nodes (vLLM's flags): not supported; refused by name.
+# Data-parallel engines on other nodes: vLLM's flags (l3worker/server/dp_link.py).
 DP_NODE_FLAGS = ("--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-address",
                  "--data-parallel-rpc-port")
 
 
+def dp_layout(args: argparse.Namespace) -> DpLayout:
+    """Which data-parallel ranks this command runs, from the flags (checked by data_parallel_refusal)."""
+    return DpLayout(args.data_parallel_size, args.data_parallel_size_local, args.data_parallel_start_rank or 0,
+                    args.data_parallel_address, args.data_parallel_rpc_port, headless_dp(args))
+
+
+def headless_dp(args: argparse.Namespace) -> bool:
+    """--headless for data-parallel engines (any DP flag), not a tensor-parallel follower."""
+    return bool(getattr(args, "headless", False)) and (
+        args.data_parallel_size > 1 or any(_given(args, f) for f in DP_NODE_FLAGS))
+
+
+def _given(args: argparse.Namespace, flag: str) -> bool:
+    return getattr(args, flag[2:].replace("-", "_"), None) is not None
+
+
 def data_parallel_refusal(args: argparse.Namespace) -> str | None:
-    """Why these data-parallel arguments cannot be served, or None. Engines on other nodes
-    (--headless DP engines, the DP node flags) are not supported: every engine core runs under
-    this command on this machine. `--headless` alone (tensor-parallel followers) is not ours."""
-    given = [f for f in DP_NODE_FLAGS if getattr(args, f[2:].replace("-", "_"), None) is not None]
-    if given:
-        return (f"{', '.join(given)}: data-parallel engines on other nodes are not supported; "
-                "--data-parallel-size N runs N engine cores on this machine")
+    """Why these data-parallel arguments cannot be served, naming the flag, or None."""
     if args.data_parallel_size < 1:
         return f"--data-parallel-size must be >= 1, got {args.data_parallel_size}"
-    if getattr(args, "headless", False) and args.data_parallel_size > 1:
-        return "--headless with --data-parallel-size: headless data-parallel engines are not supported"
-    if getattr(args, "nnodes", 1) > 1 and args.data_parallel_size > 1:
-        return "--data-parallel-size with --nnodes: tensor parallel across nodes serves one engine"
-    return None
+    if getattr(args, "nnodes", 1) > 1:
+        given = [f for f in DP_NODE_FLAGS if _given(args, f)]
+        if given:
+            return f"{', '.join(given)} with --nnodes: tensor parallel across nodes serves one engine"
+        if args.data_parallel_size > 1:
+            return "--data-parallel-size with --nnodes: tensor parallel across nodes serves one engine"
+    return dp_layout(args).refusal()
 
 
 def _device_ids(text: str) -> tuple[int, ...]:
@@ -95,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the rendezvous port on the head; follower node R takes its commands on "
                         "--master-port + R (needed with --nnodes > 1)")
     p.add_argument("--headless", action="store_true",
-                   help="a follower node (--node-rank >= 1): runs this node's ranks for the head, no HTTP")
+                   help="no HTTP: a tensor-parallel follower node (--node-rank >= 1), or with --data-parallel-* "
+                        "flags this node's data-parallel engines, served by the head")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto)")
     p.add_argument("--pipeline-depth", type=int, default=2, help="step commands in flight (default: 2)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
@@ -152,8 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which engine a request goes to: the one holding the longest prefix of its prompt unless "
                         "it is busier than the least loaded by half a batch (cache_aware), the least loaded, or "
                         "in turn (default: %(default)s)")
-    for flag in DP_NODE_FLAGS:  # vLLM's names, so its launch lines fail clearly here rather than misparse
-        p.add_argument(flag, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None, metavar="M",
+                   help="data-parallel engines on this node (default: --data-parallel-size on the head, the ranks "
+                        "from --data-parallel-start-rank on with --headless); the head waits for the others")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None, metavar="R",
+                   help="--headless: the first data-parallel rank of this node's engines (ranks R .. R+M-1)")
+    p.add_argument("--data-parallel-address", "-dpa", default=None, metavar="ADDR",
+                   help="the head's address, where engines on other nodes connect (it listens there)")
+    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None, metavar="P",
+                   help="the head's port for engines on other nodes (tcp)")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
@@ -198,39 +220,19 @@ def serve_command(args: argparse.Namespace) -> int:
     stop = SignalStop()
 
     if args.headless:
-        return headless_command(args)
+        return headless_dp_command(args) if headless_dp(args) else headless_command(args)
     from l3worker import DistributedWorker  # heavy imports after the arguments are known good
-    from chip_child.loader import load_config
-    from chip_child.tiny_model import ensure_tiny_model
-    from l3worker.hub import resolve_model
     from l3worker.server.launcher import DataParallel, launch_api_servers, launch_core
 
-    builtin = args.model_dir is None
+    layout = dp_layout(args)
     try:
-        model_dir = str(ensure_tiny_model()) if builtin else \
-            resolve_model(args.model_dir, args.revision, args.download_dir)
-        max_model_len = args.max_model_len
-        if max_model_len is None:
-            max_model_len = min(4096, load_config(model_dir).max_position_embeddings)
+        model_dir, max_model_len, builtin = _resolve_model(args)
         # A Hub id is served under that id (vLLM's habit), a directory under its name.
         names = args.served_model_name or ([args.model_dir] if not builtin and not os.path.isdir(args.model_dir) else [])
-        worker_kwargs = dict(model_dir=None if builtin else model_dir, device=args.device,
-                             device_ids=None if args.device_ids is None else list(args.device_ids), max_batch_size=args.max_num_seqs,
-                             max_seq_len=max_model_len, page_size=args.block_size,
-                             num_pages=args.num_gpu_blocks_override, dtype=args.dtype,
-                             pipeline_depth=args.pipeline_depth, max_num_batched_tokens=serve_batched_tokens(args),
-                             enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
-                             cpu_layout=args.cpu_layout,
-                             quantization=args.quantization, enable_expert_parallel=args.enable_expert_parallel,
-                             max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
-                             max_waiting_requests=args.max_waiting_requests,
-                             speculative_config=args.speculative_config,
-                             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
-                             node_rank=args.node_rank, master_addr=args.master_addr,
-                             master_port=args.master_port)
+        worker_kwargs = _worker_kwargs(args, model_dir, max_model_len, builtin)
         if args.api_server_count < 1:
             raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
-        dp = DataParallel(args.data_parallel_size, args.data_parallel_routing)
+        dp = DataParallel(args.data_parallel_size, args.data_parallel_routing, layout.local)
         # Checks every argument and reads the model here, before any process starts; each engine
         # core makes (and prepares) its own worker from the same arguments.
         worker = DistributedWorker(**dp.engine_kwargs(worker_kwargs, 0))
@@ -244,6 +246,10 @@ def serve_command(args: argparse.Namespace) -> int:
                                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                                enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
         model = served_model(worker, options)
+        remote = None if not layout.remote else dict(  # what the relay for the other ranks needs
+            endpoint=layout.endpoint(), startup_timeout_s=worker.startup_timeout_s or 600.0,
+            expected=dict(dp_size=dp.size, model=worker.model_name, max_model_len=worker.runtime_config.max_seq_len,
+                          vocab_size=worker.model_config.vocab_size))
     except (ValueError, TypeError, OSError) as e:
         print(f"l3worker serve: {e}", file=sys.stderr)
         return 2
@@ -270,14 +276,21 @@ def serve_command(args: argparse.Namespace) -> int:
 
     launch = None
     try:
-        launch, client = launch_core(worker_kwargs, args.api_server_count, dp, router)
+        launch, client = launch_core(worker_kwargs, args.api_server_count, dp, router, remote)
         launch_api_servers(launch, args.api_server_count, sock, info, options, router)
+        if launch.relay is not None:  # a stop while waiting for engines on other nodes ends the wait
+            stop.before_server = lambda: launch.relay.send_signal(signal.SIGTERM)
+            if stop.requested:  # it came before the line above
+                stop.before_server()
 
         async def on_stop() -> None:
             launch.signal_api_servers()
 
         asyncio.run(serve(client, model, options, sock, on_ready=on_ready, on_server=stop.on_server, on_stop=on_stop))
     except Exception:
+        if stop.requested and stop.server is None:  # stopped before it served: nothing failed
+            print("l3worker serve: stopped while starting", flush=True)
+            return 0
         log.exception("l3worker serve failed")
         return 1
     finally:
@@ -285,6 +298,60 @@ def serve_command(args: argparse.Namespace) -> int:
             launch.kill()  # a no-op after an orderly stop
     print("l3worker serve: stopped", flush=True)
     return 0
+
+
+def _resolve_model(args: argparse.Namespace) -> tuple[str, int, bool]:
+    """The model's directory (the built-in one's, or the Hub's copy), its max_model_len, and whether it is built in."""
+    from chip_child.loader import load_config
+    from chip_child.tiny_model import ensure_tiny_model
+    from l3worker.hub import resolve_model
+
+    builtin = args.model_dir is None
+    model_dir = str(ensure_tiny_model()) if builtin else resolve_model(args.model_dir, args.revision, args.download_dir)
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = min(4096, load_config(model_dir).max_position_embeddings)
+    return model_dir, max_model_len, builtin
+
+
+def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int, builtin: bool) -> dict:
+    """Every engine core's DistributedWorker arguments (before its share of the devices)."""
+    return dict(model_dir=None if builtin else model_dir, device=args.device,
+                device_ids=None if args.device_ids is None else list(args.device_ids), max_batch_size=args.max_num_seqs,
+                max_seq_len=max_model_len, page_size=args.block_size,
+                num_pages=args.num_gpu_blocks_override, dtype=args.dtype,
+                pipeline_depth=args.pipeline_depth, max_num_batched_tokens=serve_batched_tokens(args),
+                enable_prefix_caching=args.enable_prefix_caching, cpu_prepack=args.cpu_prepack,
+                cpu_layout=args.cpu_layout,
+                quantization=args.quantization, enable_expert_parallel=args.enable_expert_parallel,
+                max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
+                max_waiting_requests=args.max_waiting_requests,
+                speculative_config=args.speculative_config,
+                tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+                node_rank=args.node_rank, master_addr=args.master_addr,
+                master_port=args.master_port)
+
+
+def headless_dp_command(args: argparse.Namespace) -> int:
+    """This node's data-parallel engines for the head, until the head goes away or SIGTERM."""
+    from l3worker import DistributedWorker
+    from l3worker.server.dp_headless import run_headless
+    from l3worker.server.dp_link import Registration
+    from l3worker.server.launcher import DataParallel
+
+    layout = dp_layout(args)
+    try:
+        model_dir, max_model_len, builtin = _resolve_model(args)
+        worker_kwargs = _worker_kwargs(args, model_dir, max_model_len, builtin)
+        dp = DataParallel(layout.size, local_size=layout.local, start_rank=layout.start_rank)
+        worker = DistributedWorker(**dp.engine_kwargs(worker_kwargs, layout.start_rank))  # checks the arguments
+        info = ModelInfo.of(worker)
+        worker.close()  # never prepared: it started nothing
+    except (ValueError, TypeError, OSError) as e:
+        print(f"l3worker serve --headless: {e}", file=sys.stderr)
+        return 2
+    registration = Registration(layout.start_rank, layout.size, info.model_name, info.max_seq_len, info.vocab_size)
+    return run_headless(layout, worker_kwargs, registration)
 
 
 def headless_command(args: argparse.Namespace) -> int:

@@ -8,7 +8,10 @@ With several engine cores, a Router (server/router.py) picks each request's engi
 
 An engine core's death is seen at once: a pidfd on each core's process sits in the event loop,
 and its readiness fails every open stream and turns /health and new requests into 503s (one dead
-engine stops the service: its requests are gone, as vLLM does). All metrics live in the cores:
+engine stops the service: its requests are gone, as vLLM does). An engine on another node that is
+lost (its relay, l3worker/server/dp_remote.py, says ["lost", text] on its control socket) fails
+its own requests, leaves the router and turns /health into 503; the others keep serving what is
+routed to them. All metrics live in the cores:
 whichever API server answers a scrape asks every core and shows each engine's series under an
 `engine` label.
 """
@@ -106,6 +109,7 @@ class CoreClient:
         self._scrapes: dict[tuple[int, int], asyncio.Future] = {}
         self._seq = itertools.count()
         self._core_healthy = [False] * len(controls)
+        self._lost: dict[int, str] = {}  # remote engines gone: why
         self._stopping = False
         self._closed = False
         self._pidfds: list[int] = []
@@ -137,8 +141,12 @@ class CoreClient:
                 await asyncio.wait({reply, *self._gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not reply.done():
                     reply.cancel()
-                    raise self.error or EngineDeadError("an engine-core process exited while starting")
-                kind, self._core_healthy[engine], *extra = unpack(reply.result())
+                    raise self.error or EngineDeadError("an engine-core process (or the relay of the engines on "
+                                                        "other nodes) exited while starting: see its log")
+                kind, *extra = unpack(reply.result())
+                if kind == "lost":
+                    raise EngineDeadError(extra[0])
+                self._core_healthy[engine] = extra.pop(0)
                 if kind == "ready":
                     layouts.append(extra[0])
                     break
@@ -154,6 +162,8 @@ class CoreClient:
             raise EngineDeadError("the engine is not running")
         if self.error is not None:
             raise self.error
+        if len(self._lost) == len(self._controls):
+            raise EngineDeadError(f"every engine is lost: {'; '.join(self._lost.values())}")
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         queue = self._queues[request_id] = _Outputs()
@@ -178,7 +188,7 @@ class CoreClient:
 
     async def abort(self, request_id: str) -> None:
         engine = self._engine_of.get(request_id)
-        if engine is not None:
+        if engine is not None and engine not in self._lost:
             await self._controls[engine].send(pack(["abort", request_id]))
 
     async def metrics_text(self) -> bytes:
@@ -187,13 +197,14 @@ class CoreClient:
             return b""
         seq = next(self._seq)
         loop = asyncio.get_running_loop()
-        futures = [self._scrapes.setdefault((e, seq), loop.create_future()) for e in range(len(self._controls))]
+        engines = [e for e in range(len(self._controls)) if e not in self._lost]  # a lost one cannot answer
+        futures = [self._scrapes.setdefault((e, seq), loop.create_future()) for e in engines]
         try:
-            for control in self._controls:
-                await control.send(pack(["metrics", seq]))
+            for e in engines:
+                await self._controls[e].send(pack(["metrics", seq]))
             return exposition(await asyncio.wait_for(asyncio.gather(*futures), METRICS_TIMEOUT_S))
         finally:
-            for e in range(len(self._controls)):
+            for e in engines:
                 self._scrapes.pop((e, seq), None)
 
     async def shutdown(self) -> None:
@@ -242,6 +253,25 @@ class CoreClient:
                 future = self._scrapes.get((engine, msg[1]))
                 if future is not None and not future.done():
                     future.set_result(msg[2])
+            elif kind == "lost":
+                self._lose(engine, msg[1])
+
+    def _lose(self, engine: int, text: str) -> None:
+        """A remote engine is gone: its requests fail, the router skips it, /health says 503."""
+        if engine in self._lost:
+            return
+        log.error("data-parallel engine %d is lost: %s", engine, text)
+        self._lost[engine] = text
+        self._core_healthy[engine] = False
+        if self.router:
+            self.router.down.add(engine)
+        exc = EngineDeadError(text)
+        for request_id, e in self._engine_of.items():
+            if e == engine and request_id in self._queues:
+                self._queues[request_id].put(exc)
+        for (e, _), future in self._scrapes.items():
+            if e == engine and not future.done():
+                future.set_exception(exc)
 
     def _core_exited(self, engine: int) -> None:
         self._unwatch(engine)

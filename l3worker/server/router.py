@@ -46,21 +46,23 @@ class Router:
         self.config = config
         self.load = [0] * config.num_engines
         self.pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(config.num_engines)]
+        self.down: set[int] = set()  # engines lost (a remote node gone): never chosen again
         self._turn = 0
 
     def choose(self, prompt: Sequence[int]) -> int:
-        """The engine for a request with these prompt ids; counts it in flight there (call
-        `finished` when it ends)."""
+        """The engine for a request with these prompt ids, among those not down (the caller stops
+        serving once all are); counts it in flight there (call `finished` when it ends)."""
         policy = self.config.policy
+        up = [e for e in range(self.config.num_engines) if e not in self.down] or list(range(self.config.num_engines))
         if policy == "round_robin":
-            engine = self._next_turn(range(self.config.num_engines))
+            engine = self._next_turn(up)
         elif policy == "least_loaded":
-            least = min(self.load)
-            engine = self._next_turn([e for e, n in enumerate(self.load) if n == least])
+            least = min(self.load[e] for e in up)
+            engine = self._next_turn([e for e in up if self.load[e] == least])
         else:
             # The pool never shares a prompt's last token's page (see PagePool.lookup).
             hashes = chain_hashes(prompt, self.config.page_size, max(len(prompt) - 1, 0) // self.config.page_size)
-            engine = self._cache_aware(hashes)
+            engine = self._cache_aware(hashes, up)
             self._remember(engine, hashes)
         self.load[engine] += 1
         return engine
@@ -78,10 +80,9 @@ class Router:
             n += 1
         return n
 
-    def _cache_aware(self, hashes: list[int]) -> int:
-        engines = range(self.config.num_engines)
-        least = min(self.load)
-        matched = [self.matched_pages(e, hashes) for e in engines]
+    def _cache_aware(self, hashes: list[int], engines: list[int]) -> int:
+        least = min(self.load[e] for e in engines)
+        matched = {e: self.matched_pages(e, hashes) for e in engines}
         best = max(engines, key=lambda e: (matched[e], -self.load[e], -len(self.pages[e]), -e))
         if matched[best] > 0 and self.load[best] - least <= self.config.load_margin:
             return best

@@ -113,6 +113,9 @@ class SignalStop:
     def __init__(self) -> None:
         self.requested = False
         self.server: _Uvicorn | None = None
+        # Called on a stop before the server exists (start-up may wait long, e.g. for engines on
+        # other nodes): it ends the wait.
+        self.before_server: Callable[[], None] | None = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
@@ -120,6 +123,8 @@ class SignalStop:
         self.requested = True
         if self.server is not None:
             self.server.should_exit = True
+        elif self.before_server is not None:
+            self.before_server()
 
     def on_server(self, server: _Uvicorn) -> None:
         self.server = server
