@@ -107,6 +107,12 @@ class LayoutCores:
         return self.service if layout == "spare_core" and self.service else self.every
 
 
+def read_trial(trial: dict) -> tuple[str, LayoutCores]:
+    """A ChildSpec.layout_trial: the preferred layout and both layouts' cores."""
+    fields = dict(trial)
+    return fields.pop("preferred"), LayoutCores(**fields)
+
+
 def choose_cpu_layout(time_steps: Callable[[], tuple[float, float]], cores: LayoutCores, preferred: str,
                       rounds: int = ROUNDS) -> dict:
     """Times `time_steps()` (seconds of a prefill step and of a decode step) under the

@@ -24,7 +24,7 @@ import zmq
 
 from chip_child import protocol
 from chip_child.config import RuntimeConfig
-from chip_child.cpu_layout import LayoutCores, choose_cpu_layout
+from chip_child.cpu_layout import choose_cpu_layout, read_trial
 from chip_child.device import pin_socket_threads
 from chip_child.runtime import ChipRuntime, LaunchedStep, StepOutputs
 from chip_child.spec import ChildSpec
@@ -107,8 +107,7 @@ def start_runtime(spec: ChildSpec) -> tuple[ChipRuntime, dict]:
     try:
         layout = {"layout": None, "preferred": None, "step_s": None, "other_cores": None, "trial_s": None}
         if spec.layout_trial:
-            trial = dict(spec.layout_trial)
-            preferred, cores = trial.pop("preferred"), LayoutCores(**trial)
+            preferred, cores = read_trial(spec.layout_trial)
             layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
                                        cores, preferred)
             rt.reset()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from chip_child.cpu_layout import LayoutCores, preferred_cpu_layout
+from chip_child.cpu_layout import LayoutCores, preferred_cpu_layout, read_trial
 from chip_child.device import (CorePlan, allowed_cores, available_cores, default_cpu_threads, plan_cores,
                                repin_socket_threads)
 
@@ -40,7 +40,7 @@ class CpuPlacement:
                 and self.chosen is None and len(allowed_cores()) >= 2
                 and self.reachable_positions >= TRIAL_MIN_POSITIONS)
 
-    def start_layout(self, children: int) -> str:
+    def start_layout(self) -> str:
         """The layout the next start sets up: the one asked for; under auto the trial's choice,
         else the rule's preference where the trial runs, else spare_core."""
         if self.layout != "auto":
@@ -55,7 +55,7 @@ class CpuPlacement:
         """Intra-op threads per cpu child (None off the cpu)."""
         if not self.on_cpu:
             return None
-        return self.num_threads or default_cpu_threads(children, self.start_layout(children))
+        return self.num_threads or default_cpu_threads(children, self.start_layout())
 
     def plan(self, children: int, others_pinned: bool) -> CorePlan | None:
         """Cores for the cpu children and the rest for socket threads, where their threads leave
@@ -74,7 +74,7 @@ class CpuPlacement:
             if self.pin_cores and not others_pinned else None
         cores = LayoutCores(every=every, spare=spare.children[0] if spare else every,
                             service=spare.service if spare else [])
-        return {"preferred": self.start_layout(1), **asdict(cores)}
+        return {"preferred": self.start_layout(), **asdict(cores)}
 
     def started(self, trial: dict | None, chosen: str | None) -> None:
         """After a start that ran `trial`: keep the child's choice for later starts, and move this
@@ -83,8 +83,7 @@ class CpuPlacement:
             return
         self.chosen = chosen
         if chosen != trial["preferred"]:
-            cores = LayoutCores(**{k: v for k, v in trial.items() if k != "preferred"})
-            repin_socket_threads(cores.socket_cores(chosen))
+            repin_socket_threads(read_trial(trial)[1].socket_cores(chosen))
 
     def in_use(self, info: dict, children: int) -> str | None:
         """The layout `children` cpu children whose first reported `info` run with: what the

@@ -202,7 +202,7 @@ def test_auto_starts_as_the_fixed_preferred_layout_would(monkeypatch, weights: i
     for module in (device, cpu_placement):
         monkeypatch.setattr(module, "allowed_cores", lambda: [0, 1])
     auto, fixed = placement(step_weights=weights), placement(layout=start)
-    assert auto.start_layout(1) == start
+    assert auto.start_layout() == start
     assert (auto.threads(1), auto.plan(1, False)) == (fixed.threads(1), fixed.plan(1, False))
     assert auto.trial(others_pinned=False) == {"preferred": start, "every": [0, 1], "spare": [1], "service": [0]}
     # pinned by another worker of this process, or pin_cores=False: spare_core pins nothing
@@ -226,7 +226,7 @@ def test_a_changed_choice_moves_the_parents_socket_threads_and_restarts_keep_it(
         assert trial["preferred"] == "every_core"
         auto.started(trial, "spare_core")  # the trial saw a loaded machine
         assert all(os.sched_getaffinity(t) == set(trial["service"]) for t in sockets)
-        assert auto.chosen == "spare_core" and auto.start_layout(1) == "spare_core"
+        assert auto.chosen == "spare_core" and auto.start_layout() == "spare_core"
         assert auto.trial(others_pinned=False) is None  # a restart is not timed
         assert auto.threads(1) == len(cores) - 1
     finally:
