@@ -19,6 +19,7 @@ class ChildSpec:
     buffers: dict[str, list]  # name -> [fd, nbytes, shape, dtype] (l3worker.shared.BufferSpec)
     parent_pid: int = field(default_factory=os.getpid)
     wake_every_step: bool = False  # send a wake-up after every step, not only to a sleeping parent
+    wake_fd: int | None = None  # an eventfd the leader writes after every step, instead of wake-up messages
     cpu_cores: list[int] | None = None  # a cpu child's threads run here only
     service_cores: list[int] | None = None  # and its socket threads here
     # cpu_layout="auto": the layout the rule prefers, which the threads and pins above set up,
@@ -41,8 +42,8 @@ class ChildSpec:
 
     @property
     def fds(self) -> list[int]:
-        """The shared buffers' descriptors: the child must inherit these."""
-        return [fd for fd, *_ in self.buffers.values()]
+        """The shared buffers' descriptors and the wake-up eventfd: the child must inherit these."""
+        return [fd for fd, *_ in self.buffers.values()] + ([self.wake_fd] if self.wake_fd is not None else [])
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

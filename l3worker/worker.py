@@ -37,7 +37,7 @@ from l3worker.child import ChildProcess, child_spec, wait_all_ready
 from l3worker.cpu_placement import CpuPlacement
 from l3worker.shared import StepBuffers
 from l3worker.speculation import check_proposer, speculative_tokens
-from l3worker.doorbell import ORDERED_STORES, Doorbell
+from l3worker.doorbell import ORDERED_STORES, Doorbell, make_wake_fd
 from l3worker.engine import Engine
 from l3worker.errors import ChildFailure, WorkerError
 from l3worker.hub import resolve_model
@@ -218,6 +218,7 @@ class DistributedWorker:
         self._ctx: zmq.Context | None = None
         self._socket_dir: str | None = None
         self._buffers: StepBuffers | None = None
+        self._wake_fd: int | None = None  # the leader child's eventfd after each step (l3worker.doorbell)
         self._state = "new"  # new -> ready -> closed
         self._prepare_s = 0.0
         self.engine = Engine(self.model_config, self.runtime_config, self.tokenizer, self.model_dir,
@@ -242,6 +243,7 @@ class DistributedWorker:
                                                speculative_tokens(cfg))
             self._socket_dir = make_socket_dir("l3worker-")
             self._ctx = zmq.Context()
+            self._wake_fd = make_wake_fd()
             self._state = "ready"  # from here on close() has something to release
             self._core_plan = plan = self._plan_cores()
             self._nodes = [RemoteNode(self._ctx, self.layout, node, self._buffers)
@@ -283,6 +285,7 @@ class DistributedWorker:
                 # The child's own default would count only the cores it is pinned to.
                 rc = replace(rc, num_threads=threads)
             spec = child_spec(rank, rc, self._buffers, self._socket_dir, wake_every_step=not ORDERED_STORES,
+                              wake_fd=self._wake_fd if rank == 0 else None,
                               fault=fault, cpu_cores=plan.children[rank] if plan else None,
                               service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
                               layout_trial=trial, generation=gen)
@@ -293,7 +296,7 @@ class DistributedWorker:
         if trial is not None:
             self._core_plan = self._plan_cores()
         self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget(),
-                                  self.engine.stopping)
+                                  self.engine.stopping, self._wake_fd)
         self.engine.metrics.set_cpu_layout(self.cpu_layout_in_use)
 
     @property
@@ -343,6 +346,9 @@ class DistributedWorker:
             self._socket_dir = None
         self._buffers = None
         self._doorbell = None
+        if self._wake_fd is not None:
+            os.close(self._wake_fd)
+            self._wake_fd = None
         self._core_plan = None  # its cores are free for another worker
         if self._state != "closed" and self.engine.error is None:
             self.engine.fail(WorkerError("the worker was closed"))
