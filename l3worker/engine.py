@@ -83,6 +83,9 @@ class Engine:
         self._buffers: StepBuffers | None = None
         self._doorbell: Doorbell | None = None
         self._relaunch: Relaunch | None = None
+        self._sampled: list[np.ndarray] = []  # per ring slot: the ids and prompt ids (views of the ring)
+        self._staging: list[np.ndarray] = []
+        self._step_stats: np.ndarray | None = None
         self._slot_logprobs: list[list[SlotLogprobs]] = []  # per ring slot, per token position of a step
         self._inflight: deque[_InFlight] = deque()
         self._inbox: deque[tuple[str, object]] = deque()  # ("add", RequestState) / ("abort", request_id)
@@ -110,6 +113,9 @@ class Engine:
         self._inflight.clear()
         # Per ring slot, made once: numpy views of what a step leaves there besides its ids, for
         # each token position of a step (more than one with speculative decoding).
+        self._sampled = list(buffers.sampled.numpy())  # ids, per slot (a tensor index costs microseconds)
+        self._staging = list(buffers.staging.numpy())
+        self._step_stats = buffers.step_stats.numpy()
         self._slot_logprobs = []
         for slot in range(buffers.slots):
             first = SlotLogprobs(*(getattr(buffers, name)[slot].numpy() for name in (
@@ -125,6 +131,7 @@ class Engine:
         self._children, self._buffers, self._doorbell = [], None, None
         self._relaunch = None
         self.restarting = False
+        self._sampled, self._staging, self._step_stats = [], [], None
         self._slot_logprobs = []
         self._inflight.clear()
         self._work.set()  # a loop thread asleep on the inbox must see it
@@ -309,7 +316,7 @@ class Engine:
         self.scheduler.add(state.seqs)
 
     def _send(self, s: Scheduled) -> _InFlight:
-        staging = self._buffers.staging[s.command.step % self._buffers.slots].numpy()
+        staging = self._staging[s.command.step % len(self._staging)]
         for offset, ids in s.staging_tokens:
             staging[offset:offset + len(ids)] = ids
         payload = protocol.encode(s.command)
@@ -323,9 +330,9 @@ class Engine:
         self._doorbell.wait(step, self.step_timeout_s, queued_behind=bool(self._inflight))
         now = time.perf_counter()
         buffers = self._buffers
-        slot = step % buffers.slots
+        slot = step % len(self._sampled)
         if buffers.spec_counts is None:
-            advanced = self.scheduler.on_tokens(entry.scheduled.producers, buffers.sampled[slot].numpy(), now)
+            advanced = self.scheduler.on_tokens(entry.scheduled.producers, self._sampled[slot], now)
             self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot][0],
                                           entry.scheduled.prompt_logprobs)
         else:
@@ -361,7 +368,7 @@ class Engine:
                     self._live_ids.discard(out.request_id)
 
     def _record(self, entry: _InFlight, slot: int, now: float, t_wait: float) -> None:
-        apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs = self._buffers.step_stats[slot].tolist()
+        apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs = self._step_stats[slot].tolist()
         self.recorder.steps.append(StepRecord(
             step=entry.scheduled.command.step, prefill=entry.scheduled.command.is_prefill,
             parent_wall_s=now - self._last_done, wait_s=now - t_wait, apply_s=apply_us / 1e6,

@@ -39,7 +39,8 @@ def token_ids(prompt, tokenizer: Tokenizer | None, vocab: int, where: str, model
                 raise ValueError(f"{where}: token array must be 1-D, got shape {prompt.shape}")
             ids = prompt
         elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            # One check per distinct type, not per id: a long prompt is mostly one type.
+            if not all(issubclass(t, (int, np.integer)) and not issubclass(t, bool) for t in set(map(type, prompt))):
                 raise TypeError(f"{where}: token ids must be ints")
             try:
                 ids = np.asarray(prompt, dtype=np.int64)

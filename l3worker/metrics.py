@@ -63,6 +63,12 @@ class EngineMetrics:
         self.queue_time = Histogram("l3worker:request_queue_time_seconds", "Arrival to admission into a row",
                                     buckets=_LATENCY, registry=r)
 
+    def observe_itl(self, gaps: dict[float, int]) -> None:
+        """A step's inter-token gaps, each with how many samples had it (rows decoded in
+        consecutive steps all share one)."""
+        for gap, count in gaps.items():
+            observe_repeated(self.itl, gap, count)
+
     def set_cpu_layout(self, layout: str | None) -> None:
         """The layout the children (re)started with: the one series of the info metric."""
         self._cpu_layout.clear()
@@ -73,6 +79,18 @@ class EngineMetrics:
         """A sample's current value, e.g. value("l3worker:generation_tokens_total")."""
         got = self.registry.get_sample_value(name, labels)
         return 0.0 if got is None else got
+
+
+def observe_repeated(histogram: Histogram, value: float, count: int) -> None:
+    """Records `value` `count` times, exactly as `count` calls of observe() would, for the cost of
+    one: prometheus_client has no weighted observe, so this adds to the bucket and sum counters
+    its observe() adds to (tests/test_monitoring.py checks the two agree)."""
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(value * count)
+    for bound, bucket in zip(histogram._upper_bounds, histogram._buckets):
+        if value <= bound:
+            bucket.inc(count)
+            break
 
 
 def families_to_wire(registry: CollectorRegistry, engine: int) -> list:

@@ -55,22 +55,28 @@ class OutputProcessor:
         if logprobs is not None:
             for offset, start, length, seq in scoring:
                 self._take_prompt_logprobs(logprobs, offset, start, length, seq)
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, RequestState] = {}  # the requests with something to report
+        gaps: dict[float, int] = {}
         new_tokens = 0
+        requests = self.requests
         for row, seq in advanced:
-            state = self.requests[seq.request_id]
-            touched[state.request_id] = state
-            new_tokens += self._take_token(state, row, seq, logprobs, now)
+            state = requests[seq.request_id]
+            new_tokens += self._take_token(state, row, seq, logprobs, now, gaps)
+            # A request that does not stream reports once, when a sample ends (the last one ends it).
+            if state.stream or seq.finish_reason is not None:
+                touched[state.request_id] = state
         self.metrics.generation_tokens.inc(new_tokens)
+        self.metrics.observe_itl(gaps)
         if self.recorder is not None:
             self.recorder.generated_tokens += new_tokens
         for state in touched.values():
             self.report(state, outputs)
 
     def _take_token(self, state: RequestState, row: int, seq: Sequence, logprobs: SlotLogprobs | None,
-                    now: float) -> int:
+                    now: float, gaps: dict[float, int]) -> int:
         """Takes in the token a step gave one sample (in `row`): text, stop strings, logprobs and
-        latency figures. Returns the number of tokens it added (0 for a scoring prefill)."""
+        latency figures (its inter-token gap counted in `gaps`). Returns the number of tokens it
+        added (0 for a scoring prefill)."""
         if not seq.tokens:  # scoring only: the prefill finished the request
             self._observe_first_token(state, seq, now)
             return 0
@@ -82,7 +88,8 @@ class OutputProcessor:
         if len(seq.tokens) == 1:
             self._observe_first_token(state, seq, now)
         else:
-            self.metrics.itl.observe(now - seq.prev_token_at)
+            gap = now - seq.prev_token_at
+            gaps[gap] = gaps.get(gap, 0) + 1
         text = state.texts[seq.index]
         if text is not None and not _stop_token_hidden(seq):
             hit = text.add(token)

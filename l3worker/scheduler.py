@@ -69,13 +69,10 @@ class Sequence:
     prev_token_at: float = 0.0
 
     def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt_ids)  # an attribute, not a property: read for every token
         # Prompt and generated ids in one buffer: the prefix cache reads them, a resume prefills them.
         self.ids = np.zeros(self.prompt_len + self.steps_needed, np.int32)
         self.ids[:self.prompt_len] = self.prompt_ids
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:
@@ -158,27 +155,26 @@ class Scheduler:
         for seq in self._prefilling_rows():  # continue prompts already under way, oldest first
             used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples)
         admits = self._admit(used, chunks, staging, scoring, triples)
-        producers = []
-        decode_rows = []
+        producers = [(c.row, self.rows[c.row], self.rows[c.row].epoch) for c in chunks if c.last]
         chunk_rows = {c.row for c in chunks}
+        k, page = self.k, self.page_size
+        decoding = False
         for row, seq in enumerate(self.rows):
-            if seq is None or seq.prefilling or row in chunk_rows:
+            if seq is None or seq.fed < seq.prefill_end or row in chunk_rows:  # empty, or prefilling
                 continue
-            if self.k:  # every page up to its bound, each sent once
+            fed = seq.fed
+            if k:  # every page up to its bound, each sent once
                 triples.extend((row, block, seq.pages[block]) for block in range(seq.blocks_sent, len(seq.pages)))
                 seq.blocks_sent = len(seq.pages)
-            elif seq.fed % self.page_size == 0:  # this step's input starts a new page
-                triples.append((row, seq.fed // self.page_size, seq.pages[seq.fed // self.page_size]))
-            decode_rows.append(row)
-        for c in chunks:
-            if c.last:
-                producers.append((c.row, self.rows[c.row], self.rows[c.row].epoch))
-        for row in decode_rows:
-            seq = self.rows[row]
-            producers.append((row, seq, seq.epoch))
-            seq.fed = min(seq.fed + self.k + 1, seq.kv_end) if self.k else seq.fed + 1
+                seq.fed = min(fed + k + 1, seq.kv_end)
+            else:
+                if fed % page == 0:  # this step's input starts a new page
+                    triples.append((row, fed // page, seq.pages[fed // page]))
+                seq.fed = fed + 1
             seq.scheduled += 1
-        if not chunks and not decode_rows:
+            producers.append((row, seq, seq.epoch))
+            decoding = True
+        if not chunks and not decoding:
             return None  # finished rows, if any, go out with the next command
         cmd = Command(step=self.step, finished_rows=self._take_finished(),
                       new_pages=np.array(triples, np.int32).reshape(-1, 3), admits=admits, chunks=chunks)
@@ -197,23 +193,26 @@ class Scheduler:
         """Records a step's sampled ids; returns the (row, sequence) pairs that advanced, finished
         ones included. A sequence finished or preempted since the command was sent gets nothing."""
         advanced = []
+        row_ids = ids.tolist()  # Python ints, read once: this loop runs for every token
         for row, seq, epoch in producers:
-            if seq.finished or epoch != seq.epoch:
+            if seq.finish_reason is not None or epoch != seq.epoch:
                 continue
-            if seq.params.max_new_tokens == 0:  # scoring only: the prefill's token is not an output
+            params = seq.params
+            if params.max_new_tokens == 0:  # scoring only: the prefill's token is not an output
                 self.finish(seq, "length")
                 advanced.append((row, seq))
                 continue
-            token = int(ids[row])
-            seq.ids[seq.known] = token
-            seq.tokens.append(token)
+            token, tokens = row_ids[row], seq.tokens
+            seq.ids[seq.prompt_len + len(tokens)] = token
+            tokens.append(token)
             seq.prev_token_at, seq.last_token_at = seq.last_token_at, now
-            if len(seq.tokens) == 1:
+            produced = len(tokens)
+            if produced == 1:
                 seq.first_token_at = now
             self._commit(seq)
-            if token in seq.stop_ids and len(seq.tokens) > seq.params.min_tokens:
+            if token in seq.stop_ids and produced > params.min_tokens:
                 self.finish(seq, "stop", token)
-            elif len(seq.tokens) == seq.params.max_new_tokens:
+            elif produced == params.max_new_tokens:
                 self.finish(seq, "length")
             advanced.append((row, seq))
         return advanced
@@ -262,13 +261,13 @@ class Scheduler:
 
     def _grow_decoding_rows(self) -> None:
         """Gives every decoding row the page its next input needs, preempting when dry."""
-        for seq in sorted((s for s in self.rows if s is not None and not s.prefilling),
-                          key=lambda s: s.admit_order):
-            # Positions this step may write: its input's, and with speculation k drafts after it.
-            end = min(seq.fed + self.k + 1, seq.kv_end) if self.k else seq.fed + 1
-            if seq.row < 0 or self.pages.pages_for(end) <= len(seq.pages):
-                continue
-            while seq.row >= 0 and not self._extend(seq, end):
+        k, page = self.k, self.page_size
+        # Positions a step may write: its input's, and with speculation k drafts after it.
+        ends = [(s, min(s.fed + k + 1, s.kv_end) if k else s.fed + 1) for s in self.rows
+                if s is not None and s.fed >= s.prefill_end]
+        short = [(s, end) for s, end in ends if end > len(s.pages) * page]  # most steps: none
+        for seq, end in sorted(short, key=lambda pair: pair[0].admit_order):  # the oldest first
+            while seq.row >= 0 and not self._extend(seq, end):  # (a preempted one has no row)
                 self._preempt_newest()
 
     def _extend(self, seq: Sequence, end: int) -> bool:
@@ -373,10 +372,12 @@ class Scheduler:
 
     def _commit(self, seq: Sequence) -> None:
         """Registers the sequence's full pages whose ids are final and whose K/V a sent command writes."""
-        if seq.cursor is not None and seq.row >= 0:
+        cursor = seq.cursor
+        if cursor is not None and seq.row >= 0:
             # Speculating, `fed` is a bound: only positions before the last known token surely hold K/V.
             written = min(seq.known - 1, seq.fed) if self.k else min(seq.known, seq.fed)
-            self.pages.commit(seq.cursor, seq.pages, seq.ids, written)
+            if written >= (cursor.num_pages + 1) * self.page_size:  # a page filled since (called per token)
+                self.pages.commit(cursor, seq.pages, seq.ids, written)
 
     def _release(self, seq: Sequence) -> None:
         """Frees the row and pages now; the child deactivates the row at the start of the next

@@ -9,7 +9,9 @@ import pytest
 from chip_child.loader import load_config, load_tokenizer
 from chip_child.runtime import RuntimeConfig
 from chip_child.tiny_model import ensure_tiny_model
-from l3worker.metrics import EngineMetrics
+from prometheus_client import CollectorRegistry, Histogram
+
+from l3worker.metrics import EngineMetrics, observe_repeated
 from l3worker.outputs import OutputProcessor, SlotLogprobs
 from l3worker.params import SamplingParams
 from l3worker.requests import InputProcessor, RequestState
@@ -198,6 +200,27 @@ def test_metrics_count_tokens_requests_and_latencies(loop) -> None:
     assert value("l3worker:inter_token_latency_seconds_sum") == pytest.approx(4.0)
     assert value("l3worker:e2e_request_latency_seconds_count") == 1
     assert recorder.ttft_s == pytest.approx([1.0, 1.0]) and recorder.tpot_s == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.parametrize("value", [0.0001, 0.0002, 0.003, 0.0301, 2.5, 9.0])  # below, on, between, past edges
+def test_repeated_observations_record_what_as_many_observe_calls_do(value: float) -> None:
+    buckets = (0.0002, 0.0005, 0.001, 0.005, 0.03, 2.5)
+    one_by_one, at_once = CollectorRegistry(), CollectorRegistry()
+    a = Histogram("gap_seconds", "gaps", buckets=buckets, registry=one_by_one)
+    b = Histogram("gap_seconds", "gaps", buckets=buckets, registry=at_once)
+    for _ in range(7):
+        a.observe(value)
+    a.observe(0.004)
+    observe_repeated(b, value, 7)
+    observe_repeated(b, 0.004, 1)
+
+    def samples(registry: CollectorRegistry) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in registry.collect() for s in m.samples
+                if not s.name.endswith("_created")}
+
+    got, want = samples(at_once), samples(one_by_one)
+    assert got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(want[k]) for k in want)
 
 
 def test_final_output_carries_the_request_latency_figures(loop) -> None:

@@ -187,6 +187,8 @@ BAD_REQUESTS = [
     ("top_p 1.5", [[1, 2]], greedy(top_p=1.5), ValueError, r"top_p"),
     ("top_k < 0", [[1, 2]], greedy(top_k=-1), ValueError, r"top_k"),
     ("float array", np.array([1.0, 2.0]), greedy(), TypeError, r"prompts\[0\].*dtype"),
+    ("float id in a list", [[1, 2.0, 3]], greedy(), TypeError, r"prompts\[0\].*token ids must be ints"),
+    ("bool id in a list", [[1, True, 3]], greedy(), TypeError, r"prompts\[0\].*token ids must be ints"),
     ("2-D array", np.ones((2, 3), np.int64), greedy(), ValueError, r"prompts\[0\].*1-D"),
     ("text, no tokenizer", "hello", greedy(), ValueError, r"prompts\[0\].*tokenizer"),
     ("more pages than num_pages", [list(range(30))], greedy(30), ValueError, r"num_pages"),
