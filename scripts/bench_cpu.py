@@ -248,6 +248,7 @@ def bench_workload(wl: Workload, model_dir: str, params: int, l3_variants: dict[
         times = {name: [] for name in variants}
         others = {name: [] for name in variants}
         discarded = {name: 0 for name in variants}
+        cpu = {name: [0.0, 0.0] for name in variants}  # kept runs' CPU seconds: runner process, its chip-children
         for rep in range(repeats):
             order = list(variants.items())
             if rep % 2:
@@ -256,15 +257,18 @@ def bench_workload(wl: Workload, model_dir: str, params: int, l3_variants: dict[
                 for attempt in range(1 + retries):
                     if quiet_wait_s:
                         wait_quiet(quiet_wait_s)
-                    b0, c0 = busy_cores(), cpu_seconds(v.pids)
+                    b0, p0, k0 = busy_cores(), cpu_seconds(v.pids[:1]), cpu_seconds(v.pids[1:])
                     dt, toks = v.run(prompts)
-                    b1, c1 = busy_cores(), cpu_seconds(v.pids)
+                    b1, p1, k1 = busy_cores(), cpu_seconds(v.pids[:1]), cpu_seconds(v.pids[1:])
+                    c0, c1 = p0 + k0, p1 + k1
                     # Cores other processes kept busy meanwhile (tick-granular: rough).
                     other = max(b1[0] - b0[0] - (c1 - c0), 0.0) / (b1[1] - b0[1]) if b0 and b1 else 0.0
                     if other <= max_other:
                         break
                     discarded[name] += 1
                 others[name].append(other)
+                cpu[name][0] += p1 - p0
+                cpu[name][1] += k1 - k0
                 times[name].append(dt / out_tokens)
                 tokens.setdefault(name, toks)
             print(f"   repeat {rep + 1}/{repeats}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.3f}" for n in variants)
@@ -281,6 +285,9 @@ def bench_workload(wl: Workload, model_dir: str, params: int, l3_variants: dict[
                       "other_cores": statistics.median(others[name]) if others[name] else None,
                       "other_cores_max": max(others[name]) if others[name] else None,
                       "discarded_runs": discarded[name],
+                      # Summed over the kept runs: /proc's clock ticks are too coarse for one run.
+                      "process_cpu_us_per_token": cpu[name][0] / (len(ts) * out_tokens) * 1e6,
+                      "children_cpu_us_per_token": cpu[name][1] / (len(ts) * out_tokens) * 1e6,
                       "info": infos.get(name)}
     l3_ms = rows["l3"]["ms_per_token"] if "l3" in rows else None
     hf_best = min((rows[n]["ms_per_token"], n) for n in ("hf_static", "hf_dynamic") if n in rows) \
@@ -316,12 +323,13 @@ def format_table(rows: dict, hf_best) -> str:
         return "-" if x is None else f"{x:.{d}f}"
 
     best = f"hf best generate ({hf_best[1]})" if hf_best else "hf best generate"
-    lines = [f"| variant | ms/token (median) | tokens/s | / l3 | / {best} | / hf_batch | other load (cores): "
-             "median, max | runs rerun |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"| variant | ms/token (median) | tokens/s | / l3 | / {best} | / hf_batch | CPU us/token: process, "
+             "chip-children | other load (cores): median, max | runs rerun |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in rows.items():
         lines.append(f"| {name} | {f(r['ms_per_token'])} | {f(r['tokens_per_s'], 0)} | {f(r['vs_l3'])} "
-                     f"| {f(r['vs_hf_best_generate'])} | {f(r['vs_hf_batch'])} | {f(r['other_cores'], 2)}, "
+                     f"| {f(r['vs_hf_best_generate'])} | {f(r['vs_hf_batch'])} | {f(r['process_cpu_us_per_token'], 0)}, "
+                     f"{f(r['children_cpu_us_per_token'], 0)} | {f(r['other_cores'], 2)}, "
                      f"{f(r['other_cores_max'], 2)} | {r['discarded_runs']} |")
     return "\n".join(lines)
 

@@ -42,6 +42,8 @@ def test_every_variant_reports_its_figures(result: dict) -> None:
         assert v["ms_per_token"] > 0 and len(v["ms_per_token_per_repeat"]) == 1, name
         assert v["vs_l3"] is not None and v["vs_hf_best_generate"] is not None and v["vs_hf_batch"] is not None
     assert variants["l3"]["vs_l3"] == pytest.approx(1.0)
+    assert all(v["process_cpu_us_per_token"] >= 0 and v["children_cpu_us_per_token"] >= 0 for v in variants.values())
+    assert variants["hf_static"]["children_cpu_us_per_token"] == 0  # transformers starts no chip-child
     assert wl["hf_best_generate"] in ("hf_static", "hf_dynamic")
     if available_cores() > 1:  # the default's start-up choice between the two layouts, and each alone
         assert {"l3_every", "l3_spare"} <= set(variants)
