@@ -83,8 +83,8 @@ class Engine:
         self._buffers: StepBuffers | None = None
         self._doorbell: Doorbell | None = None
         self._relaunch: Relaunch | None = None
-        self._sampled: list[np.ndarray] = []  # per ring slot: the ids and prompt ids (views of the ring)
-        self._staging: list[np.ndarray] = []
+        self._sampled: list[np.ndarray] = []  # per ring slot: the sampled ids (a view of the ring)
+        self._staging: list[np.ndarray] = []  # per ring slot: the prompt ids a step reads
         self._step_stats: np.ndarray | None = None
         self._slot_logprobs: list[list[SlotLogprobs]] = []  # per ring slot, per token position of a step
         self._inflight: deque[_InFlight] = deque()
@@ -111,11 +111,12 @@ class Engine:
         )
         self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
         self._inflight.clear()
-        # Per ring slot, made once: numpy views of what a step leaves there besides its ids, for
-        # each token position of a step (more than one with speculative decoding).
-        self._sampled = list(buffers.sampled.numpy())  # ids, per slot (a tensor index costs microseconds)
+        # Numpy views of the ring, made once: indexing a tensor every step costs microseconds.
+        self._sampled = list(buffers.sampled.numpy())
         self._staging = list(buffers.staging.numpy())
         self._step_stats = buffers.step_stats.numpy()
+        # Per ring slot, the log-probabilities a step leaves there, for each token position of a
+        # step (more than one with speculative decoding).
         self._slot_logprobs = []
         for slot in range(buffers.slots):
             first = SlotLogprobs(*(getattr(buffers, name)[slot].numpy() for name in (

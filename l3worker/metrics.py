@@ -84,7 +84,7 @@ class EngineMetrics:
 def observe_repeated(histogram: Histogram, value: float, count: int) -> None:
     """Records `value` `count` times, exactly as `count` calls of observe() would, for the cost of
     one: prometheus_client has no weighted observe, so this adds to the bucket and sum counters
-    its observe() adds to (tests/test_monitoring.py checks the two agree)."""
+    its observe() adds to (tests/test_outputs.py checks the two agree)."""
     histogram._raise_if_not_observable()
     histogram._sum.inc(value * count)
     for bound, bucket in zip(histogram._upper_bounds, histogram._buckets):
