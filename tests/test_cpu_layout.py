@@ -21,6 +21,7 @@ from chip_child.device import allowed_cores, process_threads
 from chip_child.loader import load_config
 from chip_child.runtime import ChipRuntime
 from chip_child.spec import ChildSpec
+from fault_helpers import wait_for
 
 needs_affinity = pytest.mark.skipif(not os.path.isdir("/proc/self/task") or len(allowed_cores()) < 2,
                                     reason="sets thread affinities through /proc on two cores or more")
@@ -220,10 +221,14 @@ def test_socket_threads_go_where_the_chosen_layout_puts_them(restore_threads) ->
     cores = restore_threads
     layouts = LayoutCores(every=cores, spare=cores[1:], service=cores[:1])
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PAIR)  # starts the context's threads
+    sock = ctx.socket(zmq.PAIR)  # starts the context's threads, which name themselves soon after
+
+    def socket_threads() -> list[int]:
+        return [tid for tid, name in process_threads().items() if name.startswith("ZMQbg/")]
+
     try:
-        sockets = [tid for tid, name in process_threads().items() if name.startswith("ZMQbg/")]
-        assert sockets
+        assert wait_for(lambda: socket_threads())
+        sockets = socket_threads()
         set_layout("spare_core", layouts)
         assert all(os.sched_getaffinity(t) == {cores[0]} for t in sockets)
         assert os.sched_getaffinity(0) == set(cores[1:])

@@ -275,6 +275,16 @@ def test_killed_child_raises_and_close_cleans_up(ckpt: Path) -> None:
         w.generate(*SMALL)
 
 
+def test_close_lets_the_child_exit_by_itself(ckpt: Path) -> None:
+    """close() sends Shutdown and the child exits with code 0 (released everything, ran its exit
+    handlers, skipped the interpreter's teardown); a kill after the grace period would show -9."""
+    w = DistributedWorker(ckpt, **COMMON).prepare()
+    child = w._children[0]
+    w.generate(*SMALL)
+    w.close()
+    assert child.proc.returncode == 0
+
+
 def test_child_exit_mid_generation(ckpt: Path) -> None:
     shm_before = shm_entries()
     w = DistributedWorker(ckpt, **COMMON, fault_injection="exit@3", max_restarts=0)
