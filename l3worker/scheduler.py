@@ -160,7 +160,7 @@ class Scheduler:
         k, page = self.k, self.page_size
         decoding = False
         for row, seq in enumerate(self.rows):
-            if seq is None or seq.fed < seq.prefill_end or row in chunk_rows:  # empty, or prefilling
+            if seq is None or seq.prefilling or row in chunk_rows:
                 continue
             fed = seq.fed
             if k:  # every page up to its bound, each sent once
@@ -264,7 +264,7 @@ class Scheduler:
         k, page = self.k, self.page_size
         # Positions a step may write: its input's, and with speculation k drafts after it.
         ends = [(s, min(s.fed + k + 1, s.kv_end) if k else s.fed + 1) for s in self.rows
-                if s is not None and s.fed >= s.prefill_end]
+                if s is not None and not s.prefilling]
         short = [(s, end) for s, end in ends if end > len(s.pages) * page]  # most steps: none
         for seq, end in sorted(short, key=lambda pair: pair[0].admit_order):  # the oldest first
             while seq.row >= 0 and not self._extend(seq, end):  # (a preempted one has no row)
