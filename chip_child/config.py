@@ -35,16 +35,16 @@ class RuntimeConfig:
     max_prefill_tokens: int | None = None  # chunk tokens per step; None: max(max_seq_len, 2048)
     copy_policy: str = "dirty"
     attention_backend: str | None = None  # None: the device's default (see chip_child.attention)
-    decode_graphs: bool | None = None  # None: on for cuda and npu where the backend allows (chip_child.graphs)
-    fused_kernels: bool | None = None  # None: on for cuda where triton imports (chip_child.fused)
-    cpu_prepack: bool | None = None  # None: on for the cpu where oneDNN runs the dtype (chip_child.prepack)
+    decode_graphs: bool | None = None  # None: on for cuda and npu where the backend allows (chip_child.step.graphs)
+    fused_kernels: bool | None = None  # None: on for cuda where triton imports (chip_child.models.fused)
+    cpu_prepack: bool | None = None  # None: on for the cpu where oneDNN runs the dtype (chip_child.models.prepack)
     num_threads: int | None = None  # cpu intra-op threads; None: see default_cpu_threads
     quantization: str | None = None  # a method applied at load ("fp8"); None: as the checkpoint is stored
     enable_expert_parallel: bool = False  # MoE experts split whole across the tensor-parallel ranks
     tp_rank: int = 0
     tp_size: int = 1
     dist_init: str | None = None  # torch.distributed init_method when tp_size > 1
-    speculative: dict | None = None  # chip_child.speculative_config.SpeculativeConfig's fields; None: off
+    speculative: dict | None = None  # chip_child.spec.config.SpeculativeConfig's fields; None: off
 
     @property
     def max_blocks_per_row(self) -> int:

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from chip_child.device import is_socket_thread, process_threads
-from chip_child.loader import ModelConfig
+from chip_child.models.loader import ModelConfig
 
 # Weight elements a decode step reads from which every core is preferred: between the 230k- and
 # the 1.3M-parameter models above (the ops of smaller ones are too small to split).

@@ -204,3 +204,20 @@ class DeviceTimer:
         if self._events:
             return self._events[0].elapsed_time(self._events[1]) / 1e3
         return self._elapsed
+
+
+def tensor_parallel_all_reduce(device_type: str, dist_init: str | None, rank: int, world: int):
+    """The all-reduce a sharded layer ends with: joins torch.distributed's group (gloo, nccl or
+    hccl by device) when `world` > 1; the identity otherwise."""
+    if world == 1:
+        return lambda x: x
+    import torch.distributed as dist
+
+    backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device_type]
+    dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world)
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    return all_reduce

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from chip_child.protocol import Admit, Command, FullState, prefill_command
-from chip_child.row_fields import dataclass_fields, row_values
-from chip_child.runtime import ChipRuntime, StepOutputs
+from chip_child.step.row_fields import dataclass_fields, row_values
+from chip_child.step.runtime import ChipRuntime, StepOutputs
 
 
 LocalRequest = make_dataclass(
@@ -17,7 +17,7 @@ LocalRequest = make_dataclass(
                      *(spec for spec in dataclass_fields(required=False)
                        if spec[0] not in ("prompt_len", "max_new_tokens"))],
     namespace={"__module__": __name__, "__doc__": """A prompt, how many tokens to generate, and any per-row
-    field of chip_child.row_fields by its Admit name (neutral by default: greedy, no options)."""})
+    field of chip_child.step.row_fields by its Admit name (neutral by default: greedy, no options)."""})
 
 
 def _row_values(r: LocalRequest) -> dict:

@@ -5,7 +5,7 @@ A steady decode command is `[0, step, [], b""]` (6 to 10 bytes as the step grows
 triples and chunks travel as raw int32 bytes, never as per-element lists.
 
 A step with admissions or prompt chunks is `[1, step, finished_rows, triples, admits, chunks]`.
-An admit sets a row up: `[row, *per-row fields]` in the order of chip_child.row_fields.ROW_FIELDS,
+An admit sets a row up: `[row, *per-row fields]` in the order of chip_child.step.row_fields.ROW_FIELDS,
 token ids as int32 bytes; the row and the required fields alone are an admit that uses none of
 the optional sampling features. Chunks are int32 bytes of (row, start, length,
 staging_offset, last) quintuples: positions [start, start + length) of the row's sequence, ids at
@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 from chip_child.config import Limits
-from chip_child.row_fields import (BASIC_FIELDS, FULL_STATE_FIELDS, MAX_GRAMMAR_BYTES, ROW_FIELDS, Admit, FullState,
+from chip_child.step.row_fields import (BASIC_FIELDS, FULL_STATE_FIELDS, MAX_GRAMMAR_BYTES, ROW_FIELDS, Admit, FullState,
                                    RowField)
 
 OP_DECODE, OP_PREFILL, OP_SHUTDOWN = 0, 1, 2

@@ -28,8 +28,8 @@ from chip_child import protocol
 from chip_child.config import RuntimeConfig
 from chip_child.cpu_layout import choose_cpu_layout, read_trial
 from chip_child.device import pin_socket_threads
-from chip_child.runtime import ChipRuntime, LaunchedStep, StepOutputs
-from chip_child.spec import ChildSpec
+from chip_child.step.runtime import ChipRuntime, LaunchedStep, StepOutputs
+from chip_child.child_spec import ChildSpec
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
@@ -143,7 +143,7 @@ class Ring:
     # Log-probabilities are computed and written by rank 0 alone: the other ranks get None.
     outputs: list[StepOutputs | None]
     step_stats: np.ndarray  # [slots, 5]
-    doorbell: np.ndarray  # see l3worker.doorbell
+    doorbell: np.ndarray  # see l3worker.worker.doorbell
 
     @property
     def slots(self) -> int:

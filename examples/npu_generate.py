@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from chip_child.story_model import story_model_dir
+from chip_child.models.story_model import story_model_dir
 from l3worker import DistributedWorker, SamplingParams, WorkerError
 
 DEFAULT_PROMPTS = (  # story openings: what the built-in model knows, and fine for any other

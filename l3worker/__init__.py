@@ -1,10 +1,10 @@
 """l3worker: an LLM decode runtime whose generated tokens pay for the model and nothing else."""
-from l3worker.async_engine import AsyncEngine
-from l3worker.engine import Engine, EngineDeadError
+from l3worker.serving.async_engine import AsyncEngine
+from l3worker.engine.step_loop import Engine, EngineDeadError
 from l3worker.errors import (ChildDiedError, ChildError, ChildFailure, EngineBusyError, RequestFailedError,
                              StepTimeoutError, WorkerError)
 from l3worker.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
-from l3worker.worker import DistributedWorker
+from l3worker.worker.distributed_worker import DistributedWorker
 
 __all__ = ["DistributedWorker", "Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
            "TokenLogprob", "RequestMetrics", "WorkerError", "EngineDeadError", "ChildDiedError", "ChildError",

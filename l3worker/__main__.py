@@ -1,6 +1,6 @@
 """`python -m l3worker serve ...`"""
 import sys
 
-from l3worker.server.cli import main
+from l3worker.serving.cli import main
 
 sys.exit(main())

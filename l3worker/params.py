@@ -6,10 +6,10 @@ import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chip_child.row_fields import MAX_LOGPROBS, uses_penalties
+from chip_child.step.row_fields import MAX_LOGPROBS, uses_penalties
 
 if TYPE_CHECKING:
-    from l3worker.structured import StructuredSpec
+    from l3worker.structured.specs import StructuredSpec
 # Tokens per step (at least max_batch_size): decode rows plus prefill chunks. Offline (the worker's
 # default) larger steps prefill faster: on the CI machine's cpu whole generates of 16 ~100-token
 # prompts took 9-13% less time than with 256 (scripts/bench_cpu.py). Serving on a cpu
@@ -32,7 +32,7 @@ class SamplingParams:
     and the top N from that same distribution (after penalties and temperature); `prompt_logprobs=N`
     the log-probability of every prompt token after the first (raw logits).
 
-    `structured_outputs` holds the output to a constraint: a l3worker.structured.StructuredSpec,
+    `structured_outputs` holds the output to a constraint: a l3worker.structured.specs.StructuredSpec,
     or a dict of vLLM's keys (`{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}`,
     `{"grammar": ebnf}`, `{"json_object": True}`). Disallowed tokens are masked before sampling
     (so `logprobs` are those of the constrained distribution), and the sample finishes with
@@ -69,7 +69,7 @@ class SamplingParams:
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
         if isinstance(self.structured_outputs, dict):  # checked here: ValueError naming the key
-            from l3worker.structured import StructuredSpec
+            from l3worker.structured.specs import StructuredSpec
 
             object.__setattr__(self, "structured_outputs", StructuredSpec.of(self.structured_outputs))
 
@@ -130,7 +130,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.structured_outputs is not None:
-            from l3worker.structured import StructuredSpec
+            from l3worker.structured.specs import StructuredSpec
 
             if not isinstance(self.structured_outputs, StructuredSpec):
                 raise TypeError("structured_outputs must be a StructuredSpec or a dict, got "

@@ -18,7 +18,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from chip_child.protocol import Admit, Command
-    from chip_child.runtime import ChipRuntime
+    from chip_child.step.runtime import ChipRuntime
 
 
 # -- workloads -------------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ class FloorRunner:
         from chip_child.config import RuntimeConfig
         from chip_child.device import available_cores
         from chip_child.local import LocalDriver
-        from chip_child.runtime import ChipRuntime
+        from chip_child.step.runtime import ChipRuntime
 
         self.wl = wl
         capacity = wl.batch * (wl.prompt_len + wl.prompt_spread)

@@ -43,7 +43,7 @@ from bench_submit import DEFAULT_SIZES, format_submission, measure_submission  #
 
 from chip_child.config import RuntimeConfig
 from chip_child.protocol import Command
-from chip_child.runtime import ChipRuntime
+from chip_child.step.runtime import ChipRuntime
 
 VARIANTS = ("floor", "l3", "l3_depth1", "l3_always", "hf")
 L3_VARIANTS = {"l3": dict(pipeline_depth=2, copy_policy="dirty"),

@@ -6,7 +6,7 @@ step (ChipRuntime.execute in a loop, decode graphs on, as bench_gpu's `floor`) o
 
   bf16          the checkpoint as it is
   fp8           quantization="fp8": the projections quantized per 128 x 128 block at load; on
-                cuda kept fp8 and run W8A8 (chip_child.fp8_linear; the GEMM it chose is printed),
+                cuda kept fp8 and run W8A8 (chip_child.models.fp8_linear; the GEMM it chose is printed),
                 elsewhere dequantized at load (then it is the bf16 step on other weights)
   fp8_dequant   the same fp8 weights dequantized at load to bf16 (the reference of the weights:
                 bf16 activations), whose tokens the fp8 run's are compared with
@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 from bench_common import random_prompts  # noqa: E402  (scripts/, next to this file)
 from bench_gpu import SHAPES, Floor, free_device, write_checkpoint  # noqa: E402
 
-from chip_child import runtime as runtime_module  # noqa: E402
-from chip_child.fp8_linear import Fp8Linear  # noqa: E402
+from chip_child.step import runtime as runtime_module  # noqa: E402
+from chip_child.models.fp8_linear import Fp8Linear  # noqa: E402
 
 VARIANTS = ("bf16", "fp8", "fp8_dequant")
 

@@ -41,7 +41,7 @@ from bench_common import Floor as FloorBase
 from bench_common import digest, hf_generate, random_prompts
 
 from chip_child.config import RuntimeConfig
-from chip_child.runtime import ChipRuntime
+from chip_child.step.runtime import ChipRuntime
 
 
 @dataclass(frozen=True)

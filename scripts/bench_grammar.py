@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from chip_child.tiny_model import ensure_tiny_model
-from chip_child.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
-from l3worker.structured import StructuredSpec
+from chip_child.models.tiny_model import ensure_tiny_model
+from chip_child.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from l3worker.structured.specs import StructuredSpec
 
 SCHEMA = {
     "type": "object",

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # chip_child, r
 import torch  # noqa: E402
 from bench_models import write_random_qwen3  # noqa: E402  (scripts/, next to this file)
 
-from chip_child.runtime import ChipRuntime, RuntimeConfig  # noqa: E402
+from chip_child.step.runtime import ChipRuntime, RuntimeConfig  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import timeit
 
 import numpy as np
 
-from l3worker.page_pool import PagePool
+from l3worker.engine.page_pool import PagePool
 
 
 def best_us(fn, number: int, repeat: int) -> float:

@@ -26,7 +26,7 @@ from bench_cpu import BASE_MODEL, WORKLOADS  # noqa: E402  (scripts/, next to th
 from bench_models import write_random_qwen3  # noqa: E402
 
 from chip_child.device import default_cpu_threads  # noqa: E402
-from chip_child.runtime import ChipRuntime, RuntimeConfig  # noqa: E402
+from chip_child.step.runtime import ChipRuntime, RuntimeConfig  # noqa: E402
 
 VARIANTS = {"plain": False, "prepacked": True}
 

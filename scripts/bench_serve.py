@@ -38,7 +38,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from l3worker.bench.cli import add_serve_args, check_serve, parse_percentile_metrics, parse_percentiles
+from l3worker.bench.checks import check_serve, parse_percentile_metrics, parse_percentiles
+from l3worker.bench.cli import add_serve_args
 from l3worker.bench.commands import base_url_of, serve_once, serve_samples
 from l3worker.bench.datasets import SampleRequest
 from l3worker.bench.metrics import report_lines
@@ -159,9 +160,9 @@ class Launched:
                 cmdline, cpu = proc.cmdline(), sum(proc.cpu_times()[:2])
             except psutil.NoSuchProcess:
                 continue
-            if "l3worker.server.api_server" in cmdline:
+            if "l3worker.serving.api_server" in cmdline:
                 spent["api_servers"] += cpu
-            elif "l3worker.engine_core" in cmdline:
+            elif "l3worker.serving.engine_core" in cmdline:
                 spent["engine_core"] += cpu
             elif "chip_child" in cmdline:
                 spent["chip_children"] += cpu

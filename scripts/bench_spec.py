@@ -35,7 +35,7 @@ import numpy as np
 from bench_common import machine_info  # scripts/, next to this file
 from bench_models import write_random_eagle3_head, write_random_qwen3  # scripts/, next to this file
 
-from chip_child.loader import load_config
+from chip_child.models.loader import load_config
 from l3worker import DistributedWorker, SamplingParams
 
 COMPUTE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
@@ -129,7 +129,7 @@ def main() -> int:
         for name in ARGS.models:
             model_dir = None
             if name == "story":
-                from chip_child.story_model import story_model_dir
+                from chip_child.models.story_model import story_model_dir
                 model_dir = str(story_model_dir())
             else:
                 model_dir = str(Path(tmp) / "compute")

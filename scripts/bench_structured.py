@@ -18,10 +18,10 @@ from pathlib import Path
 
 from bench_common import machine_info
 
-from chip_child.tiny_model import ensure_tiny_model
+from chip_child.models.tiny_model import ensure_tiny_model
 from l3worker import DistributedWorker, SamplingParams
-from l3worker.constrained import ParentGrammars
-from l3worker.structured import StructuredSpec
+from l3worker.structured.request_grammars import ParentGrammars
+from l3worker.structured.specs import StructuredSpec
 
 LONG = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}}, "required": ["text"]}
 TYPICAL = {  # the compile figure's schema: a user record of seven properties

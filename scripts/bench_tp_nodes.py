@@ -29,8 +29,8 @@ from bench_common import machine_info, random_prompts  # noqa: E402
 from bench_models import write_random_qwen3  # noqa: E402
 from l3worker import DistributedWorker, SamplingParams  # noqa: E402
 from l3worker.errors import WorkerError  # noqa: E402
-from l3worker.follower import follower_command  # noqa: E402
-from l3worker.nodes import NodeLayout, free_master_port  # noqa: E402
+from l3worker.distributed.follower import follower_command  # noqa: E402
+from l3worker.distributed.nodes import NodeLayout, free_master_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,

@@ -1,6 +1,6 @@
 """Trains the built-in story model that `examples/npu_generate.py` runs when no checkpoint is given.
 
-    python scripts/train_story_model.py                 # writes chip_child/story_model/ (about 10 min on 2 cores)
+    python scripts/train_story_model.py                 # writes chip_child/models/story_model/ (about 10 min on 2 cores)
     python scripts/train_story_model.py --steps 50 --out /tmp/story   # a quick smoke run
 
 The text is generated here, by a small grammar of children's stories (names, animals, places,

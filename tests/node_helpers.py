@@ -8,8 +8,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-from l3worker.follower import follower_command
-from l3worker.nodes import NodeLayout
+from l3worker.distributed.follower import follower_command
+from l3worker.distributed.nodes import NodeLayout
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,7 +1,7 @@
 """A stand-in `torch_npu` for machines without an NPU: the three ops the npu attention backend
 calls, written in plain torch from their documented semantics (a reference of the vendor ops,
 not of our backend), with the documented argument checks; and the MoE ops of
-chip_child.moe_npu, from tests/npu_moe_reference.py.
+chip_child.models.moe_npu, from tests/npu_moe_reference.py.
 
 - npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
   compress_seq_offsets=None, seq_lens=None): key/value [T, N, D], caches [blocks, block_size, N, D];

@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
 
-from chip_child.loader import expected_tensor_shapes, load_config
-from chip_child.tiny_model import CHAT_TEMPLATE, _build_tokenizer
+from chip_child.models.loader import expected_tensor_shapes, load_config
+from chip_child.models.tiny_model import CHAT_TEMPLATE, _build_tokenizer
 
 EOS_TOKEN = "<|im_end|>"
 CALL_ARGUMENTS = '{"city": "Paris"}'

@@ -116,8 +116,8 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str
 
 
 def started_processes(pid: int, module: str) -> list:
-    """The processes under `pid` running `python -m <module>` (chip_child, l3worker.engine_core,
-    l3worker.server.api_server), oldest first."""
+    """The processes under `pid` running `python -m <module>` (chip_child, l3worker.serving.engine_core,
+    l3worker.serving.api_server), oldest first."""
     import psutil
 
     found = []

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from l3worker.bench import offline
-from l3worker.bench.cli import dataset_config, parse_percentile_metrics, parse_percentiles
+from l3worker.bench.checks import dataset_config, parse_percentile_metrics, parse_percentiles
 from l3worker.bench.datasets import SampleRequest, get_samples
 from l3worker.bench.metrics import RequestResult, detailed, report_lines, summarize
 from l3worker.bench.serve import LoadConfig, auth_headers, first_model, run_load

@@ -18,8 +18,8 @@ LATENCY_TOKEN_IDS = 10000  # vLLM's latency prompts: ids below this (and below t
 def make_worker(args: argparse.Namespace, max_batch_size: int):
     """The worker the engine flags describe: --model a directory or a Hub id, as `l3worker serve`
     takes it; the built-in tiny model without one."""
-    from chip_child.loader import load_config
-    from chip_child.tiny_model import ensure_tiny_model
+    from chip_child.models.loader import load_config
+    from chip_child.models.tiny_model import ensure_tiny_model
     from l3worker import DistributedWorker
     from l3worker.hub import resolve_model
 

@@ -1,0 +1,407 @@
+"""The one step loop every caller shares: generate(), stream(), and the HTTP server.
+
+`Engine.add_request` and `Engine.abort` may be called from any thread at any moment; they only
+queue the change (input processing, l3worker/engine/requests.py, has checked the request by then), which
+the loop applies at the start of its next step. `Engine.step` keeps up to `pipeline_depth`
+commands in flight, reads one step's sampled ids from the shared ring, and hands them to output
+processing (l3worker/engine/outputs.py: text, stops, deltas, final outputs). This loop is the only part
+of the parent that talks to the children. One thread at a time drives `step`: the caller's
+(DistributedWorker.generate / stream) or an AsyncEngine's loop thread (see async_engine.py).
+
+A child that dies, raises or hangs does not end the requests: the loop drops the commands in
+flight, has the worker start fresh children (`relaunch`, the code prepare() uses) and resumes
+every live request as a preempted one, within the budget of l3worker/engine/recovery.py.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from chip_child import protocol
+from chip_child.config import RuntimeConfig
+from chip_child.models.loader import ModelConfig
+from l3worker.worker.child_process import ChildProcess
+from l3worker.engine.grammar_gate import GrammarGate, attach_matchers
+from l3worker.worker.doorbell import Doorbell
+from l3worker.errors import ChildFailure, EngineBusyError, WorkerError
+from l3worker.engine.metrics import EngineMetrics
+from l3worker.engine.outputs import OutputProcessor, SlotLogprobs
+from l3worker.params import RequestOutput, SamplingParams
+from l3worker.engine.recovery import RestartBudget, RestartPolicy, blame
+from l3worker.engine.requests import InputProcessor, RequestState
+from l3worker.engine.scheduler import Scheduled, Scheduler
+from l3worker.worker.shared_buffers import StepBuffers
+from l3worker.engine.speculation import SpecCounts, speculative_tokens
+from l3worker.engine.stats import GenerateStats, StepRecord
+
+log = logging.getLogger("l3worker.engine.step_loop")
+# Starts fresh children: stops the old ones (every rank), then returns the new ones, ready, and
+# their doorbell. Raises ChildFailure when one of them fails to start.
+Relaunch = Callable[[], "tuple[list[ChildProcess], Doorbell]"]
+
+
+class EngineDeadError(WorkerError):
+    """The engine stopped after a failure (a chip-child died, raised or hung); it takes no requests."""
+
+
+@dataclass
+class _InFlight:
+    scheduled: Scheduled
+    command_bytes: int
+
+
+class Engine:
+    def __init__(self, model_config: ModelConfig, runtime_config: RuntimeConfig, tokenizer, model_dir: str,
+                 pipeline_depth: int, step_timeout_s: float | None, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool, restart_policy: RestartPolicy = RestartPolicy(0),
+                 max_waiting_requests: int | None = None):
+        self.model_config = model_config
+        self.runtime_config = runtime_config
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.pipeline_depth = pipeline_depth
+        self.step_timeout_s = step_timeout_s
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.max_waiting_requests = max_waiting_requests  # None: no limit
+        self.restarts = RestartBudget(restart_policy)
+        self.restarting = False  # fresh children are starting: requests queue meanwhile
+        self.stopping = threading.Event()  # set by request_stop(): waits on children give up
+        self.scheduler: Scheduler | None = None
+        self.metrics = EngineMetrics(running=self._num_running, waiting=self._num_waiting, kv_usage=self._kv_usage)
+        self.input_processor = InputProcessor(model_config, runtime_config, tokenizer, model_dir)
+        self.output_processor = OutputProcessor(tokenizer, self.metrics,
+                                                lambda seq, reason, stop: self.scheduler.finish(seq, reason, stop))
+        self.speculation = SpecCounts(speculative_tokens(runtime_config), self.metrics)
+        self.error: BaseException | None = None
+        self.driven_by_loop_thread = False  # an AsyncEngine owns step()
+        self._children: list[ChildProcess] = []
+        self._buffers: StepBuffers | None = None
+        self._doorbell: Doorbell | None = None
+        self._relaunch: Relaunch | None = None
+        self._sampled: list[np.ndarray] = []  # per ring slot: the sampled ids (a view of the ring)
+        self._staging: list[np.ndarray] = []  # per ring slot: the prompt ids a step reads
+        self._step_stats: np.ndarray | None = None
+        self._slot_logprobs: list[list[SlotLogprobs]] = []  # per ring slot, per token position of a step
+        self._inflight: deque[_InFlight] = deque()
+        self._inbox: deque[tuple[str, object]] = deque()  # ("add", RequestState) / ("abort", request_id)
+        self._work = threading.Event()  # set whenever the inbox gets something, or a grammar compiled
+        self._gate = GrammarGate(self._work.set)  # requests whose grammar is compiling wait here
+        self._last_done = time.perf_counter()
+        self._live_ids: set[str] = set()
+        self._ids_lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def bind(self, children: list[ChildProcess], buffers: StepBuffers, doorbell: Doorbell,
+             relaunch: Relaunch | None = None) -> None:
+        """Attaches the started children; requests queued before this are admitted at the first step.
+        `relaunch` replaces failed children (None: a failure stops the engine)."""
+        cfg = self.runtime_config
+        self._children, self._buffers, self._doorbell = children, buffers, doorbell
+        self._relaunch = relaunch
+        self.scheduler = Scheduler(
+            max_batch_size=cfg.max_batch_size, page_size=cfg.page_size, max_blocks_per_row=cfg.max_blocks_per_row,
+            num_pages=cfg.total_pages - 1, max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching, full_state=cfg.copy_policy == "always",
+            speculative_tokens=self.speculation.k,
+        )
+        self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
+        self._inflight.clear()
+        # Numpy views of the ring, made once: indexing a tensor every step costs microseconds.
+        self._sampled = list(buffers.sampled.numpy())
+        self._staging = list(buffers.staging.numpy())
+        self._step_stats = buffers.step_stats.numpy()
+        # Per ring slot, the log-probabilities a step leaves there, for each token position of a
+        # step (more than one with speculative decoding).
+        self._slot_logprobs = []
+        for slot in range(buffers.slots):
+            first = SlotLogprobs(*(getattr(buffers, name)[slot].numpy() for name in (
+                "logprobs", "logprob_ids", "prompt_logprobs", "prompt_logprob_ids")))
+            self._slot_logprobs.append([first] + [
+                SlotLogprobs(buffers.spec_logprobs[slot, :, j].numpy(), buffers.spec_logprob_ids[slot, :, j].numpy(),
+                             first.prompt_logprobs, first.prompt_logprob_ids) for j in range(self.speculation.k)])
+
+    def fail(self, exc: BaseException) -> None:
+        """The children are gone or unusable: every live request is lost, and new ones are refused."""
+        if self.error is None:
+            self.error = exc
+        self._children, self._buffers, self._doorbell = [], None, None
+        self._relaunch = None
+        self.restarting = False
+        self._sampled, self._staging, self._step_stats = [], [], None
+        self._slot_logprobs = []
+        self._inflight.clear()
+        self._work.set()  # a loop thread asleep on the inbox must see it
+
+    def request_stop(self) -> None:
+        """Shutdown: a wait on the children (a step, a restart's start-up) gives up at its next
+        liveness poll, and no restart begins."""
+        self.stopping.set()
+        self._work.set()
+
+    @property
+    def healthy(self) -> bool:
+        """Serving: not stopped by a failure, and not between a failure and its fresh children."""
+        return self.error is None and not self.restarting
+
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine stopped: {self.error}")
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """Every request the loop took in and that has not finished."""
+        return self.output_processor.requests
+
+    @property
+    def recorder(self) -> GenerateStats | None:
+        """generate() collects per-step and per-request figures here while it drives the loop."""
+        return self.output_processor.recorder
+
+    @recorder.setter
+    def recorder(self, value: GenerateStats | None) -> None:
+        self.output_processor.recorder = value
+
+    # -- requests (any thread) ---------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    stream: bool = False, where: str = "prompt") -> RequestState:
+        """Validates and queues a request; it joins the batch at the next step with room. Raises
+        ValueError/TypeError naming the field (nothing is queued then), EngineDeadError after a failure."""
+        state = self.make_request(prompt, params, request_id, stream, where)
+        self.submit(state)
+        return state
+
+    def make_request(self, prompt, params: SamplingParams | None, request_id: str | None, stream: bool,
+                     where: str, arrival: float | None = None) -> RequestState:
+        """A validated request, not queued yet (generate() checks every prompt before queueing any)."""
+        if self.error is not None:
+            raise self.dead_error()
+        return self.input_processor.process(prompt, params, request_id, stream, where, arrival)
+
+    def submit(self, state: RequestState) -> None:
+        """Queues a request made by make_request. Raises if its id is taken by a live request."""
+        if self.error is not None:
+            raise self.dead_error()
+        limit = self.max_waiting_requests
+        if limit is not None and self._num_queued() >= limit:
+            raise EngineBusyError(f"{limit} requests are waiting already (max_waiting_requests); try again later")
+        with self._ids_lock:
+            if state.request_id in self._live_ids:
+                raise ValueError(f"request_id {state.request_id!r} is already in use by a running request")
+            self._live_ids.add(state.request_id)
+        self._inbox.append(("add", state))
+        self._work.set()
+
+    def abort(self, request_id: str) -> None:
+        """Ends the request with finish_reason "abort": its rows and pages are free within
+        pipeline_depth steps. An unknown or finished id is ignored."""
+        self._inbox.append(("abort", request_id))
+        self._work.set()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox) or bool(self.requests) or bool(self._inflight)
+
+    def wake(self) -> None:
+        """Wakes a loop thread asleep in wait_for_work (to stop it)."""
+        self._work.set()
+
+    def wait_for_work(self, timeout_s: float | None = None) -> bool:
+        """Sleeps until a request or an abort arrives (an idle engine uses no CPU)."""
+        got = self._work.wait(timeout_s)
+        self._work.clear()
+        return got
+
+    def watch(self) -> list[RequestOutput]:
+        """Between steps (an idle loop calls it every fraction of a second): a child that died
+        is handled as a failed step would be. Returns the outputs that produced (requests failed
+        alone); raises as step() does once the engine stops."""
+        if self.error is not None:
+            raise self.dead_error()
+        outputs: list[RequestOutput] = []
+        try:
+            for child in self._children:
+                child.check_alive("its next command (idle)")
+        except ChildFailure as exc:
+            self._recover(exc, outputs)
+        self._forget_finished(outputs)
+        return outputs
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: apply queued adds and aborts, top up the commands in flight, complete the
+        oldest, and return the outputs it produced (deltas of streaming requests, final outputs)."""
+        if self.error is not None:
+            raise self.dead_error()
+        outputs: list[RequestOutput] = []
+        try:
+            self._apply_inbox(outputs)
+            for state in self._gate.release():
+                self._enqueue(state, outputs)
+            sched = self.scheduler
+            while len(self._inflight) < self.pipeline_depth and (s := sched.next_command()) is not None:
+                self._inflight.append(self._send(s))
+            self._count_scheduling()
+            if self._inflight:
+                self._complete(self._inflight.popleft(), outputs)
+            elif self._gate and sched.idle:
+                self.wait_for_work(0.1)  # nothing runs: until a grammar compiles (or a request or an abort comes)
+        except ChildFailure as exc:
+            self._recover(exc, outputs)
+        except BaseException as exc:
+            # The children may hold commands the parent no longer tracks: nothing can go on.
+            self.fail(exc)
+            raise
+        self._forget_finished(outputs)
+        return outputs
+
+    def _recover(self, cause: ChildFailure, outputs: list[RequestOutput]) -> None:
+        """Replaces the children after `cause` and resumes every live request as a preempted one;
+        past the restart budget, while stopping, or without `relaunch`, stops the engine and
+        raises `cause`. Requests running at this failure and the one before end here, alone."""
+        try:
+            self._inflight.clear()  # their tokens are lost with the children: the epochs drop late ones
+            for state in blame(self.requests.values()):
+                state.error = (f"the request was running at {state.failures} consecutive chip-child failures, "
+                               f"the last: {cause}")
+                for seq in state.seqs:
+                    self.scheduler.finish(seq, "abort")
+                self.output_processor.report(state, outputs)
+                log.error("request %s failed alone: %s", state.request_id, state.error.splitlines()[0])
+            self._count_scheduling()
+            self.scheduler.requeue([seq for state in self.requests.values() for seq in state.seqs])
+            self._counted = (0, 0, self.scheduler.num_preemptions)  # a new pool counts from 0
+            while True:
+                if self._relaunch is None or self.stopping.is_set() or not self.restarts.take():
+                    raise cause
+                self.restarting = True
+                self.metrics.engine_restarts.inc()
+                log.warning("chip-child failure, restarting the children (%s, %d requests to resume): %s",
+                            self.restarts.describe(), len(self.requests), str(cause).splitlines()[0])
+                try:
+                    self._children, self._doorbell = self._relaunch()
+                    break
+                except ChildFailure as exc:
+                    cause = exc
+            # The new children have completed nothing: steps go on from the scheduler's count.
+            self._doorbell.word[:] = (self.scheduler.step, -1, 0)
+            self.restarting = False
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def _apply_inbox(self, outputs: list[RequestOutput]) -> None:
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "add":
+                self.output_processor.add(item)
+                if not self._gate.hold(item):
+                    self._enqueue(item, outputs)
+                continue
+            state = self.requests.get(item)
+            if state is None or state.finished:
+                continue
+            for seq in state.seqs:
+                self.scheduler.finish(seq, "abort")
+            self.output_processor.report(state, outputs)
+
+    def _enqueue(self, state: RequestState, outputs: list[RequestOutput]) -> None:
+        """A request joins the scheduler's queue, with its samples' grammars when it has one."""
+        if state.grammar is not None and (error := attach_matchers(state)) is not None:
+            for seq in state.seqs:  # what the tokenizer cannot serve: nothing to run
+                self.scheduler.finish(seq, "abort", error)
+            self.output_processor.report(state, outputs)
+            return
+        self.scheduler.add(state.seqs)
+
+    def _send(self, s: Scheduled) -> _InFlight:
+        staging = self._staging[s.command.step % len(self._staging)]
+        for offset, ids in s.staging_tokens:
+            staging[offset:offset + len(ids)] = ids
+        payload = protocol.encode(s.command)
+        for child in self._children:
+            child.send(payload, self.step_timeout_s, self.stopping)
+        return _InFlight(s, len(payload))
+
+    def _complete(self, entry: _InFlight, outputs: list[RequestOutput]) -> None:
+        step = entry.scheduled.command.step
+        t_wait = time.perf_counter()
+        self._doorbell.wait(step, self.step_timeout_s, queued_behind=bool(self._inflight))
+        now = time.perf_counter()
+        buffers = self._buffers
+        slot = step % len(self._sampled)
+        if buffers.spec_counts is None:
+            advanced = self.scheduler.on_tokens(entry.scheduled.producers, self._sampled[slot], now)
+            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot][0],
+                                          entry.scheduled.prompt_logprobs)
+        else:
+            self._take_speculative(entry.scheduled, slot, now, outputs)
+        if self.recorder is not None:
+            self._record(entry, slot, now, t_wait)
+        self._last_done = now
+
+    def _take_speculative(self, scheduled: Scheduled, slot: int, now: float, outputs: list[RequestOutput]) -> None:
+        """A speculative run's step: each row gave 0 to k + 1 tokens. They are taken one token
+        position at a time, so stops, max_tokens and stop strings end a row exactly where plain
+        decoding would, and the tokens after are dropped. Each position's log-probabilities come
+        with its tokens (the ring holds k + 1 entries per row)."""
+        buffers, sched = self._buffers, self.scheduler
+        counts, ids = buffers.spec_counts[slot].numpy(), buffers.spec_ids[slot].numpy()
+        producers = scheduled.producers
+        self.speculation.count([row for row, seq, epoch in producers if not seq.finished and epoch == seq.epoch],
+                               counts)
+        for j in range(self.speculation.k + 1):
+            taking = [p for p in producers if counts[p[0], 0] > j]
+            if j and not taking:
+                break
+            advanced = sched.on_tokens(taking, ids[:, j], now)
+            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot][j],
+                                          scheduled.prompt_logprobs if j == 0 else ())
+        sched.settle(producers)
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        """The ids of finished requests may be used again."""
+        with self._ids_lock:
+            for out in outputs:
+                if out.finished:
+                    self._live_ids.discard(out.request_id)
+
+    def _record(self, entry: _InFlight, slot: int, now: float, t_wait: float) -> None:
+        apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs = self._step_stats[slot].tolist()
+        self.recorder.steps.append(StepRecord(
+            step=entry.scheduled.command.step, prefill=entry.scheduled.command.is_prefill,
+            parent_wall_s=now - self._last_done, wait_s=now - t_wait, apply_s=apply_us / 1e6,
+            device_s=device_us / 1e6, command_bytes=entry.command_bytes, h2d_copies=h2d_copies,
+            h2d_bytes=h2d_bytes, pool_allocs=pool_allocs,
+        ))
+
+    # -- gauges, read by the metrics registry ------------------------------------------------------
+    def _num_running(self) -> int:
+        # A copy (atomic): the engine-core process scrapes from a thread other than the loop's.
+        return sum(1 for s in list(self.requests.values()) if any(q.row >= 0 and not q.finished for q in s.seqs))
+
+    def _num_waiting(self) -> int:
+        return sum(1 for s in list(self.requests.values()) if all(q.row < 0 and not q.finished for q in s.seqs)) + \
+            sum(1 for kind, _ in list(self._inbox) if kind == "add")
+
+    def _num_queued(self) -> int:
+        """Samples waiting for a row, cheaply (submit checks it under load)."""
+        waiting = len(self.scheduler.waiting) if self.scheduler is not None else 0
+        return waiting + sum(1 for kind, _ in list(self._inbox) if kind == "add")
+
+    def _kv_usage(self) -> float:
+        return self.scheduler.pages.usage if self.scheduler is not None else 0.0
+
+    def _count_scheduling(self) -> None:
+        """Moves the scheduler's prefix-cache and preemption counts into the metrics."""
+        pool = self.scheduler.pages
+        now = (pool.queries_tokens, pool.hits_tokens, self.scheduler.num_preemptions)
+        if now != self._counted:
+            m = self.metrics
+            for counter, new, old in zip((m.prefix_cache_queries, m.prefix_cache_hits, m.preemptions), now,
+                                         self._counted):
+                counter.inc(new - old)
+            self._counted = now
+

@@ -1,0 +1,300 @@
+"""An API server's engine when the engine runs in an engine-core process (`l3worker serve`).
+
+It offers what the server asks of AsyncEngine (generate, abort, health, the metrics exposition,
+start and shutdown) over the wire of l3worker/serving/core_wire.py. Each API server has, per engine core
+(`--data-parallel-size`), a control DEALER (requests, aborts, scrapes in; health and refusals
+back), and one outputs PULL it binds, where every core's step loop sends one message per step.
+With several engine cores, a Router (server/router.py) picks each request's engine.
+
+An engine core's death is seen at once: a pidfd on each core's process sits in the event loop,
+and its readiness fails every open stream and turns /health and new requests into 503s (one dead
+engine stops the service: its requests are gone, as vLLM does). An engine on another node that is
+lost (its relay, l3worker/distributed/dp_remote.py, says ["lost", text] on its control socket) fails
+its own requests, leaves the router and turns /health into 503; the others keep serving what is
+routed to them. All metrics live in the cores:
+whichever API server answers a scrape asks every core and shows each engine's series under an
+`engine` label.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import uuid
+from typing import AsyncIterator, Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from l3worker.serving.core_wire import identity, output_from_wire, pack, params_to_wire, unpack
+from l3worker.engine.metrics import exposition
+from l3worker.serving.async_engine import checked
+from l3worker.engine.step_loop import EngineDeadError
+from l3worker.errors import EngineBusyError
+from l3worker.params import RequestOutput, SamplingParams
+from l3worker.distributed.router import Router
+
+log = logging.getLogger("l3worker.serving")
+METRICS_TIMEOUT_S = 10.0
+_REFUSED = {"value": ValueError, "type": TypeError, "busy": EngineBusyError, "dead": EngineDeadError}
+
+
+class _Outputs:
+    """A request's outputs its stream has not taken yet. When the stream falls behind (a busy API
+    server), the deltas of several steps merge into one output, so it writes one SSE event for
+    them instead of one per step (vLLM's output collector does the same); a stream that keeps up
+    sees every step."""
+
+    def __init__(self) -> None:
+        self._items: list[RequestOutput | BaseException] = []
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        last = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self._items[-1] = merge_outputs(last, item)
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.pop(0)
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """One output with the deltas of `old` then `new` (its successor), and `new`'s other fields."""
+    samples = {s.index: s for s in old.outputs}
+    for s in new.outputs:
+        prev = samples.get(s.index)
+        if prev is not None:
+            s.delta_token_ids = prev.delta_token_ids + s.delta_token_ids
+            s.delta_text = prev.delta_text + s.delta_text
+            if s.delta_logprobs is not None:
+                s.delta_logprobs = (prev.delta_logprobs or []) + s.delta_logprobs
+        samples[s.index] = s
+    new.outputs = sorted(samples.values(), key=lambda s: s.index)
+    if new.prompt_logprobs is None:
+        new.prompt_logprobs = old.prompt_logprobs
+    return new
+
+
+class CoreClient:
+    def __init__(self, index: int, controls: list[str], outputs: str, core_pids: list[int],
+                 router: Router | None = None,
+                 on_shutdown: Callable[["CoreClient"], Awaitable[None]] | None = None):
+        self.core_pids = core_pids
+        self.router = router  # None: one engine core
+        self.error: BaseException | None = None
+        self.cpu_layout: str | None = None  # what the core's cpu children run with (its ready reply); None off the cpu
+        self._on_shutdown = on_shutdown  # the launching API server's: stops the processes it started
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.bind(outputs)  # before the cores start: nothing they send is lost
+        self._controls = []
+        for endpoint in controls:
+            control = self._ctx.socket(zmq.DEALER)
+            control.setsockopt(zmq.IDENTITY, identity(index))
+            control.setsockopt(zmq.LINGER, 0)
+            control.connect(endpoint)
+            self._controls.append(control)
+        self._queues: dict[str, _Outputs] = {}
+        self._prompts: dict[str, list[int]] = {}
+        self._engine_of: dict[str, int] = {}
+        self._scrapes: dict[tuple[int, int], asyncio.Future] = {}
+        self._seq = itertools.count()
+        self._core_healthy = [False] * len(controls)
+        self._lost: dict[int, str] = {}  # remote engines gone: why
+        self._stopping = False
+        self._closed = False
+        self._pidfds: list[int] = []
+        self._gone: list[asyncio.Future] = []
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def dead(self) -> bool:
+        return self.error is not None
+
+    @property
+    def healthy(self) -> bool:
+        return not self._stopping and self.error is None and all(self._core_healthy)
+
+    async def start(self) -> None:
+        """Waits until every engine core serves (they may still be loading the model). Raises
+        EngineDeadError if one's process exits first."""
+        loop = asyncio.get_running_loop()
+        for engine, pid in enumerate(self.core_pids):
+            self._gone.append(loop.create_future())
+            self._pidfds.append(os.pidfd_open(pid))
+            loop.add_reader(self._pidfds[-1], self._core_exited, engine)
+        for control in self._controls:
+            await control.send(pack(["hello"]))
+        layouts = []
+        for engine, control in enumerate(self._controls):
+            while True:  # a health change may come before the reply
+                reply = asyncio.ensure_future(control.recv())
+                await asyncio.wait({reply, *self._gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done():
+                    reply.cancel()
+                    raise self.error or EngineDeadError("an engine-core process (or the relay of the engines on "
+                                                        "other nodes) exited while starting: see its log")
+                kind, *extra = unpack(reply.result())
+                if kind == "lost":
+                    raise EngineDeadError(extra[0])
+                self._core_healthy[engine] = extra.pop(0)
+                if kind == "ready":
+                    layouts.append(extra[0])
+                    break
+        # Data-parallel engines on a cpu each run their own layout: one word when they agree.
+        self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
+        self._tasks = [*(asyncio.ensure_future(self._read_control(e)) for e in range(len(self._controls))),
+                       asyncio.ensure_future(self._read_outputs())]
+
+    async def generate(self, prompt: list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate. The core checks the request; a refusal is raised before any output."""
+        if self._stopping or not self._gone:
+            raise EngineDeadError("the engine is not running")
+        if self.error is not None:
+            raise self.error
+        if len(self._lost) == len(self._controls):
+            raise EngineDeadError(f"every engine is lost: {'; '.join(self._lost.values())}")
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        queue = self._queues[request_id] = _Outputs()
+        self._prompts[request_id] = list(prompt)
+        engine = self._engine_of[request_id] = self.router.choose(prompt) if self.router else 0
+        finished = False
+        try:
+            await self._controls[engine].send(pack(["add", request_id, self._prompts[request_id],
+                                                    params_to_wire(params)]))
+            while not finished:
+                item = checked(await queue.get())
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            self._prompts.pop(request_id, None)
+            if self.router:
+                self.router.finished(engine)
+            if not finished and self.error is None and not self._closed:
+                await self.abort(request_id)
+            self._engine_of.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        engine = self._engine_of.get(request_id)
+        if engine is not None and engine not in self._lost:
+            await self._controls[engine].send(pack(["abort", request_id]))
+
+    async def metrics_text(self) -> bytes:
+        """Every engine core's /metrics series in one exposition (empty once one is gone)."""
+        if self._closed or not self._gone or any(g.done() for g in self._gone):
+            return b""
+        seq = next(self._seq)
+        loop = asyncio.get_running_loop()
+        engines = [e for e in range(len(self._controls)) if e not in self._lost]  # a lost one cannot answer
+        futures = [self._scrapes.setdefault((e, seq), loop.create_future()) for e in engines]
+        try:
+            for e in engines:
+                await self._controls[e].send(pack(["metrics", seq]))
+            return exposition(await asyncio.wait_for(asyncio.gather(*futures), METRICS_TIMEOUT_S))
+        finally:
+            for e in engines:
+                self._scrapes.pop((e, seq), None)
+
+    async def shutdown(self) -> None:
+        """Fails what still waits, stops the processes this server started (if it did), closes. Idempotent."""
+        if self._closed:
+            return
+        self._stopping = True
+        if self._on_shutdown is not None:
+            await self._on_shutdown(self)
+        self._closed = True
+        self._fail_waiters(EngineDeadError("the server is shutting down"))
+        for task in self._tasks:
+            task.cancel()
+        for engine in range(len(self._pidfds)):
+            self._unwatch(engine)
+        self._ctx.destroy(linger=0)
+
+    async def send_shutdown(self, engine: int) -> None:
+        """Tells an engine core to stop (the launching API server, last)."""
+        await self._controls[engine].send(pack(["shutdown"]))
+
+    # -- readers -----------------------------------------------------------------------------------
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = unpack(await self._pull.recv())
+            if msg[0] == "out":
+                for item in msg[1]:
+                    queue = self._queues.get(item[0])
+                    if queue is not None:
+                        queue.put(output_from_wire(item, self._prompts[item[0]]))
+            elif msg[0] == "dead":
+                self._die(EngineDeadError(f"the engine stopped: {msg[1]}"))
+
+    async def _read_control(self, engine: int) -> None:
+        control = self._controls[engine]
+        while True:
+            msg = unpack(await control.recv())
+            kind = msg[0]
+            if kind == "health":
+                self._core_healthy[engine] = msg[1]
+            elif kind == "refused":
+                queue = self._queues.get(msg[1])
+                if queue is not None:
+                    queue.put(_REFUSED[msg[2]](msg[3]))
+            elif kind == "metrics":
+                future = self._scrapes.get((engine, msg[1]))
+                if future is not None and not future.done():
+                    future.set_result(msg[2])
+            elif kind == "lost":
+                self._lose(engine, msg[1])
+
+    def _lose(self, engine: int, text: str) -> None:
+        """A remote engine is gone: its requests fail, the router skips it, /health says 503."""
+        if engine in self._lost:
+            return
+        log.error("data-parallel engine %d is lost: %s", engine, text)
+        self._lost[engine] = text
+        self._core_healthy[engine] = False
+        if self.router:
+            self.router.down.add(engine)
+        exc = EngineDeadError(text)
+        for request_id, e in self._engine_of.items():
+            if e == engine and request_id in self._queues:
+                self._queues[request_id].put(exc)
+        for (e, _), future in self._scrapes.items():
+            if e == engine and not future.done():
+                future.set_exception(exc)
+
+    def _core_exited(self, engine: int) -> None:
+        self._unwatch(engine)
+        if not self._gone[engine].done():
+            self._gone[engine].set_result(None)
+        if not self._stopping:
+            log.error("the engine-core process %d (pid %d) exited", engine, self.core_pids[engine])
+            self._die(EngineDeadError(f"engine-core process {engine} exited"))
+
+    def _die(self, exc: EngineDeadError) -> None:
+        if self.error is None:
+            self.error = exc
+        self._fail_waiters(exc)
+
+    def _unwatch(self, engine: int) -> None:
+        if self._pidfds[engine] >= 0:
+            asyncio.get_running_loop().remove_reader(self._pidfds[engine])
+            os.close(self._pidfds[engine])
+            self._pidfds[engine] = -1
+
+    def _fail_waiters(self, exc: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put(exc)
+        for future in self._scrapes.values():
+            if not future.done():
+                future.set_exception(exc)

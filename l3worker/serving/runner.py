@@ -1,0 +1,229 @@
+"""Runs the API: the engine's lifetime around uvicorn's, on a socket bound before the model loads.
+The engine is an AsyncEngine over a worker in this process (ServerThread) or a CoreClient of an
+engine-core process (`l3worker serve`, server/launcher.py).
+
+Stopping (SIGINT/SIGTERM in `l3worker serve`, or ServerThread.stop) first refuses new requests and
+aborts those in flight, then lets uvicorn close its connections, then shuts the engine down, which
+stops the chip-children and removes their socket directory."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import uvicorn
+
+from l3worker.serving.openai.app import create_app
+from l3worker.serving.openai.chat import ChatTemplate
+from l3worker.serving.openai.chat_reply import ChatParsing
+from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES
+from l3worker.serving.openai.tokens import Tokens
+from l3worker.serving.openai.translate import GenerationDefaults, ServedModel
+
+log = logging.getLogger("l3worker.serving")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()  # empty: the model directory's name
+    api_key: str | None = None
+    chat_template: str | None = None  # a file; None: the checkpoint's
+    generation_config: str = "auto"  # auto: sampling defaults from generation_config.json; vllm: OpenAI's
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    uvicorn_log_level: str = "warning"
+    graceful_timeout_s: float = 10.0  # after aborting, how long connections may take to close
+    reasoning_parser: str | None = None  # --reasoning-parser (qwen3)
+    tool_call_parser: str | None = None  # --tool-call-parser (hermes)
+    enable_auto_tool_choice: bool = False  # parse tool calls when tool_choice is "auto"
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
+
+
+@dataclass
+class ModelInfo:
+    """What the API needs to know of the worker's model (an API server process has no worker)."""
+
+    model_dir: str
+    model_name: str
+    max_seq_len: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, worker) -> "ModelInfo":
+        return cls(str(worker.model_dir), worker.model_name, worker.runtime_config.max_seq_len,
+                   worker.model_config.vocab_size)
+
+
+def served_model(worker, options: ServeOptions) -> ServedModel:
+    """What the API serves, from the worker's model; raises ValueError for a bad chat template or
+    parser options."""
+    return model_for(ModelInfo.of(worker), worker.tokenizer, options)
+
+
+def model_for(info: ModelInfo, tokenizer, options: ServeOptions) -> ServedModel:
+    model_dir = info.model_dir
+    names = tuple(options.served_model_names) or (info.model_name,)
+    defaults = GenerationDefaults.from_model_dir(model_dir) if options.generation_config == "auto" \
+        else GenerationDefaults()
+    return ServedModel(
+        names=names, model_dir=str(model_dir), max_model_len=info.max_seq_len,
+        vocab_size=info.vocab_size,
+        tokens=Tokens(tokenizer) if tokenizer is not None else None,
+        chat_template=ChatTemplate.load(model_dir, options.chat_template), defaults=defaults,
+        parsing=ChatParsing(options.reasoning_parser, options.tool_call_parser, options.enable_auto_tool_choice),
+        return_tokens_as_token_ids=options.return_tokens_as_token_ids)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with a hook that runs once when it is told to stop, before it waits on connections."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable):
+        super().__init__(config)
+        self._on_stop = on_stop
+        self._stop_ran = False
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.should_exit and not self._stop_ran:
+            self._stop_ran = True
+            await self._on_stop()
+        return await super().on_tick(counter)
+
+
+class SignalStop:
+    """SIGINT and SIGTERM ask the server's orderly stop, also before uvicorn takes the signals over
+    and after it hands them back (it re-raises what it caught): nothing raises KeyboardInterrupt
+    through the engine's shutdown. Give `on_server` to serve()."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.server: _Uvicorn | None = None
+        # Called on a stop before the server exists (start-up may wait long, e.g. for engines on
+        # other nodes): it ends the wait.
+        self.before_server: Callable[[], None] | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.requested = True
+        if self.server is not None:
+            self.server.should_exit = True
+        elif self.before_server is not None:
+            self.before_server()
+
+    def on_server(self, server: _Uvicorn) -> None:
+        self.server = server
+        if self.requested:
+            server.should_exit = True
+
+
+@dataclass
+class Running:
+    url: str
+    engine: object
+    model: ServedModel
+    server: _Uvicorn
+
+
+async def serve(engine, model: ServedModel, options: ServeOptions, sock: socket.socket, *,
+                on_ready: Callable[[Running], None] | None = None,
+                on_server: Callable[[_Uvicorn], None] | None = None,
+                on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Starts `engine` (an AsyncEngine, or a CoreClient of an engine-core process), serves on `sock`
+    until told to stop, then shuts all down. `on_stop` runs when the stop begins, before the
+    server's own requests are aborted."""
+    try:
+        await engine.start()
+        app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
+                         enable_tokenizer_info=options.enable_tokenizer_info_endpoint)
+        config = uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level, access_log=False,
+                                lifespan="off", http="auto", ws="none",
+                                timeout_graceful_shutdown=options.graceful_timeout_s)
+
+        async def stopping() -> None:
+            if on_stop is not None:
+                await on_stop()
+            await app.state.client.abort_all()
+
+        server = _Uvicorn(config, stopping)
+        if on_server is not None:
+            on_server(server)  # from here on a stop request reaches the server
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started and on_ready is not None:
+            on_ready(Running(url_of(sock), engine, model, server))
+        await task
+    finally:
+        await engine.shutdown()
+        sock.close()
+
+
+class ServerThread:
+    """The server on a loopback port in a background thread of this process (tests, notebooks)."""
+
+    def __init__(self, worker, model: ServedModel | None = None, options: ServeOptions | None = None):
+        self.options = options or ServeOptions(host="127.0.0.1", port=0)
+        self.model = model or served_model(worker, self.options)
+        self.worker = worker
+        self.running: Running | None = None
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="l3worker-server", daemon=True)
+
+    def _main(self) -> None:
+        from l3worker.serving.async_engine import AsyncEngine
+
+        try:
+            sock = bind(self.options.host, self.options.port)
+            asyncio.run(serve(AsyncEngine(self.worker), self.model, self.options, sock, on_ready=self._on_ready))
+        except BaseException as e:  # reported to start()/stop()
+            self.error = e
+        finally:
+            self._ready.set()
+
+    def _on_ready(self, running: Running) -> None:
+        self.running = running
+        self._ready.set()
+
+    def start(self, timeout_s: float = 300.0) -> "ServerThread":
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self.running is None:
+            raise RuntimeError(f"server did not start: {self.error!r}")
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.running.url
+
+    @property
+    def engine(self):
+        return self.running.engine
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.running is not None:
+            self.running.server.should_exit = True
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError("server thread did not stop")
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,56 @@
+"""The worker's scalar arguments, checked before any child starts: each refusal is a TypeError or
+ValueError naming the argument and its limit."""
+from __future__ import annotations
+
+from chip_child.device import CPU_LAYOUTS
+from l3worker.params import DEFAULT_BATCHED_TOKENS
+
+MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
+
+
+def positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_limits(*, max_batch_size: int, max_seq_len: int, page_size: int, pipeline_depth: int,
+                 max_num_batched_tokens: int | None, enable_prefix_caching: bool, num_pages: int | None,
+                 num_threads: int | None, cpu_layout: str, pin_cores: bool, spin_wait_s: float,
+                 step_timeout_s: float | None, startup_timeout_s: float | None,
+                 max_waiting_requests: int | None) -> int:
+    """Checks the batch, page, thread and timeout limits; returns max_num_batched_tokens (its
+    default filled in)."""
+    positive_int("max_batch_size", max_batch_size)
+    positive_int("max_seq_len", max_seq_len, 2)
+    positive_int("page_size", page_size)
+    positive_int("pipeline_depth", pipeline_depth)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(DEFAULT_BATCHED_TOKENS, max_batch_size)
+    positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    if max_num_batched_tokens < max_batch_size:
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_batch_size="
+                         f"{max_batch_size}: every decoding row takes one token of a step")
+    if not isinstance(enable_prefix_caching, bool):
+        raise TypeError(f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
+    if num_pages is not None:
+        positive_int("num_pages", num_pages)
+    if num_threads is not None:
+        positive_int("num_threads", num_threads)
+    if cpu_layout not in CPU_LAYOUTS:
+        raise ValueError(f"cpu_layout must be one of {CPU_LAYOUTS}, got {cpu_layout!r}")
+    if num_threads is not None and cpu_layout != "auto":
+        raise ValueError(f"cpu_layout={cpu_layout!r} and num_threads={num_threads} both set the cpu threads: "
+                         "give one")
+    if not isinstance(pin_cores, bool):
+        raise TypeError(f"pin_cores must be a bool, got {type(pin_cores).__name__}")
+    if not 0 <= spin_wait_s <= MAX_SPIN_S:
+        raise ValueError(f"spin_wait_s must be in [0, {MAX_SPIN_S}] seconds, got {spin_wait_s}")
+    for name, value in (("step_timeout_s", step_timeout_s), ("startup_timeout_s", startup_timeout_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 seconds or None, got {value}")
+    if max_waiting_requests is not None:
+        positive_int("max_waiting_requests", max_waiting_requests)
+    return max_num_batched_tokens

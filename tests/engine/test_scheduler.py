@@ -1,0 +1,213 @@
+"""The scheduler against a simulated device that applies its commands as the chip runtime does.
+
+The simulated device keeps, for every KV slot, the token id written there; a row's next token
+is a hash of the ids it reads back through its block table for positions 0..p. A wrong prefix
+hit, a page reused while still read, a missing page triple or a chunk at the wrong position
+changes what a row reads, so its tokens differ from a run with a large pool, no prefix cache and
+no chunking. Every variant must give exactly that run's tokens.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import numpy as np
+import pytest
+
+from chip_child.protocol import Command
+from l3worker.params import SamplingParams
+from l3worker.engine.scheduler import Scheduler, Sequence
+
+VOCAB = 97
+PAGE = 4
+
+
+class SimulatedDevice:
+    def __init__(self, rows: int):
+        self.slots: dict[int, int] = {}  # slot -> token id
+        self.table = [dict() for _ in range(rows)]  # row -> {block: page}
+        self.active = [False] * rows
+        self.pos = [0] * rows  # the next input's position
+        self.input = [0] * rows  # the next input token (the last sampled one)
+
+    def slot(self, row: int, position: int) -> int:
+        page = self.table[row].get(position // PAGE)
+        assert page is not None and page > 0, f"row {row} reads position {position} without a page"
+        return page * PAGE + position % PAGE
+
+    def context(self, row: int, length: int) -> list[int]:
+        ids = []
+        for p in range(length):
+            s = self.slot(row, p)
+            assert s in self.slots, f"row {row} reads position {p}, never written"
+            ids.append(self.slots[s])
+        return ids
+
+    def execute(self, cmd: Command, staging: np.ndarray) -> np.ndarray:
+        for r in cmd.finished_rows:
+            self.active[r] = False
+        for a in cmd.admits:
+            self.active[a.row], self.table[a.row] = False, {}
+        for row, block, page in cmd.new_pages.tolist():
+            self.table[row][block] = page
+        decode = [r for r, on in enumerate(self.active) if on]
+        for r in decode:  # every write of the step lands before any read
+            self.slots[self.slot(r, self.pos[r])] = self.input[r]
+        for c in cmd.chunks:
+            for i in range(c.length):
+                self.slots[self.slot(c.row, c.start + i)] = int(staging[c.staging_offset + i])
+        out = np.full(len(self.active), -1, np.int32)
+        for r in decode:
+            self.pos[r] += 1
+            out[r] = self.input[r] = next_token(self.context(r, self.pos[r]))
+        for c in cmd.chunks:
+            if c.last:
+                self.pos[c.row], self.active[c.row] = c.start + c.length, True
+                out[c.row] = self.input[c.row] = next_token(self.context(c.row, self.pos[c.row]))
+        return out
+
+
+def next_token(context: list[int]) -> int:
+    h = len(context)
+    for t in context[-6:]:
+        h = (h * 1_000_003 + t * 7919) % 2_147_483_647
+    return 1 + h % (VOCAB - 1)
+
+
+def make_seqs(prompts: list[list[int]], new_tokens: list[int]) -> list[Sequence]:
+    return [Sequence(i, 0, np.array(p, np.int32), SamplingParams(max_new_tokens=n, ignore_eos=True), 0,
+                     frozenset(), request_id=str(i)) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+
+
+def run(prompts, new_tokens, *, rows=4, num_pages=400, budget=10_000, caching=False, depth=1,
+        abort_at: dict[int, int] | None = None, arrivals: dict[int, int] | None = None) -> tuple[dict, Scheduler]:
+    """Token ids per sequence; `abort_at` aborts sequence i once it has that many tokens,
+    `arrivals` adds sequence i before step k instead of at the start."""
+    sched = Scheduler(max_batch_size=rows, page_size=PAGE, max_blocks_per_row=64, num_pages=num_pages,
+                      max_num_batched_tokens=budget, enable_prefix_caching=caching, full_state=False)
+    dev = SimulatedDevice(rows)
+    seqs = make_seqs(prompts, new_tokens)
+    assert all(s.pages_needed(PAGE) <= num_pages for s in seqs)  # the engine refuses larger ones up front
+    arrivals = arrivals or {}
+    sched.add([s for i, s in enumerate(seqs) if i not in arrivals])
+    inflight: deque = deque()
+    for step in range(20_000):
+        for i, at in arrivals.items():
+            if at == step:
+                sched.add([seqs[i]])
+        while len(inflight) < depth and (s := sched.next_command()) is not None:
+            staging = np.zeros(budget + rows, np.int32)
+            for offset, ids in s.staging_tokens:
+                staging[offset:offset + len(ids)] = ids
+            inflight.append((s, dev.execute(s.command, staging)))
+        if not inflight:
+            if all(s.finished for s in seqs) and step > max(arrivals.values(), default=0):
+                break
+            continue
+        s, ids = inflight.popleft()
+        sched.on_tokens(s.producers, ids, float(step))
+        for i, n in (abort_at or {}).items():
+            if len(seqs[i].tokens) >= n:
+                sched.finish(seqs[i], "abort")
+    else:
+        pytest.fail("the scheduler did not finish")
+    sched.pages.check()
+    assert sched.idle and sched.pages.num_free == num_pages  # every page back (free or cached)
+    return {s.seq_id: list(s.tokens) for s in seqs}, sched
+
+
+def workload(seed: int, n: int = 10, shared: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, VOCAB) for _ in range(shared)]
+    prompts = [prefix + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+    return prompts, [rng.randrange(1, 25) for _ in range(n)]
+
+
+@pytest.mark.parametrize("budget", [5, 8, 13, 64])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_chunked_prefill_gives_the_same_tokens(budget: int, depth: int) -> None:
+    prompts, new = workload(1)
+    want, _ = run(prompts, new)
+    got, _ = run(prompts, new, budget=budget, depth=depth)
+    assert got == want
+
+
+def test_decoding_rows_advance_every_step_while_a_long_prompt_prefills() -> None:
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(5)] for _ in range(3)] + [[7] * 200]
+    new = [60, 60, 60, 2]
+    sched = Scheduler(max_batch_size=4, page_size=PAGE, max_blocks_per_row=64, num_pages=200,
+                      max_num_batched_tokens=16, enable_prefix_caching=False, full_state=False)
+    seqs = make_seqs(prompts, new)
+    sched.add(seqs[:3])
+    dev = SimulatedDevice(4)
+    for _ in range(6):  # the three short ones are decoding
+        s = sched.next_command()
+        sched.on_tokens(s.producers, dev.execute(s.command, _staging(s)), 0.0)
+    sched.add(seqs[3:])
+    steps_with_chunk = 0
+    while seqs[3].prefilling or seqs[3].row < 0:
+        s = sched.next_command()
+        before = [len(q.tokens) for q in seqs[:3]]
+        sched.on_tokens(s.producers, dev.execute(s.command, _staging(s)), 0.0)
+        assert all(len(q.tokens) == b + 1 for q, b in zip(seqs[:3], before))
+        assert sum(c.length for c in s.command.chunks) + 3 <= 16
+        steps_with_chunk += bool(s.command.chunks)
+    assert steps_with_chunk >= 200 // 16
+
+
+def _staging(s) -> np.ndarray:
+    staging = np.zeros(64, np.int32)
+    for offset, ids in s.staging_tokens:
+        staging[offset:offset + len(ids)] = ids
+    return staging
+
+
+@pytest.mark.parametrize("shared", [PAGE - 1, PAGE, PAGE + 1, 3 * PAGE, 3 * PAGE + 2])
+def test_prefix_caching_hits_and_gives_the_same_tokens(shared: int) -> None:
+    prompts, new = workload(3, shared=shared)
+    want, _ = run(prompts, new)
+    arrivals = {i: 40 * i for i in range(1, len(prompts))}  # later requests find earlier pages cached
+    got, sched = run(prompts, new, caching=True, arrivals=arrivals, budget=9, depth=2)
+    assert got == want
+    if shared >= PAGE:
+        assert sched.pages.hits_tokens >= (len(prompts) - 1) * (shared // PAGE) * PAGE
+
+
+def test_multi_turn_prompts_reuse_the_previous_turn() -> None:
+    rng = random.Random(4)
+    turn = [rng.randrange(1, VOCAB) for _ in range(10)]
+    first, _ = run([turn], [12])
+    second_prompt = turn + first[0] + [5, 6, 7]
+    want, _ = run([turn, second_prompt], [12, 8])
+    got, sched = run([turn, second_prompt], [12, 8], caching=True, arrivals={1: 60})
+    assert got == want
+    assert sched.pages.hits_tokens >= (len(turn) + 12 - 1) // PAGE * PAGE - PAGE
+
+
+@pytest.mark.parametrize("num_pages", [15, 18, 24])  # the largest sequence needs 15
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_when_pages_run_out_gives_the_same_tokens(num_pages: int, caching: bool) -> None:
+    prompts, new = workload(5, n=12, shared=PAGE + 2)
+    want, _ = run(prompts, new)
+    got, sched = run(prompts, new, num_pages=num_pages, caching=caching, budget=11, depth=2)
+    assert got == want
+    assert sched.num_preemptions > 0
+
+
+def test_eviction_pressure_with_prefix_caching() -> None:
+    prompts, new = workload(6, n=30, shared=2 * PAGE)
+    want, _ = run(prompts, new)
+    arrivals = {i: 7 * i for i in range(len(prompts))}
+    got, sched = run(prompts, new, num_pages=20, caching=True, arrivals=arrivals, depth=2)
+    assert got == want
+    assert sched.pages.evicted_pages > 0 and sched.pages.hits_tokens > 0
+
+
+def test_aborts_mid_prefill_and_mid_decode_leave_the_others_unchanged() -> None:
+    prompts, new = workload(7)
+    new = [20] * len(new)
+    want, _ = run(prompts, new)
+    got, _ = run(prompts, new, budget=7, depth=2, caching=True, abort_at={0: 0, 3: 5})
+    assert {k: v for k, v in got.items() if k not in (0, 3)} == {k: v for k, v in want.items() if k not in (0, 3)}
+    assert got[3] == want[3][:len(got[3])]

@@ -1,0 +1,222 @@
+"""Unit tests of chip_child.sampling.sampler: the top-k/top-p and min-p filters, the counter-based noise,
+the distribution temperature sampling draws from, penalties, the stop-id mask and log-probabilities."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+from chip_child.sampling.sampler import (
+    Features,
+    RowParams,
+    apply_penalties,
+    filter_min_p,
+    filter_top_k_top_p,
+    mask_stop_tokens,
+    sample,
+    sample_with_features,
+    seed_key,
+    token_logprobs,
+    uniform_noise,
+    vocab_hash,
+)
+
+# Token ids ranked by logit: 1 (4.0), 4 (3.0), 3 (2.0), 0 (1.0), 2 (0.0).
+# softmax probabilities in that order: 0.636, 0.234, 0.086, 0.032, 0.012.
+LOGITS = torch.tensor([1.0, 4.0, 0.0, 2.0, 3.0])
+
+
+def kept(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    out = filter_top_k_top_p(logits[None, :], torch.tensor([top_k]), torch.tensor([top_p]))[0]
+    assert torch.equal(out[out.isfinite()], logits[out.isfinite()])  # survivors keep their values
+    return set(torch.nonzero(out.isfinite()).flatten().tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p,expected", [
+    (0, 1.0, {0, 1, 2, 3, 4}),  # both filters off
+    (1, 1.0, {1}),
+    (2, 1.0, {1, 4}),
+    (5, 1.0, {0, 1, 2, 3, 4}),
+    (9, 1.0, {0, 1, 2, 3, 4}),  # k beyond the vocabulary
+    (0, 0.5, {1}),  # the most likely token always stays
+    (0, 0.8, {1, 4}),  # mass before token 3 is 0.870
+    (0, 0.9, {1, 4, 3}),  # mass before token 0 is 0.956
+    (0, 0.99, {1, 4, 3, 0, 2}),
+    (3, 0.9, {1, 4}),  # after top-k the mass before token 3 is renormalised to 0.910
+    (3, 0.95, {1, 4, 3}),
+])
+def test_filter_keeps_expected_tokens(top_k: int, top_p: float, expected: set[int]) -> None:
+    assert kept(LOGITS, top_k, top_p) == expected
+
+
+def test_filter_applies_per_row_parameters() -> None:
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
+    out = filter_top_k_top_p(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.8, 1.0]))
+    assert [set(torch.nonzero(r.isfinite()).flatten().tolist()) for r in out] == [{1, 4}, {3, 0}, {0, 1, 2, 3, 4}]
+
+
+def test_filter_agrees_with_transformers_warpers() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 2
+    params = [(0, 0.7), (5, 1.0), (10, 0.5), (1, 0.3), (0, 0.95), (20, 0.9)]
+    ours = filter_top_k_top_p(logits, torch.tensor([k for k, _ in params]), torch.tensor([p for _, p in params]))
+    for row, (k, p) in enumerate(params):
+        want = logits[row:row + 1]
+        if k:
+            want = TopKLogitsWarper(k)(None, want)
+        if p < 1:
+            want = TopPLogitsWarper(p)(None, want)
+        assert torch.equal(ours[row].isfinite(), want[0].isfinite()), f"row {row} (top_k={k}, top_p={p})"
+
+
+def test_noise_is_a_pure_function_of_key_counter_and_token() -> None:
+    vocab = vocab_hash(64, torch.device("cpu"))
+    keys = torch.tensor([seed_key(1), seed_key(2), seed_key(1)])
+    counters = torch.tensor([5, 5, 5])
+    noise = uniform_noise(keys, counters, vocab)
+    assert ((noise > 0) & (noise < 1)).all()
+    assert torch.equal(noise[0], noise[2])
+    assert not torch.equal(noise[0], noise[1])
+    assert not torch.equal(noise[0], uniform_noise(keys[:1], counters[:1] + 1, vocab)[0])
+    # A row's noise does not depend on which other rows are in the batch.
+    assert torch.equal(uniform_noise(keys[1:2], counters[1:2], vocab)[0], noise[1])
+
+
+def test_seed_key_separates_large_seeds() -> None:
+    keys = {seed_key(s) for s in (0, 1, 2**32, 2**32 + 1, 2**62, 2**63 - 1)}
+    assert len(keys) == 6
+    assert all(0 <= k < 2**32 for k in keys)
+
+
+def _draws(logits: torch.Tensor, temperature: float, top_k: int, keys: torch.Tensor,
+           counters: torch.Tensor) -> torch.Tensor:
+    n = keys.numel()
+    rows = logits.expand(n, -1)
+    return sample(rows, torch.full((n,), temperature), torch.full((n,), top_k), torch.ones(n), keys, counters,
+                  vocab_hash(logits.numel(), torch.device("cpu")), any_random=True, any_filter=top_k > 0)
+
+
+def _total_variation(ids: torch.Tensor, probs: torch.Tensor) -> float:
+    freq = torch.bincount(ids, minlength=probs.numel()).float() / ids.numel()
+    return 0.5 * (freq - probs).abs().sum().item()
+
+
+DRAWS = 4000
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 2.0])
+def test_temperature_sampling_over_seeds_matches_softmax(temperature: float) -> None:
+    keys = torch.tensor([seed_key(s) for s in range(DRAWS)])
+    ids = _draws(LOGITS, temperature, 0, keys, torch.full((DRAWS,), 17))
+    assert _total_variation(ids, (LOGITS / temperature).softmax(-1)) < 0.05
+
+
+def test_sampling_along_one_sequence_matches_softmax() -> None:
+    """One seed, successive positions: the counter alone must decorrelate the draws."""
+    ids = _draws(LOGITS, 1.0, 0, torch.full((DRAWS,), seed_key(42)), torch.arange(DRAWS))
+    assert _total_variation(ids, LOGITS.softmax(-1)) < 0.05
+
+
+def test_top_k_sampling_matches_renormalised_softmax() -> None:
+    keys = torch.tensor([seed_key(s) for s in range(DRAWS)])
+    ids = _draws(LOGITS, 1.0, 3, keys, torch.zeros(DRAWS, dtype=torch.int64))
+    want = torch.where(torch.isin(torch.arange(5), torch.tensor([1, 4, 3])), LOGITS, -torch.inf).softmax(-1)
+    assert set(ids.tolist()) <= {1, 4, 3}
+    assert _total_variation(ids, want) < 0.05
+
+
+def test_greedy_rows_and_top_k_one_take_the_argmax() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 30, generator=g)
+    keys = torch.tensor([seed_key(s) for s in range(4)])
+    args = (torch.tensor([0.0, 1.5, 0.0, 2.0]), torch.tensor([0, 1, 0, 0]), torch.ones(4), keys,
+            torch.arange(4), vocab_hash(30, torch.device("cpu")))
+    ids = sample(logits, *args, any_random=True, any_filter=True)
+    argmax = logits.argmax(-1)
+    assert ids[:3].tolist() == argmax[:3].tolist()
+    assert sample(logits, *args, any_random=False, any_filter=False).tolist() == argmax.tolist()
+
+
+@pytest.mark.parametrize("min_p,expected", [
+    (0.0, {0, 1, 2, 3, 4}),
+    (0.01, {0, 1, 2, 3, 4}),  # 0.0064: every token is above it
+    (0.1, {1, 4, 3}),  # 0.0636: token 0 (0.032) goes
+    (0.3, {1, 4}),
+    (0.5, {1}),
+    (1.0, {1}),  # the most likely token always stays
+])
+def test_min_p_keeps_tokens_above_its_share_of_the_top_probability(min_p: float, expected: set[int]) -> None:
+    out = filter_min_p(LOGITS[None, :], torch.tensor([min_p]))[0]
+    assert set(torch.nonzero(out.isfinite()).flatten().tolist()) == expected
+    assert torch.equal(out[out.isfinite()], LOGITS[out.isfinite()])
+
+
+def test_penalties_follow_their_formulas_and_neutral_rows_keep_their_bits() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -0.25, 1.0]] * 2)
+    counts = torch.tensor([[2.0, 1.0, 0.0, 0.0, 0.0]] * 2)
+    prompt = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0]] * 2)
+    out = apply_penalties(logits, counts, prompt, presence=torch.tensor([0.5, 0.0]),
+                          frequency=torch.tensor([0.25, 0.0]), repetition=torch.tensor([2.0, 1.0]))
+    # Token 0: output, positive: 2 / 2 - 0.25 * 2 - 0.5; token 1: output, negative: -1 * 2 - 0.25 - 0.5;
+    # token 3: prompt only: -0.25 * 2; tokens 2 and 4: unseen.
+    assert out[0].tolist() == [0.0, -2.75, 0.5, -0.5, 1.0]
+    assert torch.equal(out[1], logits[1])
+
+
+def test_stop_tokens_masked_only_for_rows_short_of_min_tokens() -> None:
+    stop = torch.tensor([[False, True, False, True, False]] * 2)
+    out = mask_stop_tokens(LOGITS.expand(2, -1), stop, torch.tensor([True, False]))
+    assert out[0].isinf().tolist() == [False, True, False, True, False]
+    assert torch.equal(out[1], LOGITS)
+
+
+def test_token_logprobs_are_of_the_tempered_distribution_greedy_rows_at_temperature_one() -> None:
+    logits = torch.stack([LOGITS, LOGITS])
+    values, ids = torch.zeros(2, 1 + 3), torch.zeros(2, 3, dtype=torch.int64)
+    token_logprobs(logits, torch.tensor([0.0, 0.5]), torch.tensor([4, 2]), 3, values, ids)
+    for row, temperature, chosen in ((0, 1.0, 4), (1, 0.5, 2)):
+        want = (LOGITS / temperature).log_softmax(-1)
+        assert values[row, 0].item() == pytest.approx(want[chosen].item())
+        assert ids[row].tolist() == [1, 4, 3]
+        assert values[row, 1:].tolist() == pytest.approx(want[[1, 4, 3]].tolist())
+
+
+def test_unused_stages_leave_seeded_draws_unchanged() -> None:
+    g = torch.Generator().manual_seed(2)
+    n, v = 6, 40
+    logits = torch.randn(n, v, generator=g)
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9, 2.0])
+    top_k, top_p = torch.tensor([0, 0, 5, 0, 0, 3]), torch.tensor([1.0, 0.9, 1.0, 1.0, 0.8, 1.0])
+    keys, counters = torch.tensor([seed_key(s) for s in range(n)]), torch.arange(n) + 11
+    vocab = vocab_hash(v, torch.device("cpu"))
+    params = RowParams(temperature, top_k, top_p, keys, min_p=torch.zeros(n), presence=torch.zeros(n),
+                       frequency=torch.zeros(n), repetition=torch.ones(n), min_pos=torch.zeros(n, dtype=torch.int64),
+                       output_counts=torch.randint(0, 3, (n, v), generator=g).float(),
+                       prompt_seen=(torch.rand(n, v, generator=g) < 0.3).float(),
+                       stop_mask=torch.rand(n, v, generator=g) < 0.3)
+    plain = sample(logits, temperature, top_k, top_p, keys, counters, vocab, any_random=True, any_filter=True)
+    values, ids = torch.zeros(n, 21), torch.zeros(n, 20, dtype=torch.int64)
+    every = sample_with_features(logits, params, counters, vocab, True, True,
+                                 Features(penalties=True, min_p=True, stop_mask=True, logprobs=20), values, ids)
+    assert torch.equal(plain, every)
+
+
+def test_penalties_equal_the_plain_formula_bit_for_bit() -> None:
+    """The float-only arithmetic of apply_penalties against the formula written with where()."""
+    g = torch.Generator().manual_seed(3)
+    n, v = 64, 200
+    logits = torch.randn(n, v, generator=g) * 3
+    logits[torch.rand(n, v, generator=g) < 0.05] = -torch.inf  # masked stop ids
+    logits[torch.rand(n, v, generator=g) < 0.05] = 0.0
+    counts = torch.randint(0, 4, (n, v), generator=g).float() * (torch.rand(n, v, generator=g) < 0.2)
+    prompt = torch.rand(n, v, generator=g) < 0.1
+    repetition = torch.cat([torch.rand(n - 8, generator=g) * 3 + 0.05, torch.ones(8)])
+    frequency, presence = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    frequency[-8:], presence[-8:] = 0, 0  # the last rows are neutral
+    seen = prompt | (counts > 0)
+    rep = repetition[:, None]
+    want = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    want = want - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    got = apply_penalties(logits, counts, prompt.float(), presence, frequency, repetition)
+    assert torch.equal(got, want)
+    assert torch.equal(got[-8:], logits[-8:])

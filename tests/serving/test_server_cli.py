@@ -1,0 +1,172 @@
+"""`python -m l3worker serve` as a user runs it: flags, the ready line, a --chat-template file, and a
+signal while a request streams: exit 0, the request aborted, no child process or socket dir left."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+
+import httpx
+import psutil
+import pytest
+
+from server_helpers import sse_events
+
+TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+
+
+def test_sigterm_mid_stream_exits_0_and_leaves_nothing(served, tmp_path) -> None:
+    template = tmp_path / "mine.jinja"
+    template.write_text(TEMPLATE)
+    s = served("--max-num-seqs", "2", "--max-model-len", "2048", "--block-size", "16", "--served-model-name",
+               "my-model", "--chat-template", str(template), "--api-key", "k")
+    url, name = s.ready().groups()
+    assert name == "my-model"
+    children = psutil.Process(s.proc.pid).children(recursive=True)
+    assert children and os.listdir(s.tmpdir)  # the chip-child and the worker's socket dir
+    client = httpx.Client(base_url=url, headers={"authorization": "Bearer k"}, timeout=60)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["my-model"]
+
+    # The --chat-template file renders the prompt.
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3}).json()
+    assert chat["usage"]["prompt_tokens"] == len("[system]S\n[user]hi\n>")
+
+    raw: list[bytes] = []
+    first = threading.Event()
+
+    def read_stream() -> None:
+        body = {"prompt": "Hello", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            for chunk in r.iter_raw():
+                raw.append(chunk)
+                first.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert first.wait(60)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, s.stderr[-20:]
+    reader.join(30)
+    events = sse_events(b"".join(raw))
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert os.listdir(s.tmpdir) == []
+    assert "l3worker serve: stopped" in [s.lines.get(timeout=5) for _ in range(s.lines.qsize())]
+    request_lines = [line for line in s.stderr if "l3worker.serving.requests" in line]
+    assert any('"POST /v1/chat/completions" 200' in line and "prompt_tokens=" in line for line in request_lines)
+
+
+def test_sigint_exits_0(served) -> None:
+    s = served("--max-num-seqs", "1", "--max-model-len", "64", "--block-size", "16")
+    url, name = s.ready().groups()
+    assert name == "l3worker-tiny" and httpx.get(url + "/health").status_code == 200
+    s.proc.send_signal(signal.SIGINT)
+    assert s.proc.wait(60) == 0, s.stderr[-20:]
+    assert os.listdir(s.tmpdir) == []
+
+
+def test_bad_arguments_exit_2(served, tmp_path) -> None:
+    s = served(str(tmp_path / "no-such-model"))
+    assert s.proc.wait(60) == 2
+    s = served("--max-num-seqs", "0")
+    assert s.proc.wait(60) == 2
+    assert any("max_batch_size must be >= 1" in line for line in s.stderr)
+    s = served("--max-num-seqs", "8", "--max-num-batched-tokens", "4")
+    assert s.proc.wait(60) == 2
+    assert any("max_num_batched_tokens=4 must be >= max_batch_size=8" in line for line in s.stderr)
+
+
+def test_scheduling_flags_chunk_long_prompts_and_turn_the_prefix_cache_off(served) -> None:
+    s = served("--max-num-batched-tokens", "8", "--no-enable-prefix-caching", "--max-num-seqs", "4")
+    base = s.ready()[1]
+    body = {"prompt": "a prompt of many more than eight tokens", "max_tokens": 5, "temperature": 0}
+    with httpx.Client(base_url=base, timeout=60) as client:
+        first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
+        metrics = client.get("/metrics").text
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert re.search(r"^l3worker:prefix_cache_queries_total\{engine=\"0\"\} 0\.0$", metrics, re.M)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+
+
+def test_serving_keeps_short_steps_on_a_cpu_and_the_worker_default_elsewhere() -> None:
+    from l3worker.params import SERVE_CPU_BATCHED_TOKENS
+    from l3worker.serving.cli import build_parser, serve_batched_tokens
+
+    parse = build_parser().parse_args
+    assert serve_batched_tokens(parse(["serve", "--device", "cpu"])) == SERVE_CPU_BATCHED_TOKENS
+    assert serve_batched_tokens(parse(["serve", "--device", "cpu", "--max-num-seqs", "300"])) == 300
+    assert serve_batched_tokens(parse(["serve", "--device", "cuda"])) is None  # the worker's default
+    assert serve_batched_tokens(parse(["serve", "--device", "cpu", "--max-num-batched-tokens", "64"])) == 64
+
+
+def test_the_cpu_layout_flag_reaches_the_worker_and_is_reported(served) -> None:
+    s = served("--device", "cpu", "--cpu-layout", "every_core", "--max-num-seqs", "2", "--max-model-len", "64")
+    base = s.ready()
+    assert ", cpu layout every_core" in base.string
+    with httpx.Client(base_url=base[1], timeout=60) as client:
+        metrics = client.get("/metrics").text
+    assert re.search(r'^l3worker:cpu_layout_info\{engine="0",layout="every_core"\} 1\.0$', metrics, re.M)
+    assert 'layout="spare_core"' not in metrics
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+    s = served("--cpu-layout", "all_cores")
+    assert s.proc.wait(60) == 2
+
+
+def test_a_hub_id_is_served_under_that_id_from_the_offline_cache(served, tmp_path) -> None:
+    from test_hub import REPO, lay_out_hub_cache
+
+    hf_home = tmp_path / "hf"
+    lay_out_hub_cache(hf_home / "hub")
+    s = served(REPO, "--max-model-len", "256", "--block-size", "16", env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    url, name = s.ready().groups()
+    assert name == REPO
+    client = httpx.Client(base_url=url, timeout=60)
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [REPO]
+    done = client.post("/v1/completions", json={"model": REPO, "prompt": "Hi", "max_tokens": 3}).json()
+    assert done["model"] == REPO and done["usage"]["completion_tokens"] == 3
+
+
+def test_agent_and_fidelity_flags_reach_the_server(served) -> None:
+    s = served("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--return-tokens-as-token-ids", "--enable-tokenizer-info-endpoint", "--max-num-seqs", "2")
+    base = s.ready()[1]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with httpx.Client(base_url=base, timeout=60) as client:
+        info = client.get("/tokenizer_info")
+        lp = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 0}).json()
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "tools": tools, "max_tokens": 2}).json()
+    assert info.status_code == 200 and info.json()["eos_token"] == "<|endoftext|>"
+    assert lp["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+    assert "reasoning_content" in chat["choices"][0]["message"]  # parsed: the field is there even when empty
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+
+
+def test_auto_tool_choice_without_a_parser_is_a_usage_error(capsys) -> None:
+    from l3worker.serving.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--enable-auto-tool-choice"])
+    assert e.value.code == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+
+
+def test_quantization_and_expert_parallel_flags_reach_the_worker(served) -> None:
+    s = served("--quantization", "awq")
+    assert s.proc.wait(60) == 2
+    assert any("unsupported quantization 'awq'; supported: fp8" in line for line in s.stderr)
+    s = served("--enable-expert-parallel", "--device", "cpu", "--device-ids", "0,1")
+    assert s.proc.wait(60) == 2
+    assert any("enable_expert_parallel: Qwen3ForCausalLM has no experts" in line for line in s.stderr)
+    s = served("--quantization", "fp8", "--max-num-seqs", "1", "--max-model-len", "64", "--block-size", "16")
+    url = s.ready().group(1)
+    done = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 3}, timeout=60).json()
+    assert done["usage"]["completion_tokens"] == 3
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0

@@ -1,0 +1,151 @@
+"""The doorbell's sleeping wait: the leader child's eventfd wakes the parent, with no socket message.
+
+Unit tests drive Doorbell with stand-in children whose liveness check fails the test: a wait that
+ends only because a liveness poll timed out would reach it. The worker test runs real children
+with a parent that always sleeps (spin_wait_s=0) and counts the socket reads a wake-up costs.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from l3worker import DistributedWorker, SamplingParams
+from l3worker.worker.doorbell import Doorbell, make_wake_fd
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "eventfd"), reason="the OS has no eventfd")
+
+
+class WokenByTimeout(AssertionError):
+    pass
+
+
+class ReplyRead(Exception):
+    pass
+
+
+class StandInChild:
+    """What Doorbell uses of a child: a socket to poll, drain() and check_alive()."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, liveness_fails: bool = True):
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.bind(endpoint)
+        self.liveness_fails = liveness_fails
+
+    def drain(self) -> None:
+        self.sock.recv(zmq.NOBLOCK)
+        raise ReplyRead()
+
+    def check_alive(self, what: str) -> None:
+        if self.liveness_fails:
+            raise WokenByTimeout(f"the wait for {what} ended by its liveness poll, not by a wake-up")
+
+
+@pytest.fixture
+def bell(tmp_path: Path):
+    """(doorbell, child stand-in, the child's end of its socket, the eventfd)."""
+    ctx = zmq.Context()
+    endpoint = f"ipc://{tmp_path}/bell.sock"
+    child = StandInChild(ctx, endpoint)
+    peer = ctx.socket(zmq.PAIR)
+    peer.connect(endpoint)
+    fd = make_wake_fd()
+    word = np.array([0, -1, 0], np.int64)
+    try:
+        yield Doorbell(word, [child], spin_s=0.0, wake_fd=fd), child, peer, fd
+    finally:
+        os.close(fd)
+        peer.close(0)
+        child.sock.close(0)
+        ctx.term()
+
+
+def wait_in_thread(bell: Doorbell, step: int) -> tuple[threading.Thread, list]:
+    result: list = []
+
+    def run() -> None:
+        try:
+            bell.wait(step, timeout_s=30.0)
+            result.append("done")
+        except BaseException as exc:  # reported to the test's thread
+            result.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def complete(bell: Doorbell, fd: int, step: int) -> None:
+    """What the leader child does after a step: the word, then the eventfd."""
+    bell.word[0] = step + 1
+    os.eventfd_write(fd, 1)
+
+
+def test_a_sleeping_wait_ends_on_the_eventfd(bell) -> None:
+    doorbell, _, _, fd = bell
+    thread, result = wait_in_thread(doorbell, 0)
+    complete(doorbell, fd, 0)
+    thread.join(30)
+    assert result == ["done"]
+    assert doorbell.word[1] == -1  # no longer asleep on a step
+
+
+def test_a_count_left_by_earlier_steps_does_not_end_a_later_wait(bell) -> None:
+    doorbell, child, _, fd = bell
+    child.liveness_fails = False  # this wait outlasts a liveness poll
+    for step in range(3):  # completed while nobody slept: their counts stay in the eventfd
+        complete(doorbell, fd, step)
+    thread, result = wait_in_thread(doorbell, 3)
+    thread.join(0.3)
+    assert thread.is_alive() and not result, f"the wait for step 3 ended before it completed: {result}"
+    child.liveness_fails = True
+    complete(doorbell, fd, 3)
+    thread.join(30)
+    assert result == ["done"]
+
+
+def test_an_error_reply_still_ends_a_sleeping_wait(bell) -> None:
+    doorbell, _, peer, _ = bell
+    thread, result = wait_in_thread(doorbell, 0)
+    peer.send(b"error")  # a failed step: the child replies by socket and completes nothing
+    thread.join(30)
+    assert len(result) == 1 and isinstance(result[0], ReplyRead)
+
+
+def eventfds() -> int:
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds if _target(fd) == "anon_inode:[eventfd]")
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the listing's own descriptor, closed meanwhile
+        return ""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_sleeping_parent_reads_no_wakeup_message_and_close_releases_the_eventfd(make_checkpoint) -> None:
+    before = eventfds()
+    w = DistributedWorker(make_checkpoint("default"), max_batch_size=2, max_seq_len=64, page_size=8, device="cpu",
+                          num_threads=1, spin_wait_s=0.0)
+    reads, timed_out = [], []
+    try:
+        w.prepare()
+        assert w._doorbell.spin_s == 0.0  # every wait sleeps
+        for child in w._children:
+            drain, check_alive = child.drain, child.check_alive
+            child.drain = lambda drain=drain: (reads.append(1), drain())
+            child.check_alive = lambda what, check=check_alive: (timed_out.append(what), check(what))
+        outs = w.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        assert [len(o.token_ids) for o in outs] == [12, 12]
+    finally:
+        w.close()
+    assert reads == []  # no wake-up message came by socket
+    # and no wait for a step ended by its liveness poll: the eventfd woke every one
+    assert not [what for what in timed_out if what.startswith("step ")]
+    assert eventfds() == before
