@@ -38,7 +38,7 @@ def restarts(w: DistributedWorker) -> int:
 
 def death_to_resumed_token(model_dir: str | None, repeats: int) -> dict:
     """Seconds from SIGKILL to the next token of the stream that was running."""
-    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
     gaps = []
     with DistributedWorker(model_dir, **WORKER, max_restarts=repeats) as w:
         for r in range(repeats):
@@ -52,7 +52,7 @@ def death_to_resumed_token(model_dir: str | None, repeats: int) -> dict:
                     break
             for request_id in list(w.engine.requests):
                 w.engine.abort(request_id)
-            w.generate([[1]], SamplingParams(max_new_tokens=1))  # lets the aborts through
+            w.generate([[1]], SamplingParams(temperature=0.0, max_new_tokens=1))  # lets the aborts through
         setup_s = w.stats()["child_setup_s"]
     return {"death_to_token_s": round(statistics.median(gaps), 3), "all_s": [round(g, 3) for g in gaps],
             "child_setup_s": round(setup_s, 3)}

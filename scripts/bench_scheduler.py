@@ -49,11 +49,11 @@ def stall(model_dir: Path, budget: int, prompt_len: int = 3000, rows: int = 8) -
     with DistributedWorker(model_dir, max_batch_size=rows + 1, max_seq_len=4096, page_size=128,
                            max_num_batched_tokens=budget) as w:
         engine = w.engine
-        decoding = [engine.add_request(ids(rng, 32), SamplingParams(max_new_tokens=3000, ignore_eos=True),
+        decoding = [engine.add_request(ids(rng, 32), SamplingParams(temperature=0.0, max_new_tokens=3000, ignore_eos=True),
                                        stream=True) for _ in range(rows)]
         while min(len(s.seqs[0].tokens) for s in decoding) < 4:
             engine.step()
-        long = engine.add_request(ids(rng, prompt_len), SamplingParams(max_new_tokens=1, ignore_eos=True))
+        long = engine.add_request(ids(rng, prompt_len), SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
         t0 = time.perf_counter()
         last = {s.request_id: t0 for s in decoding}
         gaps: list[float] = []
@@ -81,9 +81,9 @@ def prefix(model_dir: Path, caching: bool, shared: int = 1536) -> dict:
     head = ids(rng, shared)
     with DistributedWorker(model_dir, max_batch_size=2, max_seq_len=2048, page_size=128,
                            enable_prefix_caching=caching) as w:
-        w.generate([ids(rng, 8)], SamplingParams(max_new_tokens=2))  # warm-up, unrelated prompt
-        first = w.generate([head + ids(rng, 16)], SamplingParams(max_new_tokens=1))[0]
-        second = w.generate([head + ids(rng, 16)], SamplingParams(max_new_tokens=1))[0]
+        w.generate([ids(rng, 8)], SamplingParams(temperature=0.0, max_new_tokens=2))  # warm-up, unrelated prompt
+        first = w.generate([head + ids(rng, 16)], SamplingParams(temperature=0.0, max_new_tokens=1))[0]
+        second = w.generate([head + ids(rng, 16)], SamplingParams(temperature=0.0, max_new_tokens=1))[0]
     return {"caching": caching, "first_ttft_s": first.metrics.ttft_s, "second_ttft_s": second.metrics.ttft_s,
             "ratio": second.metrics.ttft_s / first.metrics.ttft_s, "second_cached_tokens": second.num_cached_tokens}
 
@@ -91,7 +91,7 @@ def prefix(model_dir: Path, caching: bool, shared: int = 1536) -> dict:
 def pages(model_dir: Path, rows: int = 8, prompt_len: int = 64, new: int = 192, page: int = 16) -> dict:
     rng = np.random.default_rng(3)
     prompts = [ids(rng, prompt_len) for _ in range(rows)]
-    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
     worst = -(-(prompt_len + new - 1) // page)
     with DistributedWorker(model_dir, max_batch_size=rows, max_seq_len=512, page_size=page) as w:
         want = [o.token_ids for o in w.generate(prompts, params)]

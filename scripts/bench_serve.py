@@ -84,11 +84,11 @@ def offline_tpot(args, samples: list[SampleRequest]) -> dict:
 
     with DistributedWorker(args.model_dir, max_batch_size=args.max_num_seqs, max_seq_len=args.max_model_len,
                            page_size=args.block_size, cpu_layout=args.cpu_layout) as w:
-        w.generate(samples[0].prompt[:8], SamplingParams(max_new_tokens=4))  # warm-up, as the served run has
+        w.generate(samples[0].prompt[:8], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up, as the served run has
         cpu0 = _own_cpu_s()
         t0 = time.perf_counter()
         outs = w.generate([s.prompt for s in samples],
-                          [SamplingParams(max_new_tokens=s.expected_output_len, ignore_eos=True) for s in samples])
+                          [SamplingParams(temperature=0.0, max_new_tokens=s.expected_output_len, ignore_eos=True) for s in samples])
         wall = time.perf_counter() - t0
         cpu = _own_cpu_s() - cpu0
     tpot = [o.metrics.tpot_s for o in outs if len(o.token_ids) > 1]

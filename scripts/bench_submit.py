@@ -33,7 +33,7 @@ def measure_submission(model_dir: str, sizes: tuple[int, ...] = DEFAULT_SIZES, r
     """Per token count: median over `rounds` of the per-call time for a list and for an int32 array
     (the two alternate within a round), and list/array."""
     w = DistributedWorker(model_dir, device="cpu", max_batch_size=1, max_seq_len=max(sizes) + 1)
-    params = SamplingParams(max_new_tokens=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=1)
     vocab = w.model_config.vocab_size
     rng = np.random.default_rng(seed)
     rows = []

@@ -52,7 +52,7 @@ def follower_death(w: DistributedWorker, follower: subprocess.Popen, prompts) ->
     failed_at: list[float] = []
     fail = w.engine.fail
     w.engine.fail = lambda exc: (failed_at.append(time.perf_counter()), fail(exc))
-    stream = w.stream(prompts, SamplingParams(max_new_tokens=MODEL["max_position_embeddings"] - len(prompts[0]) - 1,
+    stream = w.stream(prompts, SamplingParams(temperature=0.0, max_new_tokens=MODEL["max_position_embeddings"] - len(prompts[0]) - 1,
                                                    ignore_eos=True))
     next(stream)
     os.killpg(follower.pid, signal.SIGKILL)
@@ -75,7 +75,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-tp-nodes-"))
     nparams = write_random_qwen3(tmp / "model", MODEL)
     prompts = [p.tolist() for p in random_prompts(args.batch, args.prompt_len, MODEL["vocab_size"], seed=0)]
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
     # Unpinned, both: a follower does not pin its children, and a second worker of one process
     # would not pin its own beside the first's.
     common = dict(device="cpu", max_batch_size=args.batch, max_seq_len=MODEL["max_position_embeddings"],
@@ -91,7 +91,7 @@ def main() -> None:
                 DistributedWorker(str(tmp / "model"), tensor_parallel_size=2, nnodes=2, master_port=port,
                                   max_restarts=0, **common) as two:
             for w in (one, two):  # warm both before timing either
-                w.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+                w.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
             for _ in range(args.repeats):
                 for name, w in (("one_node", one), ("two_nodes", two)):
                     runs[name].append(one_run(w, prompts, sampling))

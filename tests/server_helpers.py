@@ -77,7 +77,7 @@ def offline_greedy_texts(prompts: list[list[int]], max_tokens: int, **worker) ->
     from l3worker import DistributedWorker, SamplingParams
 
     with DistributedWorker(None, **worker) as ref:
-        return [ref.generate(p, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))[0].text for p in prompts]
+        return [ref.generate(p, SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True))[0].text for p in prompts]
 
 
 def assert_engines_give_offline_greedy(url: str, engines: int, max_tokens: int = 12, **worker) -> None:

@@ -22,7 +22,7 @@ def test_two_children_match_transformers_greedy(make_checkpoint, hf_model, overr
     with DistributedWorker(str(path), device="cpu", device_ids=(0, 1), max_batch_size=4, max_seq_len=128,
                            page_size=8) as w:
         assert len(set(w.child_pids)) == 2
-        outs = w.generate(PROMPTS, SamplingParams(max_new_tokens=24))
+        outs = w.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=24))
         sampled = w.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=5))
     assert [o.token_ids for o in outs] == ref
     with DistributedWorker(str(path), device="cpu", max_batch_size=4, max_seq_len=128, page_size=8) as w:

@@ -59,7 +59,7 @@ def test_greedy_across_two_nodes_matches_transformers(make_checkpoint, hf_model,
         follower_tree = tree(node.pid)
         assert len(follower_tree) == 2  # the follower and its one chip-child (rank 1)
         head_children = [psutil.Process(pid) for pid in w.child_pids[:1]]
-        outs = w.generate(PROMPTS, SamplingParams(max_new_tokens=24))
+        outs = w.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=24))
         socket_dir = w.socket_dir
     assert [o.token_ids for o in outs] == ref
     assert node.wait(30) == 0  # the head closed: its follower exits
@@ -73,11 +73,11 @@ def test_a_killed_follower_fails_the_head_and_leaves_nothing(make_checkpoint, fo
     node = follower(path, port)
     shm_before = shm_entries()
     with guard(), DistributedWorker(str(path), master_port=port, max_restarts=0, **WORKER) as w:
-        w.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))
+        w.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=4))
         follower_tree = tree(node.pid)
         head_children = [psutil.Process(pid) for pid in w.child_pids[:1]]
         socket_dir = w.socket_dir
-        stream = w.stream(PROMPTS, SamplingParams(max_new_tokens=100, ignore_eos=True))
+        stream = w.stream(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True))
         next(stream)
         os.killpg(node.pid, signal.SIGKILL)
         with pytest.raises(WorkerError, match="follower node 1|chip-child 0"):
@@ -96,9 +96,9 @@ def test_a_silent_follower_is_dropped_by_the_heartbeats(make_checkpoint, followe
     port = free_master_port(2)
     node = follower(path, port)
     with guard(), DistributedWorker(str(path), master_port=port, max_restarts=0, **WORKER) as w:
-        w.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4))
+        w.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=4))
         follower_tree = tree(node.pid)
-        stream = w.stream(PROMPTS, SamplingParams(max_new_tokens=100, ignore_eos=True))
+        stream = w.stream(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=100, ignore_eos=True))
         next(stream)
         os.killpg(node.pid, signal.SIGSTOP)
         try:
@@ -116,8 +116,8 @@ def test_a_follower_that_comes_back_is_restarted_and_requests_resume(make_checkp
     port = free_master_port(2)
     first = follower(path, port)
     with guard(), DistributedWorker(str(path), master_port=port, max_restarts=1, **WORKER) as w:
-        expected = [o.token_ids for o in w.generate(PROMPTS, SamplingParams(max_new_tokens=40, ignore_eos=True))]
-        stream = w.stream(PROMPTS, SamplingParams(max_new_tokens=40, ignore_eos=True))
+        expected = [o.token_ids for o in w.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))]
+        stream = w.stream(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
         got: dict[str, list[int]] = {}
         out = next(stream)
         os.killpg(first.pid, signal.SIGKILL)

@@ -13,7 +13,7 @@ import pytest
 from l3worker import AsyncEngine, DistributedWorker, EngineDeadError, SamplingParams
 from l3worker.engine.detokenizer import SampleText
 
-GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=11)
 
 
@@ -117,7 +117,7 @@ def test_abort_frees_row_and_pages_and_leaves_others_unchanged(worker, solo) -> 
     engine = worker.engine
     ps = prompts(3)
     total = worker.stats()["kv_pages_total"]
-    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
     keep = [engine.add_request(ps[0], GREEDY), engine.add_request(ps[1], SEEDED)]
     victim = engine.add_request(ps[2], long)
     outs = []
@@ -155,7 +155,7 @@ def test_abort_of_a_waiting_request(worker) -> None:
 def _text_with_ascii_pair(worker) -> tuple[list[int], str, str]:
     """A prompt whose greedy text contains two printable ASCII characters in a row (two tokens)."""
     for p in prompts(40):
-        text = worker.generate([p], SamplingParams(max_new_tokens=40, ignore_eos=True))[0].text
+        text = worker.generate([p], SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))[0].text
         for k in range(3, len(text) - 1):
             pair = text[k:k + 2]
             if pair.isascii() and pair.isprintable() and text.find(pair) == k:
@@ -167,7 +167,7 @@ def test_stop_string_across_tokens_in_deltas_and_final_text(worker) -> None:
     prompt, text, stop = _text_with_ascii_pair(worker)
     at = text.find(stop)
     for include in (False, True):
-        params = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop, "\x00never"],
+        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, stop=[stop, "\x00never"],
                                 include_stop_str_in_output=include)
         final = worker.generate([prompt], params)[0]
         want = text[:at + len(stop)] if include else text[:at]
@@ -232,13 +232,13 @@ def test_bad_request_is_refused_and_running_requests_are_untouched(worker, solo)
     ps = prompts(2)
     running = engine.add_request(ps[0], GREEDY)
     engine.step()
-    for bad, match in ((SamplingParams(top_p=0.0), "top_p"), (SamplingParams(presence_penalty=3.0), "presence_penalty"),
-                       (SamplingParams(n=0), "n must"), (SamplingParams(logprobs=21), "logprobs"),
-                       (SamplingParams(stop=[""]), "stop"), (SamplingParams(max_new_tokens=0), "max_new_tokens")):
+    for bad, match in ((SamplingParams(temperature=0.0, top_p=0.0), "top_p"), (SamplingParams(temperature=0.0, presence_penalty=3.0), "presence_penalty"),
+                       (SamplingParams(temperature=0.0, n=0), "n must"), (SamplingParams(temperature=0.0, logprobs=21), "logprobs"),
+                       (SamplingParams(temperature=0.0, stop=[""]), "stop"), (SamplingParams(temperature=0.0, max_new_tokens=0), "max_new_tokens")):
         with pytest.raises(ValueError, match=match):
             engine.add_request(ps[1], bad)
     with pytest.raises(ValueError, match="max_seq_len=256"):
-        engine.add_request(ps[1], SamplingParams(max_new_tokens=250))
+        engine.add_request(ps[1], SamplingParams(temperature=0.0, max_new_tokens=250))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(ps[1], GREEDY, request_id=running.request_id)
     outs = drive(engine, lambda: running.finished)
@@ -283,7 +283,7 @@ def test_killed_child_ends_every_open_stream_with_the_error() -> None:
     async def main() -> list[BaseException]:
         engine = AsyncEngine(worker)
         await engine.start()
-        long = SamplingParams(max_new_tokens=220, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_new_tokens=220, ignore_eos=True)
         started = asyncio.Event()
         errors: list[BaseException] = []
 

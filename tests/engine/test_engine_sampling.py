@@ -35,7 +35,7 @@ PROMPT = [5, 17, 200, 3, 99, 42, 42, 7, 150, 8, 61, 23, 5, 17, 200, 9, 90, 33, 7
 
 
 def test_logprobs_and_prompt_logprobs_match_log_softmax_of_transformers(worker, logits_of) -> None:
-    out = worker.generate([PROMPT], SamplingParams(max_new_tokens=6, logprobs=5, prompt_logprobs=3))[0]
+    out = worker.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=6, logprobs=5, prompt_logprobs=3))[0]
     ids = PROMPT + out.token_ids
     want = torch.log_softmax(logits_of(ids), dim=-1)
     # Prompt: entry j is token j given tokens 0..j-1; the prompt spans several chunks (budget 24).
@@ -56,7 +56,7 @@ def test_logprobs_and_prompt_logprobs_match_log_softmax_of_transformers(worker, 
 
 
 def test_scoring_a_prompt_with_no_new_tokens(worker, logits_of) -> None:
-    out = worker.generate([PROMPT], SamplingParams(max_new_tokens=0, prompt_logprobs=0))[0]
+    out = worker.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=0, prompt_logprobs=0))[0]
     assert out.token_ids == [] and out.finish_reason == "length" and out.finished
     want = torch.log_softmax(logits_of(PROMPT), dim=-1)
     got = [lp.logprob for lp in out.prompt_logprobs[1:]]
@@ -84,12 +84,12 @@ def reference_greedy(logits_of, prompt: list[int], n: int, *, presence=0.0, freq
 @pytest.mark.parametrize("penalties", [dict(presence=1.5), dict(frequency=0.9), dict(repetition=1.8),
                                        dict(presence=0.5, frequency=0.4, repetition=1.3)])
 def test_penalties_equal_the_reference_on_transformers_logits(worker, logits_of, penalties) -> None:
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True, presence_penalty=penalties.get("presence", 0.0),
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, presence_penalty=penalties.get("presence", 0.0),
                             frequency_penalty=penalties.get("frequency", 0.0),
                             repetition_penalty=penalties.get("repetition", 1.0))
     got = worker.generate([PROMPT], params)[0].token_ids
     assert got == reference_greedy(logits_of, PROMPT, 12, **penalties)
-    plain = worker.generate([PROMPT], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    plain = worker.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))[0].token_ids
     assert got != plain  # the penalty changed something, so the comparison means something
 
 
@@ -103,17 +103,17 @@ def test_min_p_keeps_the_top_token_and_seeded_draws_stay_inside_it(worker, logit
 
 
 def test_min_tokens_masks_stop_ids_until_reached(worker) -> None:
-    first = worker.generate([PROMPT], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids[0]
-    stopped = worker.generate([PROMPT], SamplingParams(max_new_tokens=8, stop_token_ids=[first]))[0]
+    first = worker.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))[0].token_ids[0]
+    stopped = worker.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[first]))[0]
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop" and stopped.stop_reason == first
-    held = worker.generate([PROMPT], SamplingParams(max_new_tokens=8, stop_token_ids=[first], min_tokens=3))[0]
+    held = worker.generate([PROMPT], SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[first], min_tokens=3))[0]
     assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
 
 
 def test_every_feature_gives_the_same_tokens_under_both_copy_policies(ckpt, worker) -> None:
     """copy_policy="always" re-sends every sampling parameter each decode step: the tokens and
     log-probabilities of featured requests equal the diff-only path's."""
-    params = [SamplingParams(max_new_tokens=10, ignore_eos=True, presence_penalty=0.7, repetition_penalty=1.4,
+    params = [SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, presence_penalty=0.7, repetition_penalty=1.4,
                              logprobs=3),
               SamplingParams(max_new_tokens=10, temperature=0.9, min_p=0.1, seed=3, frequency_penalty=0.5),
               SamplingParams(max_new_tokens=10, stop_token_ids=[PROMPT[3]], min_tokens=6, temperature=0.7, seed=8)]

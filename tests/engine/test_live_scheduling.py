@@ -96,7 +96,7 @@ def test_chunk_logits_match_transformers_at_every_split(ckpt, hf_model) -> None:
 def test_chunked_prefill_greedy_tokens_equal_transformers(ckpt, reference, budget: int) -> None:
     ps = prompts(2, [40, 3, 70, 17, 25])
     with worker(ckpt, max_num_batched_tokens=budget) as w:
-        outs = w.generate(ps, SamplingParams(max_new_tokens=10, ignore_eos=True))
+        outs = w.generate(ps, SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True))
         assert w.stats()["kv_pages_free"] == w.stats()["kv_pages_total"]
     assert [o.token_ids for o in outs] == [reference(p, 10) for p in ps]
 
@@ -104,11 +104,11 @@ def test_chunked_prefill_greedy_tokens_equal_transformers(ckpt, reference, budge
 def test_decoding_rows_produce_tokens_while_a_long_prompt_prefills(ckpt) -> None:
     with worker(ckpt, max_num_batched_tokens=16) as w:
         engine = w.engine
-        rows = [engine.add_request(p, SamplingParams(max_new_tokens=120, ignore_eos=True), stream=True)
+        rows = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True), stream=True)
                 for p in prompts(3, [4, 5, 6])]
         while min(len(s.seqs[0].tokens) for s in rows) < 2:
             engine.step()
-        long = engine.add_request(prompts(4, [200])[0], SamplingParams(max_new_tokens=1, ignore_eos=True))
+        long = engine.add_request(prompts(4, [200])[0], SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
         before = [len(s.seqs[0].tokens) for s in rows]
         steps = 0
         while not long.finished:
@@ -130,8 +130,8 @@ def test_prefix_hits_at_every_page_boundary_give_the_same_tokens(ckpt, reference
     head = prompts(5, [shared])[0]
     tails = prompts(6, [1, 6, 11])
     with worker(ckpt) as w:
-        first = w.generate([head + tails[0]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
-        later = w.generate([head + t for t in tails[1:]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        first = w.generate([head + tails[0]], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))[0]
+        later = w.generate([head + t for t in tails[1:]], SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
         cached = (shared // PAGE) * PAGE
         assert [o.num_cached_tokens for o in later] == [cached, cached]
         stats = w.stats()
@@ -142,7 +142,7 @@ def test_prefix_hits_at_every_page_boundary_give_the_same_tokens(ckpt, reference
 
 def test_multi_turn_chat_reuses_the_previous_turn(ckpt) -> None:
     turn = prompts(7, [21])[0]
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     with worker(ckpt) as on, worker(ckpt, enable_prefix_caching=False) as off:
         history_on, history_off = list(turn), list(turn)
         for k in range(3):
@@ -163,7 +163,7 @@ def test_eviction_pressure_keeps_outputs_identical(ckpt) -> None:
     reused all the time, and every output equals an uncached run's."""
     head = prompts(8, [2 * PAGE])[0]
     ps = [head + t for t in prompts(9, list(range(5, 35)))]
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     with worker(ckpt, num_pages=24, max_batch_size=2) as w, worker(ckpt, enable_prefix_caching=False) as ref:
         got = [w.generate([p], params)[0].token_ids for p in ps]
         want = [o.token_ids for o in ref.generate(ps, params)]
@@ -176,7 +176,7 @@ def test_eviction_pressure_keeps_outputs_identical(ckpt) -> None:
 def test_a_forged_hash_collision_is_not_a_hit(ckpt, monkeypatch) -> None:
     monkeypatch.setattr(page_pool, "hash_page", lambda parent, ids: 12345)  # every page collides
     a, b = prompts(10, [3 * PAGE, 3 * PAGE])
-    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
     with worker(ckpt) as w, worker(ckpt, enable_prefix_caching=False) as ref:
         w.generate([a], params)
         got = w.generate([b], params)[0]
@@ -192,7 +192,7 @@ def test_half_the_worst_case_pool_runs_every_row_and_preempts_with_identical_out
     rows, plen, new = 4, 16, 48
     worst = -(-(plen + new - 1) // PAGE)  # 8 pages per row at its longest
     ps = prompts(11, [plen] * rows)
-    greedy = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
     seeded = SamplingParams(max_new_tokens=new, ignore_eos=True, temperature=0.9, seed=5)
     with worker(ckpt) as big:
         want = [o.token_ids for o in big.generate(ps + ps, [greedy] * rows + [seeded] * rows)]
@@ -215,5 +215,5 @@ def test_half_the_worst_case_pool_runs_every_row_and_preempts_with_identical_out
 def test_a_request_that_can_never_fit_is_refused_up_front(ckpt) -> None:
     with worker(ckpt, num_pages=4) as w:
         with pytest.raises(ValueError, match="num_pages=4"):
-            w.generate([prompts(12, [30])[0]], SamplingParams(max_new_tokens=8))
-        assert len(w.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4)).pop().token_ids) == 4
+            w.generate([prompts(12, [30])[0]], SamplingParams(temperature=0.0, max_new_tokens=8))
+        assert len(w.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4)).pop().token_ids) == 4

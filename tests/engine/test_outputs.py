@@ -75,7 +75,7 @@ def feed(loop: Loop, state: RequestState, text: str) -> list[list]:
 def test_streamed_deltas_add_up_to_the_final_text_and_tokens(loop) -> None:
     text = "Grüße, world"  # multi-byte characters: a delta never carries half of one
     data = text.encode()
-    state = loop.add("hi", SamplingParams(max_new_tokens=len(data)), stream=True)
+    state = loop.add("hi", SamplingParams(temperature=0.0, max_new_tokens=len(data)), stream=True)
     steps = feed(loop, state, text)
     outs = [o for step in steps for o in step]
     assert all(len(step) <= 1 for step in steps)
@@ -92,7 +92,7 @@ def test_streamed_deltas_add_up_to_the_final_text_and_tokens(loop) -> None:
 
 
 def test_a_non_streaming_request_reports_only_its_final_output(loop) -> None:
-    state = loop.add("x", SamplingParams(max_new_tokens=3), stream=False)
+    state = loop.add("x", SamplingParams(temperature=0.0, max_new_tokens=3), stream=False)
     steps = feed(loop, state, "abc")
     assert steps[:2] == [[], []]
     (final,) = steps[2]
@@ -102,7 +102,7 @@ def test_a_non_streaming_request_reports_only_its_final_output(loop) -> None:
 
 
 def test_stop_string_is_held_back_then_cut_from_the_text(loop) -> None:
-    state = loop.add("x", SamplingParams(max_new_tokens=20, stop=("STOP",)), stream=True)
+    state = loop.add("x", SamplingParams(temperature=0.0, max_new_tokens=20, stop=("STOP",)), stream=True)
     steps = feed(loop, state, "abSTOP")
     deltas = [o.outputs[0].delta_text for step in steps for o in step]
     # The last len("STOP") - 1 characters stay back while they could start the stop string.
@@ -117,7 +117,7 @@ def test_stop_string_is_held_back_then_cut_from_the_text(loop) -> None:
 
 
 def test_held_back_text_that_is_no_stop_string_comes_out_at_the_end(loop) -> None:
-    state = loop.add("x", SamplingParams(max_new_tokens=7, stop=("STOP",)), stream=True)
+    state = loop.add("x", SamplingParams(temperature=0.0, max_new_tokens=7, stop=("STOP",)), stream=True)
     outs = [o for step in feed(loop, state, "abcdSTx") for o in step]
     deltas = [o.outputs[0].delta_text for o in outs]
     assert deltas == ["", "", "", "a", "b", "c", "dSTx"]  # "ST" could have begun "STOP" until the end
@@ -126,7 +126,7 @@ def test_held_back_text_that_is_no_stop_string_comes_out_at_the_end(loop) -> Non
 
 
 def test_n_samples_give_one_final_output_with_every_sample(loop) -> None:
-    state = loop.add("x", SamplingParams(n=2, max_new_tokens=3), stream=False)
+    state = loop.add("x", SamplingParams(temperature=0.0, n=2, max_new_tokens=3), stream=False)
     assert loop.step(state, {0: ord("a"), 1: ord("b")}) == []
     assert loop.step(state, {0: EOS, 1: ord("b")}) == []  # sample 0 stops; sample 1 runs on
     assert state.seqs[0].finished and not state.seqs[1].finished
@@ -141,7 +141,7 @@ def test_n_samples_give_one_final_output_with_every_sample(loop) -> None:
 
 
 def test_streamed_n_samples_report_only_samples_that_advanced(loop) -> None:
-    state = loop.add("x", SamplingParams(n=2, max_new_tokens=2), stream=True)
+    state = loop.add("x", SamplingParams(temperature=0.0, n=2, max_new_tokens=2), stream=True)
     (out,) = loop.step(state, {1: ord("q")})
     assert [(c.index, c.delta_token_ids) for c in out.outputs] == [(1, [ord("q")])]
     (out,) = loop.step(state, {0: ord("p"), 1: ord("r")})
@@ -154,7 +154,7 @@ def test_streamed_n_samples_report_only_samples_that_advanced(loop) -> None:
 
 
 def test_abort_reports_a_final_output_with_what_was_produced(loop) -> None:
-    state = loop.add("x", SamplingParams(max_new_tokens=9), stream=True)
+    state = loop.add("x", SamplingParams(temperature=0.0, max_new_tokens=9), stream=True)
     feed(loop, state, "ab")
     loop.scheduler.finish(state.seqs[0], "abort")
     outputs = []
@@ -169,7 +169,7 @@ def test_logprobs_are_read_from_the_step_slot(loop) -> None:
     k = 4
     slot = SlotLogprobs(np.zeros((4, 1 + k), np.float32), np.zeros((4, k), np.int32),
                         np.zeros((8, 1 + k), np.float32), np.zeros((8, k), np.int32))
-    state = loop.add("wxyz", SamplingParams(max_new_tokens=1, logprobs=2, prompt_logprobs=1), stream=False)
+    state = loop.add("wxyz", SamplingParams(temperature=0.0, max_new_tokens=1, logprobs=2, prompt_logprobs=1), stream=False)
     slot.logprobs[0] = [-0.5, -0.25, -0.5, -3.0, -4.0]
     slot.logprob_ids[0] = [7, ord("a"), 9, 10]
     # Prompt entry j holds the log-probability of prompt token j + 1: one chunk of the whole prompt.
@@ -186,7 +186,7 @@ def test_logprobs_are_read_from_the_step_slot(loop) -> None:
 
 def test_metrics_count_tokens_requests_and_latencies(loop) -> None:
     recorder = loop.outputs.recorder = GenerateStats()
-    state = loop.add("four", SamplingParams(n=2, max_new_tokens=3), stream=True)
+    state = loop.add("four", SamplingParams(temperature=0.0, n=2, max_new_tokens=3), stream=True)
     for _ in range(3):
         loop.step(state, {0: ord("a"), 1: ord("b")})
     value = loop.metrics.value
@@ -224,7 +224,7 @@ def test_repeated_observations_record_what_as_many_observe_calls_do(value: float
 
 
 def test_final_output_carries_the_request_latency_figures(loop) -> None:
-    state = loop.add("x", SamplingParams(max_new_tokens=3), stream=False)
+    state = loop.add("x", SamplingParams(temperature=0.0, max_new_tokens=3), stream=False)
     final = feed(loop, state, "abc")[-1][0]
     m = final.metrics
     assert (m.ttft_s, m.decode_s, m.tpot_s, m.queued_s) == pytest.approx((1.0, 2.0, 1.0, 0.25))
@@ -234,7 +234,7 @@ def test_final_output_carries_the_request_latency_figures(loop) -> None:
 def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(loop, stream) -> None:
     # max_tokens=2, stop=["00"]: the length limit and the stop string end at the same token; the stop
     # string wins (text "", finish "stop"), as in OpenAI and vLLM.
-    state = loop.add("x", SamplingParams(max_new_tokens=2, stop=("00",)), stream=stream)
+    state = loop.add("x", SamplingParams(temperature=0.0, max_new_tokens=2, stop=("00",)), stream=stream)
     outs = [o for step in feed(loop, state, "00") for o in step]
     final = outs[-1].outputs[0]
     assert (final.text, final.finish_reason, final.stop_reason) == ("", "stop", "00")
@@ -247,7 +247,7 @@ def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(loop, str
 def test_a_stop_tokens_text_is_left_out_unless_asked(loop, stream, include) -> None:
     # skip_special_tokens=False would show <|endoftext|>; the token that stopped the request stays
     # out of the text unless include_stop_str_in_output (vLLM's rule), but stays in token_ids.
-    params = SamplingParams(max_new_tokens=8, skip_special_tokens=False, include_stop_str_in_output=include)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, skip_special_tokens=False, include_stop_str_in_output=include)
     state = loop.add("x", params, stream=stream)
     outs = [loop.step(state, {0: t}) for t in (*b"ab", EOS)]
     final = outs[-1][-1].outputs[0]
@@ -259,7 +259,7 @@ def test_a_stop_tokens_text_is_left_out_unless_asked(loop, stream, include) -> N
 
 
 def test_a_stop_token_ids_text_is_left_out_too(loop) -> None:
-    state = loop.add("x", SamplingParams(max_new_tokens=8, stop_token_ids=(ord("!"),)), stream=True)
+    state = loop.add("x", SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(ord("!"),)), stream=True)
     outs = [o for step in feed(loop, state, "ab!") for o in step]
     assert "".join(o.outputs[0].delta_text for o in outs) == outs[-1].outputs[0].text == "ab"
     assert outs[-1].outputs[0].stop_reason == ord("!")

@@ -21,9 +21,9 @@ SMALL = {"device": "cpu", "max_batch_size": 2, "max_seq_len": 96, "page_size": 8
          "step_timeout_s": 30.0}
 LONG_PROMPT = list(range(3, 53))  # 50 tokens: four chunks of a 16-token step
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [200, 17, 9], LONG_PROMPT]
-GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.9, top_k=40, seed=1234, ignore_eos=True)
-SCORED = SamplingParams(max_new_tokens=8, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+SCORED = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True, prompt_logprobs=2, logprobs=1)
 PARAMS = [GREEDY, SEEDED, SCORED]
 
 

@@ -75,7 +75,7 @@ def next_token(context: list[int]) -> int:
 
 
 def make_seqs(prompts: list[list[int]], new_tokens: list[int]) -> list[Sequence]:
-    return [Sequence(i, 0, np.array(p, np.int32), SamplingParams(max_new_tokens=n, ignore_eos=True), 0,
+    return [Sequence(i, 0, np.array(p, np.int32), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True), 0,
                      frozenset(), request_id=str(i)) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
 
 

@@ -135,5 +135,5 @@ def test_tensor_parallel_two_children_match_transformers(make_checkpoint, hf_mod
     with DistributedWorker(str(path), device="cpu", device_ids=(0, 1), max_batch_size=4, max_seq_len=128,
                            page_size=8) as w:
         assert len(set(w.child_pids)) == 2
-        outs = w.generate(ps, SamplingParams(max_new_tokens=NEW_TOKENS))
+        outs = w.generate(ps, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
     assert [o.token_ids for o in outs] == ref

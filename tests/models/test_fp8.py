@@ -152,7 +152,7 @@ def test_fp8_tensor_parallel_two_children(make_checkpoint, hf_model, tmp_path: P
     ref = greedy(hf_model(deq_dir), prompts)
     with DistributedWorker(str(fp8_dir), device="cpu", device_ids=(0, 1), max_batch_size=4, max_seq_len=128,
                            page_size=8) as w:
-        outs = w.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        outs = w.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
     assert [o.token_ids for o in outs] == ref
 
 
@@ -217,7 +217,7 @@ def test_quantization_fp8_worker_matches_transformers_on_the_round_tripped_weigh
     assert greedy(hf_model(src), prompts) != ref  # quantizing changes the tokens: a plain load would fail
     with DistributedWorker(str(src), device="cpu", dtype="float32", quantization="fp8", max_batch_size=4,
                            max_seq_len=128, page_size=8) as w:
-        outs = w.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        outs = w.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
     assert [o.token_ids for o in outs] == ref
 
 

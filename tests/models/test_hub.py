@@ -55,7 +55,7 @@ def test_an_unknown_model_is_a_value_error_naming_the_field(tmp_path, offline, n
 
 def test_the_worker_takes_a_hub_id_and_generates_what_the_directory_gives(tmp_path, offline) -> None:
     lay_out_hub_cache(tmp_path)
-    params = SamplingParams(max_new_tokens=6)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
     with DistributedWorker(REPO, download_dir=str(tmp_path), max_batch_size=2, max_seq_len=64, page_size=16) as w:
         assert w.model_name == REPO
         by_id = w.generate([[1, 2, 3]], params)[0].token_ids

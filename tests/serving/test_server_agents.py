@@ -98,8 +98,8 @@ def test_transformers_greedy_writes_the_scripted_replies(model_dir) -> None:
 
 def test_offline_generate_writes_them_and_stops_before_the_length_limit(model_dir) -> None:
     with DistributedWorker(str(model_dir), **WORKER) as w:
-        whole, cut = w.generate(["hi\n", "hi\n"], [SamplingParams(max_new_tokens=32),
-                                                   SamplingParams(max_new_tokens=2, stop=("weather",))])
+        whole, cut = w.generate(["hi\n", "hi\n"], [SamplingParams(temperature=0.0, max_new_tokens=32),
+                                                   SamplingParams(temperature=0.0, max_new_tokens=2, stop=("weather",))])
     assert (whole.text, whole.finish_reason) == (REPLY_TOOL, "stop")
     # the stop string is completed by the last token max_new_tokens allows: "stop", not "length"
     assert (cut.text, cut.finish_reason, cut.stop_reason) == ("<think>\nThe user wants the ", "stop", "weather")

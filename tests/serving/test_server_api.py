@@ -86,7 +86,7 @@ def test_tokenize_and_detokenize(http) -> None:
 # -- completions ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt", ["The capital of France is", [5, 80, 17, 200, 3, 3, 9]])
 def test_greedy_completion_is_exactly_worker_generate(oai, ref, prompt) -> None:
-    expected = ref.generate(prompt, SamplingParams(max_new_tokens=20))[0]
+    expected = ref.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=20))[0]
     got = oai.completions.create(model="l3worker-tiny", prompt=prompt, max_tokens=20, temperature=0)
     assert got.id.startswith("cmpl-") and got.object == "text_completion" and got.model == "l3worker-tiny"
     assert len(got.choices) == 1
@@ -196,7 +196,7 @@ def test_echo_prepends_the_prompt(oai) -> None:
 def test_chat_renders_the_template_and_matches_worker_generate(oai, http, ref) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
-    expected = ref.generate(ids, SamplingParams(max_new_tokens=12))[0]
+    expected = ref.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=12))[0]
     got = oai.chat.completions.create(model="l3worker-tiny", messages=messages, max_completion_tokens=12,
                                       temperature=0)
     assert got.id.startswith("chatcmpl-") and got.object == "chat.completion"

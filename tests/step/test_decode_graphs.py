@@ -59,17 +59,17 @@ def make_runtime(path: Path, capturer: StandInCapturer | None = None, **kw) -> C
 
 WORKLOAD = [  # more requests than rows, taken lowest index first; the low rows run longest, so the
     # decode lanes narrow 8 -> 4 -> 2 -> 1 as the high rows finish
-    ([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=40)),
+    ([3, 1, 4, 1, 5], SamplingParams(temperature=0.0, max_new_tokens=40)),
     (list(range(10, 31)), SamplingParams(max_new_tokens=30, temperature=0.9, top_k=20, seed=1)),
     ([7] * 9, SamplingParams(max_new_tokens=24, temperature=1.1, top_p=0.8, seed=2)),
-    ([2, 7], SamplingParams(max_new_tokens=4)),
-    (list(range(40, 53)), SamplingParams(max_new_tokens=18, presence_penalty=0.5, repetition_penalty=1.3)),
+    ([2, 7], SamplingParams(temperature=0.0, max_new_tokens=4)),
+    (list(range(40, 53)), SamplingParams(temperature=0.0, max_new_tokens=18, presence_penalty=0.5, repetition_penalty=1.3)),
     ([9, 9, 8], SamplingParams(max_new_tokens=3, temperature=0.7, min_p=0.2, seed=3)),
-    (list(range(100, 131)), SamplingParams(max_new_tokens=9)),
+    (list(range(100, 131)), SamplingParams(temperature=0.0, max_new_tokens=9)),
     ([5], SamplingParams(max_new_tokens=12, temperature=1.0, seed=4)),
-    ([6, 6], SamplingParams(max_new_tokens=5)),
+    ([6, 6], SamplingParams(temperature=0.0, max_new_tokens=5)),
     (list(range(200, 217)), SamplingParams(max_new_tokens=10, temperature=0.8, top_k=5, seed=5)),
-    ([11, 12, 13], SamplingParams(max_new_tokens=8)),
+    ([11, 12, 13], SamplingParams(temperature=0.0, max_new_tokens=8)),
 ]
 
 
@@ -270,7 +270,7 @@ def test_worker_refuses_triton_on_cpu_without_the_interpreter(ckpt, no_children,
 
 def test_worker_runs_with_the_torch_backend_named(ckpt) -> None:
     prompts = [[3, 1, 4, 1, 5], [2, 7]]
-    params = SamplingParams(max_new_tokens=6)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
     with DistributedWorker(ckpt, device="cpu", max_batch_size=4, max_seq_len=64, page_size=PAGE,
                            max_num_batched_tokens=24, attention_backend="torch", pin_cores=False) as w:
         named = [o.token_ids for o in w.generate(prompts, params)]

@@ -86,7 +86,7 @@ def test_the_grammar_ends_the_reply_without_eos(worker) -> None:
 
 
 def test_grammar_applies_after_the_reasoning_end_token(worker) -> None:
-    free = worker.generate(["Hi"], [SamplingParams(max_new_tokens=1)])[0].token_ids[0]
+    free = worker.generate(["Hi"], [SamplingParams(temperature=0.0, max_new_tokens=1)])[0].token_ids[0]
     o = worker.generate(["Hi"], [params(structured_outputs={"regex": "[0-9]{2}"}, reasoning_end_token_id=free)])[0]
     assert o.token_ids[0] == free  # unconstrained until that token: greedy gives it first
     assert re.fullmatch("[0-9]{2}", worker.engine.tokenizer.decode(o.token_ids[1:])), o.text
@@ -106,7 +106,7 @@ def test_preempted_constrained_request_resumes_identically() -> None:
 
 
 def test_copy_policy_always_and_overlap_give_the_same_tokens(worker) -> None:
-    ps = [params(temperature=1.0, seed=s) for s in range(3)] + [SamplingParams(max_new_tokens=30, ignore_eos=True)]
+    ps = [params(temperature=1.0, seed=s) for s in range(3)] + [SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)]
     want = [o.token_ids for o in worker.generate(["a", "b", "c", "d"], ps)]
     for kw in ({"copy_policy": "always"}, {"overlap_steps": True}):
         with DistributedWorker(**WORKER, **kw) as w:
@@ -115,13 +115,13 @@ def test_copy_policy_always_and_overlap_give_the_same_tokens(worker) -> None:
 
 def test_invalid_offline_constraints_name_the_field(worker) -> None:
     with pytest.raises(ValueError, match="structured_outputs.regex"):
-        SamplingParams(structured_outputs={"regex": "(a"})
+        SamplingParams(temperature=0.0, structured_outputs={"regex": "(a"})
     with pytest.raises(ValueError, match="structured_outputs.json"):
-        SamplingParams(structured_outputs={"json": {"type": 5}})
+        SamplingParams(temperature=0.0, structured_outputs={"json": {"type": 5}})
     with pytest.raises(TypeError, match="structured_outputs"):
-        worker.generate(["x"], [SamplingParams(structured_outputs="json")])
+        worker.generate(["x"], [SamplingParams(temperature=0.0, structured_outputs="json")])
     spec = StructuredSpec.from_request(guided_choice=["a", "b"])
-    assert worker.generate(["x"], [SamplingParams(structured_outputs=spec)])[0].text in ("a", "b")
+    assert worker.generate(["x"], [SamplingParams(temperature=0.0, structured_outputs=spec)])[0].text in ("a", "b")
 
 
 def test_gate_holds_a_request_until_its_grammar_compiled() -> None:

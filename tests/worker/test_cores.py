@@ -45,11 +45,11 @@ def test_cpu_child_computes_on_its_own_cores_and_socket_threads_on_the_rest(ckpt
         assert child_io and parent_io
         for tid in [*child_io, *parent_io]:
             assert os.sched_getaffinity(tid) == set(plan.service)
-        pinned_tokens = w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids
+        pinned_tokens = w.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
     with DistributedWorker(ckpt, **COMMON, pin_cores=False) as w:
         assert os.sched_getaffinity(w.child_pids[0]) == set(allowed_cores())
         assert all(os.sched_getaffinity(t) == set(allowed_cores()) for t in zmq_threads(w.child_pids[0]))
-        assert w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids == pinned_tokens
+        assert w.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids == pinned_tokens
 
 
 def child_env(pid: int) -> dict[str, str]:
@@ -91,12 +91,12 @@ def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: 
         assert layout_metric(w) == {s["cpu_layout"]: 1.0, other: 0.0}
         if not any(name in os.environ for name in device.OMP_WAIT_VARIABLES):
             assert child_env(w.child_pids[0])["GOMP_SPINCOUNT"] == str(device.CHILD_GOMP_SPINCOUNT)
-        tokens = w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids
+        tokens = w.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
     with DistributedWorker(ckpt, **COMMON) as w:  # num_threads given: no trial, the layout its threads make
         s = w.stats()
         assert s["cpu_layout_step_s"] is None and s["cpu_layout_preferred"] is None
         assert s["cpu_layout"] == "spare_core" and layout_metric(w)["spare_core"] == 1.0
-        assert w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids == tokens
+        assert w.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids == tokens
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
@@ -121,7 +121,7 @@ def test_auto_preferring_every_core_starts_and_runs_as_that_layout_fixed(ckpt: P
             sockets = set(plan_cores(1, len(allowed_cores()) - 1).service)
         assert parent_io and child_io
         assert all(os.sched_getaffinity(t) == sockets for t in [*parent_io, *child_io])
-        assert w.generate(PROMPT, SamplingParams(max_new_tokens=8))[0].token_ids
+        assert w.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")

@@ -141,7 +141,7 @@ def test_a_sleeping_parent_reads_no_wakeup_message_and_close_releases_the_eventf
             drain, check_alive = child.drain, child.check_alive
             child.drain = lambda drain=drain: (reads.append(1), drain())
             child.check_alive = lambda what, check=check_alive: (timed_out.append(what), check(what))
-        outs = w.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+        outs = w.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
         assert [len(o.token_ids) for o in outs] == [12, 12]
     finally:
         w.close()

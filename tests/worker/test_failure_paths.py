@@ -24,7 +24,7 @@ def test_failed_prefill_raises_even_when_later_steps_run_ahead(depth) -> None:
     # No restarts: the error reaches the caller.
     w = DistributedWorker(None, pipeline_depth=depth, fault_injection="prefill:raise@0", max_restarts=0, **SMALL)
     with pytest.raises(ChildError, match="injected fault in prefill"):
-        w.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8))
+        w.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_new_tokens=8))
     assert w.stats()["state"] == "closed"
 
 
@@ -40,9 +40,9 @@ def test_spin_wait_and_timeouts_are_bounded() -> None:
 def test_sampling_values_are_checked_before_anything_is_sent() -> None:
     with DistributedWorker(None, **SMALL) as w:
         good = w.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=np.float32(0.5), seed=3))
-        bad = [SamplingParams(top_k=2**63), SamplingParams(top_k=10**6), SamplingParams(temperature=float("nan")),
+        bad = [SamplingParams(temperature=0.0, top_k=2**63), SamplingParams(temperature=0.0, top_k=10**6), SamplingParams(temperature=float("nan")),
                SamplingParams(temperature=float("inf")), SamplingParams(temperature="0.5"),
-               SamplingParams(seed=2**63)]
+               SamplingParams(temperature=0.0, seed=2**63)]
         for params in bad:
             with pytest.raises((ValueError, TypeError), match="top_k|temperature|seed"):
                 w.generate([[1, 2, 3]], params)

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "npu_generate.py"
 SMALL = {"device": "cpu", "max_batch_size": 2, "max_seq_len": 64, "page_size": 8, "num_threads": 1}
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [200, 17, 9]]
-GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=40, seed=1234, ignore_eos=True)
 
 

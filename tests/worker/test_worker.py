@@ -26,7 +26,7 @@ PROMPTS = [_rng.integers(0, 300, n).tolist() for n in (5, 13, 2, 20)]  # 4 promp
 QUEUE_PROMPTS = [_rng.integers(0, 300, n).tolist() for n in (3, 9, 17, 1, 6, 25, 11)]
 QUEUE_NEW = [32, 5, 20, 1, 32, 8, 16]
 QUEUE_PAGES = 7  # a 5-page request and a 1-2 page one at most: admission waits for pages as well as rows
-SMALL = ([1, 2, 3], SamplingParams(max_new_tokens=2))
+SMALL = ([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=2))
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
