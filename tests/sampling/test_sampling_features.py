@@ -484,7 +484,9 @@ def test_logprob_limits_and_ring_shapes_agree() -> None:
     from l3worker.params import MAX_LOGPROBS
     from l3worker.worker.shared_buffers import StepBuffers
 
-    assert row_fields.MAX_LOGPROBS == runtime_module.MAX_LOGPROBS == MAX_LOGPROBS == 20
+    from chip_child.step import task_args
+
+    assert row_fields.MAX_LOGPROBS == task_args.MAX_LOGPROBS == MAX_LOGPROBS == 20
     ring = StepBuffers.create(slots=3, max_batch_size=5, prefill_capacity=40)
     expected = {"logprobs": ((3, 5, 21), torch.float32), "logprob_ids": ((3, 5, 20), torch.int32),
                 "prompt_logprobs": ((3, 40, 21), torch.float32), "prompt_logprob_ids": ((3, 40, 20), torch.int32)}
