@@ -65,10 +65,10 @@ def _exit_when_orphaned(parent_pid: int) -> None:
         pass
 
 
-def _parse_fault(fault: str) -> tuple[str, str, int]:
+def _parse_fault(fault: str) -> tuple[str, str, str]:
     target, _, rule = fault.rpartition(":")
     kind, at = rule.split("@")
-    return target or "decode", kind, int(at)
+    return target or "decode", kind, at
 
 
 def _fault(kind: str, where: str) -> None:
@@ -82,18 +82,27 @@ def _fault(kind: str, where: str) -> None:
 
 def _inject_fault(rt: ChipRuntime, fault: str) -> None:
     """Test-only: "[CALLABLE:]KIND@N" makes the registered callable (default decode) raise, hang or
-    exit on every call after its N-th real one (warm-up calls do not count). The target
-    "startup" faults once the runtime is built and warmed up, before the ready report."""
+    exit on every call after its N-th real one (warm-up calls do not count); "KIND@first=T" on
+    every call whose chunks hold a prompt that starts with token id T (a poison request). The
+    target "startup" faults once the runtime is built and warmed up, before the ready report."""
     target, kind, at = _parse_fault(fault)
     if target == "startup":
         _fault(kind, "start-up")
         return
     original = rt._callables[target]
     calls = {"n": 0}
+    poison = int(at.removeprefix("first=")) if at.startswith("first=") else None
+
+    def poisoned(plan, chunk_ints) -> bool:
+        if plan is None:
+            return False
+        parts = plan.layout.unpack(chunk_ints)
+        return bool(((parts.ids == poison) & (parts.positions == 0)).any())
 
     def faulty(**kwargs):
         calls["n"] += 1
-        if calls["n"] > at:
+        if poison is None and calls["n"] > int(at) or \
+                poison is not None and poisoned(kwargs.get("plan"), kwargs.get("chunk_ints")):
             _fault(kind, f"{target} call {calls['n']}")
         return original(**kwargs)
 

@@ -4,8 +4,10 @@ requests to give up on.
 A restart costs a pause, not the requests: the engine resumes every live request as a preempted
 one (see Scheduler.requeue). It is bounded twice over. At most `max_restarts` restarts happen
 within any `restart_window_s`; one more failure and the engine stops as it did before restarts
-existed. And a request that was running at two consecutive failures is failed alone, so a
-request that crashes its child cannot keep the engine restarting.
+existed. And a request that crashes its child fails alone: every request running at a failure
+becomes a suspect until it has produced the tokens the lost steps would have given it; suspects
+resume one at a time (Scheduler._admit), and a request still a suspect at the next failure is
+failed, while the others resume again. So a poison request ends alone, whatever the batch.
 """
 from __future__ import annotations
 
@@ -60,12 +62,19 @@ def running(state: RequestState) -> bool:
     return any(not s.finished and (s.row >= 0 or s.fed > 0) for s in state.seqs)
 
 
-def blame(states: Iterable[RequestState]) -> list[RequestState]:
-    """Counts a failure against each request running at it (and clears the count of those that
-    were not); returns the requests running at BLAME_AFTER consecutive failures."""
+def blame(states: Iterable[RequestState], slack: int) -> list[RequestState]:
+    """Counts a failure against each request running at it; returns those that were still
+    suspects of the previous failure, and makes the rest of the running ones suspects until they
+    have `slack` more tokens (the most the steps lost with the children could have given them)."""
     blamed = []
     for state in states:
-        state.failures = state.failures + 1 if running(state) else 0
+        if not running(state):
+            state.failures = 0
+            continue
+        state.failures = state.failures + 1 if any(s.suspect for s in state.seqs) else 1
         if state.failures >= BLAME_AFTER:
             blamed.append(state)
+            continue
+        for seq in state.seqs:
+            seq.suspect_until = len(seq.tokens) + slack
     return blamed

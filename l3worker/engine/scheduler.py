@@ -63,6 +63,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     grammar: SampleGrammar | None = None  # structured outputs: follows the tokens received
+    # Running at a chip-child failure, it is a suspect until it has this many tokens (-1: never was);
+    # an uncleared suspect is resumed alone among suspects (l3worker.engine.recovery).
+    suspect_until: int = -1
     admitted_at: float = 0.0
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -91,6 +94,10 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.fed < self.prefill_end
+
+    @property
+    def suspect(self) -> bool:
+        return len(self.tokens) < self.suspect_until and not self.finished
 
     def row_values(self) -> dict[str, Any]:
         """Its per-row fields, as its admit and a full state carry them."""
@@ -344,6 +351,8 @@ class Scheduler:
         free_rows = [i for i, r in enumerate(self.rows) if r is None]
         while self.waiting and free_rows and used < self.budget:
             seq = self.waiting[0]
+            if seq.suspect and self._other_suspect_running(seq):
+                break  # one suspect of a failure at a time, so that the next failure names its cause
             # No cache hit where every position must be computed: prompt log-probabilities need the
             # logits of each, and penalties count the ids of each chunk.
             computes_all = (seq.want_prompt_logprobs and seq.preemptions == 0) or seq.params.uses_penalties
@@ -369,6 +378,9 @@ class Scheduler:
             admits.append(Admit(seq.row, **values))
             used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples, first_block=0)
         return admits
+
+    def _other_suspect_running(self, seq: Sequence) -> bool:
+        return any(r is not None and r.suspect and r.request_id != seq.request_id for r in self.rows)
 
     def _commit(self, seq: Sequence) -> None:
         """Registers the sequence's full pages whose ids are final and whose K/V a sent command writes."""

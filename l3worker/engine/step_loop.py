@@ -260,10 +260,12 @@ class Engine:
     def _recover(self, cause: ChildFailure, outputs: list[RequestOutput]) -> None:
         """Replaces the children after `cause` and resumes every live request as a preempted one;
         past the restart budget, while stopping, or without `relaunch`, stops the engine and
-        raises `cause`. Requests running at this failure and the one before end here, alone."""
+        raises `cause`. Requests still suspects of the failure before end here, alone (recovery.blame)."""
         try:
             self._inflight.clear()  # their tokens are lost with the children: the epochs drop late ones
-            for state in blame(self.requests.values()):
+            # A lost step gives each row at most k + 1 tokens; the last of them must be passed.
+            slack = self.pipeline_depth * (self.scheduler.k + 1) + 1
+            for state in blame(self.requests.values(), slack):
                 state.error = (f"the request was running at {state.failures} consecutive chip-child failures, "
                                f"the last: {cause}")
                 for seq in state.seqs:

@@ -175,6 +175,23 @@ def test_request_running_at_two_consecutive_failures_fails_alone(undisturbed) ->
     w.close_and_check()
 
 
+def test_a_poison_request_in_a_full_batch_fails_alone(undisturbed) -> None:
+    # Every start's prefill raises on a prompt that starts with token 250: the poison request
+    # crashes its batch of four. Its companions become suspects, resume one at a time, and the
+    # poison, a suspect still when it crashes again, is the only request failed.
+    poison = [250, 5, 6, 7]
+    w = Watched(max_batch_size=4, fault_injection=["prefill:raise@first=250"] * 4)
+    with guard():
+        *others, bad = w.worker.generate([*PROMPTS, poison], [*PARAMS, GREEDY])
+        assert bad.error is not None and "injected fault" in bad.error and bad.finish_reason == "abort"
+        assert outputs_of(others, approx=True) == undisturbed
+        assert restarts(w.worker) == 2  # the batch's failure, then the poison's alone
+        metrics = w.worker.engine.metrics
+        assert metrics.value("l3worker:request_success_total", {"finished_reason": "abort"}) == 1
+        assert metrics.value("l3worker:request_success_total", {"finished_reason": "length"}) == 3
+    w.close_and_check()
+
+
 def test_restarts_exhausted_fail_as_before() -> None:
     w = Watched(max_restarts=1, fault_injection=["exit@2", "exit@2"])
     with guard(), pytest.raises(ChildDiedError, match="code 3"):
