@@ -16,6 +16,7 @@ matchers on the same ids, so every rank applies the same mask without a collecti
 """
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,10 @@ import numpy as np
 import torch
 
 from chip_child.sampling.grammar import CompiledGrammar, GrammarCompiler, Matcher
+
+
+def _broken(why: str) -> None:
+    print(f"chip-child: a row's grammar {why}; its mask now allows every token", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -117,11 +122,14 @@ class ConstrainedRows:
 
     @staticmethod
     def _ready(r: _Row) -> Matcher | None:
-        """The row's matcher with every token taken in; None once it is broken."""
+        """The row's matcher with every token taken in; None once it is broken. A broken row's
+        mask allows any token: the parent's shadow matcher then refuses the request's next token
+        and fails it with an error (l3worker.engine.outputs), so the break is said here, once."""
         if r.matcher is None and not r.broken:
             try:
                 r.matcher = r.compiled.result().matcher() if r.compiled is not None else None
-            except Exception:  # the parent compiled the same text: only a child without the tokenizer gets here
+            except Exception as exc:  # the parent compiled the same text: only a child without the tokenizer gets here
+                _broken(f"did not compile: {exc}")
                 r.matcher = None
             r.broken = r.matcher is None
         if r.matcher is not None and r.todo:
@@ -129,6 +137,7 @@ class ConstrainedRows:
                 if r.matcher.is_terminated():  # run-ahead past the end: the parent drops these tokens
                     break
                 if not r.matcher.accept(token):
+                    _broken(f"refused token {token}")
                     r.broken = True
                     break
             r.todo.clear()

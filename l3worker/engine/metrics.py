@@ -41,6 +41,8 @@ class EngineMetrics:
                                    registry=r)
         self.engine_restarts = Counter("l3worker:engine_restarts", "Restarts of the chip-children after one died, "
                                        "raised or hung", registry=r)
+        self.grammar_failures = Counter("l3worker:structured_output_failures", "Requests failed because a token "
+                                        "their grammar refused got through (the child's matcher broke)", registry=r)
         # Speculative decoding, vLLM's meanings (l3worker.engine.speculation): zero without it.
         self.spec_drafts = Counter("l3worker:spec_decode_num_drafts", "Draft proposals verified (one per row "
                                    "and step)", registry=r)

@@ -100,13 +100,23 @@ class OutputProcessor:
                     # scheduler ended the sequence first, but the stop string is what the caller asked
                     # to end at (vLLM and OpenAI answer "stop" and leave it out).
                     seq.finish_reason, seq.stop_reason = "stop", hit
-        if seq.grammar is not None and seq.finish_reason in (None, "length") and seq.grammar.ends_with(token):
-            # The grammar is complete: nothing but eos could follow (and when the last allowed token
-            # completed it, the reply is whole: "stop", as for a stop string).
-            if seq.finished:
-                seq.finish_reason = "stop"
-            else:
-                self.finish(seq, "stop", None)
+        if seq.grammar is not None and seq.finish_reason in (None, "length"):
+            verdict = seq.grammar.take(token)
+            if verdict == "complete":
+                # Nothing but eos could follow (and when the last allowed token completed it, the
+                # reply is whole: "stop", as for a stop string).
+                if seq.finished:
+                    seq.finish_reason = "stop"
+                else:
+                    self.finish(seq, "stop", None)
+            elif verdict == "refused":  # the child's mask let through what the grammar forbids
+                state.error = (f"structured output: the grammar refused token {token} at output position "
+                               f"{len(seq.tokens) - 1} of sample {seq.index}")
+                self.metrics.grammar_failures.inc()
+                if seq.finished:
+                    seq.finish_reason = "abort"
+                else:
+                    self.finish(seq, "abort", None)
         return 1
 
     def _observe_first_token(self, state: RequestState, seq: Sequence, now: float) -> None:

@@ -7,7 +7,8 @@ request joins the batch only once its grammar is ready (the child's compile of i
 miss of a few milliseconds, off its step loop too). Until then the request waits in the engine's
 grammar gate (l3worker.engine.grammar_gate), not in the scheduler's queue. Each sample keeps a
 shadow matcher that takes the tokens the parent receives: when the grammar is complete and allows
-nothing more, the sample finishes with "stop" even without eos.
+nothing more, the sample finishes with "stop" even without eos; a token the grammar refuses fails
+the request with an error, never a "stop".
 """
 from __future__ import annotations
 
@@ -57,12 +58,15 @@ class SampleGrammar:
     def __post_init__(self) -> None:
         self.started = self.after < 0
 
-    def ends_with(self, token: int) -> bool:
-        """Takes the sample's next token; True when the grammar is complete and allows nothing
-        more, or refuses the token (the child's mask allows any token once its matcher broke)."""
+    def take(self, token: int) -> str | None:
+        """Takes the sample's next token: "complete" when the grammar is complete and allows
+        nothing more, "refused" when the grammar does not allow the token (the child's mask
+        allows any token once its matcher broke), None while the grammar goes on."""
         if not self.started:
             self.started = token == self.after
-            return False
+            return None
         if self.matcher.is_terminated():
-            return True
-        return not self.matcher.accept(token) or self.matcher.is_terminated()
+            return "complete"
+        if not self.matcher.accept(token):
+            return "refused"
+        return "complete" if self.matcher.is_terminated() else None

@@ -136,3 +136,20 @@ def test_gate_holds_a_request_until_its_grammar_compiled() -> None:
     assert gate.hold(s) and gate and gate.release() == []
     s.grammar.set_result(None)
     assert woken == [1] and gate.release() == [s] and not gate
+
+
+def test_a_token_the_grammar_refuses_fails_the_request_never_stops_it(worker, monkeypatch) -> None:
+    # The child masks by "hello world", while the parent's shadow matcher follows "hello there":
+    # the two agree on the first tokens, then the child lets through what the shadow refuses, as
+    # a child whose matcher broke mid-stream would. That is an error, not a normal "stop".
+    grammars = worker.engine.input_processor.grammars
+    submit = grammars.submit
+    monkeypatch.setattr(grammars, "submit", lambda spec: submit(StructuredSpec.of({"choice": ["hello there"]})))
+    failures = worker.engine.metrics.value("l3worker:structured_output_failures_total")
+    constrained = params(temperature=0.0, structured_outputs={"choice": ["hello world"]})
+    out, untouched = worker.generate(["Hi", "Hi"], [constrained, SamplingParams(temperature=0.0, max_new_tokens=20)])
+    assert out.finish_reason == "abort" and out.error is not None
+    assert "the grammar refused token" in out.error
+    assert out.text.startswith("hello") and len(out.token_ids) >= 2  # it failed mid-stream, not at the start
+    assert untouched.error is None and untouched.finish_reason == "length"
+    assert worker.engine.metrics.value("l3worker:structured_output_failures_total") == failures + 1
