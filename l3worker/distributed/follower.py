@@ -27,6 +27,7 @@ import zmq
 
 from chip_child.config import RuntimeConfig
 from chip_child.device import default_cpu_threads, device_type
+from chip_child.models.fingerprint import checkpoint_fingerprint, mismatch
 from chip_child.models.tiny_model import ensure_tiny_model
 from l3worker.worker.child_process import LIVENESS_POLL_MS, ChildProcess, child_spec, wait_all_ready
 from l3worker.errors import ChildFailure, StoppingError
@@ -66,6 +67,7 @@ class Follower:
         self.model_dir = str(ensure_tiny_model()) if options.model_dir is None else \
             resolve_model(options.model_dir, options.revision, options.download_dir)
         self.stopping = threading.Event()  # SIGTERM / SIGINT, or stop() from another thread
+        self._fingerprint: dict[str, str] | None = None  # this node's checkpoint's, checked against the head's
         self._children: list[ChildProcess] = []
         self._buffers: StepBuffers | None = None
         self._generation = -1
@@ -168,6 +170,11 @@ class Follower:
         if launch["node_rank"] != self.layout.node_rank:
             self._report(ERROR, f"this follower is node {self.layout.node_rank}, but the head sent node "
                                 f"{launch['node_rank']}'s start (check --node-rank and --master-port)")
+            return
+        if self._fingerprint is None:
+            self._fingerprint = checkpoint_fingerprint(self.model_dir)
+        if (differs := mismatch(self._fingerprint, launch["model_fingerprint"])) is not None:
+            self._report(ERROR, f"this node's checkpoint ({self.model_dir}) is not the head's model: {differs}")
             return
         shape = (launch["slots"], launch["max_batch_size"], launch["prefill_capacity"])
         if self._buffers is None or (self._buffers.slots, *self._buffers.sampled.shape[1:],

@@ -26,6 +26,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from chip_child import protocol
+from chip_child.models.fingerprint import checkpoint_fingerprint
 from l3worker.worker.child_process import ChildProcess
 from l3worker.errors import ChildDiedError, ChildError, ChildFailure
 from l3worker.worker.shared_buffers import StepBuffers
@@ -168,6 +169,7 @@ class RemoteNode(ChildProcess):
         self.running = False  # a generation was started and not stopped
         self.lost = False  # its connection dropped while it ran
         self._links = 0  # connections up now
+        self._fingerprint: dict[str, str] | None = None  # the head's model's, sent with each start
 
     @property
     def pid(self) -> int:
@@ -191,6 +193,9 @@ class RemoteNode(ChildProcess):
         elif self.generation >= 0:
             timeout_s = REJOIN_WAIT_S
         self.generation, self.running, self.lost, self.info = generation, True, False, {}
+        if self._fingerprint is None:  # the follower refuses to start a model other than the head's
+            self._fingerprint = checkpoint_fingerprint(launch["runtime"]["model_dir"])
+        launch = dict(launch, model_fingerprint=self._fingerprint)
         self._send([LAUNCH, str(generation).encode(), json.dumps(launch).encode()], timeout_s, cancel,
                    f"follower node {self.node} to connect at {self.endpoint}")
 

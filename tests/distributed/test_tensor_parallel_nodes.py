@@ -145,7 +145,7 @@ def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_eve
         assert len(head_tree) == 3  # the API server, its engine core and one chip-child
         assert len(follower_tree) == 2  # the follower and one chip-child
         with httpx.Client(base_url=url, timeout=60) as client:
-            body = {"model": path.name, "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
+            body = {"model": str(path), "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
             assert client.post("/v1/completions", json=body).status_code == 200
             os.killpg(node.pid, signal.SIGKILL)
             assert wait_for(lambda: client.get("/health").status_code == 503, 30)
@@ -175,6 +175,18 @@ def test_a_follower_exits_when_its_head_is_killed(make_checkpoint, follower, tmp
         assert not list((tmp_path / "n0").glob("l3worker-*"))  # the follower's socket dir
     finally:
         head.stop()
+
+
+def test_a_follower_holding_other_weights_is_refused_by_name(make_checkpoint, follower) -> None:
+    # Same shapes, other values: without the check the ranks would run and give wrong tokens.
+    path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
+    other = make_checkpoint("tp-nodes-other-seed", seed=1, num_attention_heads=8, num_key_value_heads=2)
+    port = free_master_port(2)
+    follower(other, port)
+    worker = DistributedWorker(str(path), master_port=port, max_restarts=0, **WORKER)
+    with guard(), pytest.raises(WorkerError, match=r"follower node 1: .* is not the head's model: tensor \S+ differs"):
+        worker.prepare()
+    assert worker.stats()["state"] == "closed"
 
 
 def test_layout_is_checked_before_anything_starts(make_checkpoint) -> None:
