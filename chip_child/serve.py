@@ -137,6 +137,8 @@ def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
         "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
         "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
         "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack, "moe_experts": rt.weights.held_experts(),
+        # per fused kernel: [name, relative error of its self-check (None: forced off), whether it runs]
+        "kernel_checks": [[v.kernel, v.error, v.used] for v in rt.kernel_checks],
         "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_layout": layout["layout"], "layout_preferred": layout["preferred"], "layout_step_s": layout["step_s"],
         "layout_other_cores": layout["other_cores"], "layout_trial_s": layout["trial_s"],

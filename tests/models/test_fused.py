@@ -3,6 +3,7 @@ on random inputs, and whole runtimes with and without them. On a machine without
 kernels run under Triton's interpreter."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -107,12 +108,53 @@ def test_runtime_with_fused_kernels_gives_the_reference_tokens_and_logits(make_c
         rt = ChipRuntime(RuntimeConfig(str(path), device=DEVICE, dtype="float32", max_batch_size=3, max_seq_len=64,
                                        page_size=8, fused_kernels=setting, decode_graphs=False))
         assert rt.ops.name == ("triton" if setting else "torch")
+        # each kernel passed its self-check at start-up, and runs
+        assert [(v.kernel, v.used) for v in rt.kernel_checks] == \
+            ([("add_rms_norm", True), ("qk_norm_rope", True), ("silu_mul", True)] if setting else [])
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 9, 20)]
         results[setting] = LocalDriver(rt).run([LocalRequest(p, 12) for p in prompts], keep_logits=True)
     assert results[True].token_ids == results[False].token_ids
     for mine, want in zip(results[True].logits, results[False].logits):
         torch.testing.assert_close(torch.stack(mine), torch.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def _runtime(path, **overrides) -> ChipRuntime:
+    return ChipRuntime(RuntimeConfig(str(path), device=DEVICE, dtype="float32", max_batch_size=2, max_seq_len=64,
+                                     page_size=8, decode_graphs=False, **overrides))
+
+
+def test_a_kernel_that_fails_its_self_check_falls_back_to_the_reference_and_says_so(make_checkpoint, monkeypatch,
+                                                                                    capsys) -> None:
+    from chip_child.models import fused as fused_module
+
+    path = make_checkpoint("fused", seed=11, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    real = fused_module.triton_layer_ops()
+    wrong = dataclasses.replace(real, silu_mul=lambda gate_up: real.silu_mul(gate_up) * 1.5)  # injected error
+    monkeypatch.setattr("chip_child.step.runtime.triton_layer_ops", lambda: wrong)
+    rt = _runtime(path, fused_kernels=True)
+    verdicts = {v.kernel: v for v in rt.kernel_checks}
+    assert not verdicts["silu_mul"].used and verdicts["silu_mul"].error > 0.1
+    assert verdicts["add_rms_norm"].used and verdicts["qk_norm_rope"].used
+    assert rt.ops.silu_mul is TORCH_OPS.silu_mul and rt.ops.add_rms_norm is real.add_rms_norm
+    assert "kernel silu_mul failed its self-check" in capsys.readouterr().err
+    prompts = [[5, 6, 7, 8], list(range(30, 50))]
+    got = LocalDriver(rt).run([LocalRequest(p, 8) for p in prompts]).token_ids
+    want = LocalDriver(_runtime(path, fused_kernels=False)).run([LocalRequest(p, 8) for p in prompts]).token_ids
+    assert got == want
+
+
+def test_reference_kernels_can_be_forced_by_name(make_checkpoint, monkeypatch) -> None:
+    path = make_checkpoint("fused", seed=11, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "qk_norm_rope")
+    rt = _runtime(path, fused_kernels=True)
+    verdicts = {v.kernel: v for v in rt.kernel_checks}
+    assert verdicts["qk_norm_rope"].error is None and not verdicts["qk_norm_rope"].used
+    assert rt.ops.qk_norm_rope is TORCH_OPS.qk_norm_rope and rt.ops.rope_rows is TORCH_OPS.rope_rows
+    assert verdicts["silu_mul"].used
+    monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "qk_rope")
+    with pytest.raises(ValueError, match="L3WORKER_REFERENCE_KERNELS: unknown kernel"):
+        _runtime(path, fused_kernels=True)
 
 
 def test_fused_kernels_option_resolution(monkeypatch) -> None:

@@ -2,6 +2,7 @@
 interpreter: the sorted, padded layout, and the layer's output over several shapes."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -82,9 +83,27 @@ def test_runtime_with_fused_kernels_runs_the_fused_moe(make_checkpoint) -> None:
         rt = ChipRuntime(RuntimeConfig(str(path), device="cpu", dtype="float32", max_batch_size=3, max_seq_len=64,
                                        page_size=8, fused_kernels=setting, decode_graphs=False))
         assert rt.ops.moe is (triton_moe if setting else torch_moe)
+        if setting:  # the fused MoE passed its start-up self-check
+            assert ("moe", True) in [(v.kernel, v.used) for v in rt.kernel_checks]
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 9, 20)]
         results[setting] = LocalDriver(rt).run([LocalRequest(p, 8) for p in prompts], keep_logits=True)
     assert results[True].token_ids == results[False].token_ids
     for mine, want in zip(results[True].logits, results[False].logits):
         torch.testing.assert_close(torch.stack(mine), torch.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_moe_that_fails_its_self_check_falls_back_to_the_reference(make_checkpoint, monkeypatch,
+                                                                           capsys) -> None:
+    path = make_checkpoint("moe-fused", family="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])
+    from chip_child.models import fused as fused_module
+
+    real = fused_module.triton_layer_ops()
+    wrong = dataclasses.replace(real, moe=lambda x, w: triton_moe(x, w).flip(0))  # rows swapped: injected error
+    monkeypatch.setattr("chip_child.step.runtime.triton_layer_ops", lambda: wrong)
+    rt = ChipRuntime(RuntimeConfig(str(path), device="cpu", dtype="float32", max_batch_size=3, max_seq_len=64,
+                                   page_size=8, fused_kernels=True, decode_graphs=False))
+    assert rt.ops.moe is torch_moe
+    assert [(v.kernel, v.used) for v in rt.kernel_checks if v.kernel == "moe"] == [("moe", False)]
+    assert "kernel moe failed its self-check" in capsys.readouterr().err

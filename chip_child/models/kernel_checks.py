@@ -1,0 +1,108 @@
+"""Every fused kernel checks itself once, on the device it is about to run on, at the model's
+shapes, against the torch reference (TORCH_OPS); one that disagrees is replaced by the reference
+and named on stderr. Code that has never run on a device is never trusted silently.
+
+`L3WORKER_REFERENCE_KERNELS=add_rms_norm,qk_norm_rope,silu_mul,moe` (any of them, or `all`)
+forces the reference path for those kernels without a check."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from chip_child.models.qwen3 import TORCH_OPS, LayerOps, Qwen3Weights
+
+KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe")
+CHECK_TOKENS = 7  # an odd count: kernels that tile rows see a partial tile
+# Largest error allowed, relative to the reference's largest magnitude, by compute dtype.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+@dataclass(frozen=True)
+class KernelVerdict:
+    kernel: str
+    error: float | None  # relative error against the reference; None when the reference was forced
+    used: bool  # the kernel runs; False: the reference replaces it
+
+
+def forced_reference() -> set[str]:
+    names = {n.strip() for n in os.environ.get("L3WORKER_REFERENCE_KERNELS", "").split(",") if n.strip()}
+    unknown = names - set(KERNELS) - {"all"}
+    if unknown:
+        raise ValueError(f"L3WORKER_REFERENCE_KERNELS: unknown kernel(s) {sorted(unknown)}; the kernels are "
+                         f"{', '.join(KERNELS)} (or all)")
+    return set(KERNELS) if "all" in names else names
+
+
+def checked_ops(ops: LayerOps, w: Qwen3Weights, rope: torch.Tensor, num_heads: int, num_kv_heads: int,
+                device: torch.device, dtype: torch.dtype) -> tuple[LayerOps, list[KernelVerdict]]:
+    """`ops` with each kernel that differs from TORCH_OPS checked once; a failing or forced one is
+    swapped for the reference. Returns the ops to run and a verdict per kernel checked."""
+    forced, verdicts, swaps = forced_reference(), [], {}
+    for kernel, check in _checks(ops, w, rope, num_heads, num_kv_heads, device, dtype):
+        if kernel in forced:
+            verdicts.append(KernelVerdict(kernel, None, False))
+        else:
+            error = check()
+            ok = error <= TOLERANCE.get(dtype, 3e-2)
+            verdicts.append(KernelVerdict(kernel, error, ok))
+            if not ok:
+                print(f"chip-child: the {ops.name} kernel {kernel} failed its self-check on {device} (relative "
+                      f"error {error:.3g}): the torch reference runs instead", file=sys.stderr, flush=True)
+        if not verdicts[-1].used:
+            swaps[kernel] = getattr(TORCH_OPS, kernel)
+            if kernel == "qk_norm_rope":  # the two read the rotations in each one's own form
+                swaps["rope_rows"] = TORCH_OPS.rope_rows
+    return (replace(ops, **swaps) if swaps else ops), verdicts
+
+
+def _checks(ops: LayerOps, w: Qwen3Weights, rope: torch.Tensor, num_heads: int, num_kv_heads: int,
+            device: torch.device, dtype: torch.dtype) -> list[tuple[str, Callable[[], float]]]:
+    lw = w.layers[0]
+    hidden = w.norm.shape[0]
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    h, delta = rand(CHECK_TOKENS, hidden), rand(CHECK_TOKENS, hidden)
+    checks = []
+    if ops.add_rms_norm is not TORCH_OPS.add_rms_norm:
+        def add_rms_norm() -> float:
+            got, want = ops.add_rms_norm(h, delta, lw.input_norm, w), TORCH_OPS.add_rms_norm(h, delta, lw.input_norm, w)
+            return max(_error(g, r) for g, r in zip(got, want))
+        checks.append(("add_rms_norm", add_rms_norm))
+    if ops.qk_norm_rope is not TORCH_OPS.qk_norm_rope:
+        def qk_norm_rope() -> float:
+            qk = rand(CHECK_TOKENS, num_heads + num_kv_heads, rope.shape[-1])
+            positions = torch.arange(CHECK_TOKENS, device=device) * 3 % rope.shape[0]
+            got = ops.qk_norm_rope(qk.clone(), lw.qk_norm, ops.rope_rows(rope, positions), w)
+            want = TORCH_OPS.qk_norm_rope(qk.clone(), lw.qk_norm, TORCH_OPS.rope_rows(rope, positions), w)
+            return _error(got, want)
+        checks.append(("qk_norm_rope", qk_norm_rope))
+    if ops.silu_mul is not TORCH_OPS.silu_mul:
+        inter = next((x.gate_up for x in w.layers if x.gate_up is not None), None)
+        width = 2 * 64 if inter is None else _out_features(inter)
+        checks.append(("silu_mul", lambda: _error(ops.silu_mul(g := rand(CHECK_TOKENS, width)),
+                                                  TORCH_OPS.silu_mul(g))))
+    moe = next((x.moe for x in w.layers if x.moe is not None), None)
+    if moe is not None and ops.moe is not TORCH_OPS.moe:
+        checks.append(("moe", lambda: _error(ops.moe(h, moe), TORCH_OPS.moe(h, moe))))
+    return checks
+
+
+def _out_features(weight) -> int:
+    """A projection's output width: [in, out] tensors, prepacked layers, [out, in] fp8 layers."""
+    if isinstance(weight, torch.Tensor):
+        return weight.shape[1]
+    return getattr(weight, "out_features", None) or weight.weight.shape[0]
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    if got.shape != want.shape or not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
