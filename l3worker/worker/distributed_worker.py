@@ -303,6 +303,7 @@ class DistributedWorker:
         """Stops every child and removes the socket directory. Idempotent; safe after failures."""
         self.engine.request_stop()  # a restart under way gives up instead of starting children
         self._stop_children(5.0)
+        self.engine.input_processor.grammars.close()  # its compile threads end with the worker
         for node in self._nodes:
             node.close()  # the followers see the link close and exit
         self._nodes = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from concurrent.futures import Future
 
 import jsonschema
@@ -153,3 +154,15 @@ def test_a_token_the_grammar_refuses_fails_the_request_never_stops_it(worker, mo
     assert out.text.startswith("hello") and len(out.token_ids) >= 2  # it failed mid-stream, not at the start
     assert untouched.error is None and untouched.finish_reason == "length"
     assert worker.engine.metrics.value("l3worker:structured_output_failures_total") == failures + 1
+
+
+def test_close_ends_the_grammar_compile_threads() -> None:
+    def compile_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("grammar")]
+
+    before = set(compile_threads())
+    w = DistributedWorker(**WORKER)
+    with w:
+        w.generate(["Hi"], params(temperature=0.0, max_new_tokens=30))
+        assert set(compile_threads()) - before  # the engine's compiler pool ran the request's grammar
+    assert not set(compile_threads()) - before
