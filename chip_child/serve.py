@@ -296,7 +296,10 @@ def serve(spec: ChildSpec) -> None:
         ring = map_ring(spec)
         sock.send(ready_message(rt, layout))
         overlap = spec.overlap_steps if spec.overlap_steps is not None else rt.device.type != "cpu"
-        overlap = overlap and rt.spec is None  # a speculative step's lengths come from the one before
+        if overlap and rt.spec is not None:  # a speculative step's lengths come from the one before
+            print("chip-child: speculative decoding runs its steps in order (overlap_steps off)", file=sys.stderr,
+                  flush=True)
+            overlap = False
         StepLoop(spec, sock, rt, ring, overlap).run()
     finally:
         if rt is not None:

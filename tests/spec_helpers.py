@@ -54,4 +54,9 @@ def _check_counts(w: DistributedWorker) -> dict:
     for j, n in enumerate(per):
         assert m.value("l3worker:spec_decode_num_accepted_tokens_per_pos_total", {"position": str(j)}) == n
     assert s["num_accepted_tokens"] <= s["num_draft_tokens"] <= 3 * s["num_drafts"]
+    # A verifying row makes 1 + its accepted tokens a step; every other token is counted undrafted
+    # (more than the parent kept where a row stopped inside a step's tokens).
+    assert s["num_undrafted_tokens"] == m.value("l3worker:spec_decode_num_undrafted_tokens_total")
+    made = s["num_drafts"] + s["num_accepted_tokens"] + s["num_undrafted_tokens"]
+    assert made >= m.value("l3worker:generation_tokens_total")
     return s

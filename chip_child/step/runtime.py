@@ -29,6 +29,7 @@ log-probabilities, for rows asking) go to the ring beside the sampled ids.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from functools import partial
@@ -124,7 +125,10 @@ class ChipRuntime:
         backend = get_backend(self.device.type, cfg.attention_backend)
         graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name,
                                        model_capturable=mc.moe is None)
-        graphs = (graphs or graph_capturer is not None) and cfg.speculative is None  # a verify step is eager
+        graphs = graphs or graph_capturer is not None
+        if graphs and cfg.speculative is not None:  # a verify step is eager, and so, for now, is every step
+            print("chip-child: speculative decoding runs without decode graphs", file=sys.stderr, flush=True)
+            graphs = False
         # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
         options = {"decode_mirror": False} if graphs and backend.name == "torch" else {}
         self.attn = backend(spec, self.device, **options)

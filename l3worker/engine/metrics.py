@@ -50,6 +50,9 @@ class EngineMetrics:
                                          registry=r)
         self.spec_accepted_tokens = Counter("l3worker:spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                             registry=r)
+        self.spec_undrafted_tokens = Counter("l3worker:spec_decode_num_undrafted_tokens", "Tokens decoded without "
+                                             "a draft while speculating (prompt-chunk steps, penalized or "
+                                             "constrained rows, nothing proposed)", registry=r)
         self.spec_accepted_per_position = Counter("l3worker:spec_decode_num_accepted_tokens_per_pos",
                                                   "Draft tokens accepted, by position in the draft", ["position"],
                                                   registry=r)

@@ -49,6 +49,7 @@ class SpecCounts:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    undrafted_tokens: int = 0  # produced by rows that verified no draft (see count)
     accepted_per_position: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -61,6 +62,12 @@ class SpecCounts:
             return
         made, drafted = counts[rows, 0].astype(np.int64), counts[rows, 1].astype(np.int64)
         verified = drafted > 0
+        # Tokens decoded without speculation: steps that carry a prompt chunk run plain, penalized
+        # and constrained rows get no drafts, and a proposer may find nothing to propose.
+        undrafted = int(made[~verified].sum())
+        self.undrafted_tokens += undrafted
+        if undrafted and self.metrics is not None:
+            self.metrics.spec_undrafted_tokens.inc(undrafted)
         if not verified.any():
             return
         accepted = (made - 1)[verified]
@@ -85,7 +92,8 @@ class SpecCounts:
         verifying row produces per step: 1 + accepted / drafts, vLLM's definition)."""
         return {
             "num_speculative_tokens": self.k, "num_drafts": self.drafts, "num_draft_tokens": self.draft_tokens,
-            "num_accepted_tokens": self.accepted_tokens, "accepted_per_position": list(self.accepted_per_position),
+            "num_accepted_tokens": self.accepted_tokens, "num_undrafted_tokens": self.undrafted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
             "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
             "mean_accepted_length": 1 + self.accepted_tokens / self.drafts if self.drafts else None,
         }

@@ -109,6 +109,9 @@ class DistributedWorker:
         if speculative is not None and decode_graphs:
             raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
                              "eagerly (leave decode_graphs None)")
+        if speculative is not None and overlap_steps:
+            raise ValueError("speculative_config cannot be combined with overlap_steps=True: a verify step's row "
+                             "lengths come from the step before it (leave overlap_steps None)")
         # The backend and graph choices hold for the device type whatever its id: refused here,
         # before any child starts, with the choices named.
         kind = device_type(device)

@@ -38,6 +38,8 @@ def test_ngram_tokens_identical_to_plain_decoding(plain, options) -> None:
         assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
         s = _check_counts(w)
         assert s["num_accepted_tokens"] > 0  # the repeating rows accept drafts
+        if "max_num_batched_tokens" in options:  # steps carrying a prompt chunk decode their rows plainly
+            assert s["num_undrafted_tokens"] > 0
         if "num_pages" in options:
             assert w.engine.scheduler.num_preemptions > 0
         stats = w.stats()
@@ -337,6 +339,7 @@ def test_lookup_bounds_default_as_vllm() -> None:
 
 @pytest.mark.parametrize("options, message", [
     ({"decode_graphs": True}, "decode_graphs=True"),
+    ({"overlap_steps": True}, "overlap_steps=True"),
 ])
 def test_unsupported_combinations_are_refused(options, message) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
