@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from chip_child.step.host import StepHost
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
+# Config switches of other heads' layers (norm placement, attention biases), all off in ours.
+UNSUPPORTED_SWITCHES = ("norm_before_residual", "norm_before_fc", "attention_bias", "mlp_bias")
 _LAYER = ("hidden_norm", "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
           "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -80,6 +82,10 @@ def head_config(model_dir: str, target: ModelConfig) -> tuple[ModelConfig, tuple
                          f"target's {target.hidden_size}")
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise ValueError("speculative_config: an EAGLE-3 head has num_hidden_layers 1")
+    for key in UNSUPPORTED_SWITCHES:  # variants of the layer this head does not implement: refused, not ignored
+        if raw.get(key) or (raw.get("eagle_config") or {}).get(key):
+            raise ValueError(f"speculative_config: the EAGLE-3 head sets {key}, which l3worker's head does not "
+                             "implement")
     heads = int(raw["num_attention_heads"])
     theta, scaling = parse_rope(raw, path, 10000.0)
     cfg = replace(target, vocab_size=int(raw.get("vocab_size", target.vocab_size)), num_layers=1, num_heads=heads,

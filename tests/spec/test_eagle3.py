@@ -4,6 +4,7 @@ under preemption, and under tensor parallelism (two ranks on one node, and acros
 counts add up; a head that does not fit the target is refused."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -60,6 +61,15 @@ def test_aux_layers_from_the_config_else_vllms_default() -> None:
 def test_a_head_that_does_not_fit_the_target_is_refused(tmp_path, change, message) -> None:
     head = write_head(tmp_path / "head", **change)
     with pytest.raises(ValueError, match=message):
+        DistributedWorker(**SMALL, speculative_config=_eagle(head))
+
+
+@pytest.mark.parametrize("key", ["norm_before_residual", "norm_before_fc", "attention_bias", "mlp_bias"])
+def test_a_head_with_a_layer_variant_it_does_not_implement_is_refused_by_name(tmp_path, key) -> None:
+    head = write_head(tmp_path / "head")
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, key: True}))
+    with pytest.raises(ValueError, match=f"the EAGLE-3 head sets {key}"):
         DistributedWorker(**SMALL, speculative_config=_eagle(head))
 
 
