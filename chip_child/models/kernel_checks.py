@@ -2,8 +2,10 @@
 shapes, against the torch reference (TORCH_OPS); one that disagrees is replaced by the reference
 and named on stderr. Code that has never run on a device is never trusted silently.
 
-`L3WORKER_REFERENCE_KERNELS=add_rms_norm,qk_norm_rope,silu_mul,moe` (any of them, or `all`)
-forces the reference path for those kernels without a check."""
+`L3WORKER_REFERENCE_KERNELS=add_rms_norm,qk_norm_rope,silu_mul,moe,fp8_gemm` (any of them, or
+`all`) forces the reference path for those kernels without a check. The attention backends are
+not checked here yet: the triton backend's kernels are tested against the torch backend on the
+cpu (under Triton's interpreter) and on a GPU (tests/gpu/test_cuda.py)."""
 from __future__ import annotations
 
 import os
@@ -13,9 +15,11 @@ from typing import Callable
 
 import torch
 
+from chip_child.models.fp8_linear import Fp8Linear, reference_linear
 from chip_child.models.qwen3 import TORCH_OPS, LayerOps, Qwen3Weights
 
-KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe")
+KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe", "fp8_gemm")
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 CHECK_TOKENS = 7  # an odd count: kernels that tile rows see a partial tile
 # Largest error allowed, relative to the reference's largest magnitude, by compute dtype.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -57,6 +61,33 @@ def checked_ops(ops: LayerOps, w: Qwen3Weights, rope: torch.Tensor, num_heads: i
             if kernel == "qk_norm_rope":  # the two read the rotations in each one's own form
                 swaps["rope_rows"] = TORCH_OPS.rope_rows
     return (replace(ops, **swaps) if swaps else ops), verdicts
+
+
+def check_fp8_gemms(w: Qwen3Weights, device: torch.device) -> list[KernelVerdict]:
+    """The W8A8 GEMM each kind of kept-fp8 projection runs (F.scaled_mm, our Triton kernel),
+    checked once on the first projection of that kind, at its shape, against the reference math;
+    a failing or forced kind falls back to the reference in every layer (weights unchanged)."""
+    layers = [(lw, name) for lw in w.layers for name in PROJECTIONS if isinstance(getattr(lw, name), Fp8Linear)]
+    forced, verdicts = "fp8_gemm" in forced_reference(), []
+    for gemm in sorted({getattr(lw, name).gemm for lw, name in layers} - {"torch"}):
+        first = next(getattr(lw, name) for lw, name in layers if getattr(lw, name).gemm == gemm)
+        kernel = f"fp8_gemm:{gemm}"
+        if forced:
+            verdicts.append(KernelVerdict(kernel, None, False))
+        else:
+            x = torch.randn(CHECK_TOKENS, first.weight.shape[1], generator=torch.Generator().manual_seed(0))
+            x = x.to(device=device, dtype=first.out_dtype)
+            want = reference_linear(x, first.weight, first.scale_inv, first.block, first.out_dtype)
+            error = _error(first(x), want)
+            verdicts.append(KernelVerdict(kernel, error, error <= TOLERANCE.get(first.out_dtype, 3e-2)))
+            if not verdicts[-1].used:
+                print(f"chip-child: the fp8 GEMM {gemm} failed its self-check on {device} (relative error "
+                      f"{error:.3g}): the reference math runs instead", file=sys.stderr, flush=True)
+        if not verdicts[-1].used:
+            for lw, name in layers:
+                if getattr(lw, name).gemm == gemm:
+                    setattr(lw, name, replace(getattr(lw, name), gemm="torch"))
+    return verdicts
 
 
 def _checks(ops: LayerOps, w: Qwen3Weights, rope: torch.Tensor, num_heads: int, num_kv_heads: int,

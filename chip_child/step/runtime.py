@@ -44,7 +44,7 @@ from chip_child.step.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_
 from chip_child.models.fp8_linear import keeps_fp8_on
 from chip_child.models.loader import ModelConfig, load_config, load_weights, resolve_dtype
 from chip_child.models.fused import resolve_fused_kernels, triton_layer_ops
-from chip_child.models.kernel_checks import checked_ops
+from chip_child.models.kernel_checks import check_fp8_gemms, checked_ops
 from chip_child.models.moe_npu import npu_moe
 from chip_child.models.qwen3 import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.step.chunk_layout import ChunkInts, ChunkPlan, plan_chunks
@@ -101,6 +101,7 @@ class ChipRuntime:
             self.ops = replace(self.ops, moe=npu_moe)  # torch_npu's MoE ops
         self.ops, self.kernel_checks = checked_ops(self.ops, self.weights, self.rope, mc.num_heads, mc.num_kv_heads,
                                                    self.device, self.dtype)
+        self.kernel_checks += check_fp8_gemms(self.weights, self.device)
         self.limits = replace(cfg.limits(), vocab_size=mc.vocab_size)
         self.pool = TensorPool(self.device)
         # One step function; two names, so a step's kind shows in dispatch (and fault injection).

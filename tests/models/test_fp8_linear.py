@@ -220,10 +220,24 @@ def test_runtime_on_kept_fp8_runs_the_kernels_as_the_reference_math(fp8_pair, mo
     lw = rt.weights.layers[1]
     assert all(getattr(lw, n).gemm == "triton" and getattr(lw, n).weight.dtype == FP8
                for n in ("qkv", "o_proj", "gate_up", "down"))
+    assert [(v.kernel, v.used) for v in rt.kernel_checks] == [("fp8_gemm:triton", True)]  # passed its self-check
     _, want = _run(fp8_pair[0], True, monkeypatch, gemm="torch")
     assert got.token_ids == want.token_ids
     for mine, ref in zip(got.logits, want.logits):
         torch.testing.assert_close(torch.stack(mine), torch.stack(ref), rtol=1e-4, atol=1e-4)
+
+
+@interpreted
+def test_a_wrong_fp8_gemm_fails_its_self_check_and_the_reference_math_runs(fp8_pair, monkeypatch, capsys) -> None:
+    real = fp8_linear.triton_gemm
+    monkeypatch.setattr(fp8_linear, "triton_gemm", lambda *a, **k: real(*a, **k) * 0.5)  # injected error
+    rt, got = _run(fp8_pair[0], True, monkeypatch)
+    assert [(v.kernel, v.used) for v in rt.kernel_checks if v.kernel.startswith("fp8")] == [("fp8_gemm:triton", False)]
+    assert all(getattr(lw, n).gemm == "torch" and getattr(lw, n).weight.dtype == FP8
+               for lw in rt.weights.layers for n in ("qkv", "o_proj", "gate_up", "down"))
+    assert "fp8 GEMM triton failed its self-check" in capsys.readouterr().err
+    _, want = _run(fp8_pair[0], True, monkeypatch, gemm="torch")
+    assert got.token_ids == want.token_ids
 
 
 @interpreted
