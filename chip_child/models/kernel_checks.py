@@ -2,10 +2,9 @@
 shapes, against the torch reference (TORCH_OPS); one that disagrees is replaced by the reference
 and named on stderr. Code that has never run on a device is never trusted silently.
 
-`L3WORKER_REFERENCE_KERNELS=add_rms_norm,qk_norm_rope,silu_mul,moe,fp8_gemm` (any of them, or
-`all`) forces the reference path for those kernels without a check. The attention backends are
-not checked here yet: the triton backend's kernels are tested against the torch backend on the
-cpu (under Triton's interpreter) and on a GPU (tests/gpu/test_cuda.py)."""
+`L3WORKER_REFERENCE_KERNELS=add_rms_norm,qk_norm_rope,silu_mul,moe,fp8_gemm,attention` (any of
+them, or `all`) forces the reference path for those kernels without a check. The attention
+backend checks itself in chip_child.attention.self_check."""
 from __future__ import annotations
 
 import os
@@ -18,7 +17,8 @@ import torch
 from chip_child.models.fp8_linear import Fp8Linear, reference_linear
 from chip_child.models.qwen3 import TORCH_OPS, LayerOps, Qwen3Weights
 
-KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe", "fp8_gemm")
+KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe", "fp8_gemm", "attention")  # attention: see
+# chip_child.attention.self_check
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 CHECK_TOKENS = 7  # an odd count: kernels that tile rows see a partial tile
 # Largest error allowed, relative to the reference's largest magnitude, by compute dtype.

@@ -38,13 +38,14 @@ import numpy as np
 import torch
 
 from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
+from chip_child.attention.self_check import checked_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device, tensor_parallel_all_reduce
 from chip_child.step.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_of, resolve_decode_graphs
 from chip_child.models.fp8_linear import keeps_fp8_on
 from chip_child.models.loader import ModelConfig, load_config, load_weights, resolve_dtype
 from chip_child.models.fused import resolve_fused_kernels, triton_layer_ops
-from chip_child.models.kernel_checks import check_fp8_gemms, checked_ops
+from chip_child.models.kernel_checks import KernelVerdict, check_fp8_gemms, checked_ops
 from chip_child.models.moe_npu import npu_moe
 from chip_child.models.qwen3 import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
 from chip_child.step.chunk_layout import ChunkInts, ChunkPlan, plan_chunks
@@ -101,7 +102,6 @@ class ChipRuntime:
             self.ops = replace(self.ops, moe=npu_moe)  # torch_npu's MoE ops
         self.ops, self.kernel_checks = checked_ops(self.ops, self.weights, self.rope, mc.num_heads, mc.num_kv_heads,
                                                    self.device, self.dtype)
-        self.kernel_checks += check_fp8_gemms(self.weights, self.device)
         self.limits = replace(cfg.limits(), vocab_size=mc.vocab_size)
         self.pool = TensorPool(self.device)
         # One step function; two names, so a step's kind shows in dispatch (and fault injection).
@@ -124,6 +124,7 @@ class ChipRuntime:
                              head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size,
                              dtype=self.dtype, max_tokens=b + max(p, b * drafts), max_seqs=2 * b, max_blocks=mb)
         backend = get_backend(self.device.type, cfg.attention_backend)
+        backend, attention_check = checked_backend(backend, spec, self.device)
         graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name,
                                        model_capturable=mc.moe is None)
         graphs = graphs or graph_capturer is not None
@@ -133,6 +134,9 @@ class ChipRuntime:
         # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
         options = {"decode_mirror": False} if graphs and backend.name == "torch" else {}
         self.attn = backend(spec, self.device, **options)
+        self.kernel_checks += check_fp8_gemms(self.weights, self.device)
+        if attention_check is not None:
+            self.kernel_checks.append(KernelVerdict("attention", *attention_check))
         self.decode_args, self.prefill_args = step_task_args(self.attn, self.dtype, b, mb, v, p)
         self.state = self.pool.resolve("decode", self.decode_args)  # the step's shared tensors, by slot
         self.prefill_state = self.pool.resolve("prefill", self.prefill_args)

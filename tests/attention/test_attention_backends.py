@@ -542,3 +542,43 @@ def test_get_backend_errors(monkeypatch):
         get_backend("cpu", "triton")
     with pytest.raises(ValueError, match="attention_backend: unknown device type"):
         get_backend("tpu")
+
+
+# ---- the start-up self-check -------------------------------------------------------------------
+def _runtime(path, **overrides):
+    from chip_child.config import RuntimeConfig
+    from chip_child.step.runtime import ChipRuntime
+
+    return ChipRuntime(RuntimeConfig(str(path), device=TRITON_DEVICE, dtype="float32", max_batch_size=2,
+                                     max_seq_len=64, page_size=8, decode_graphs=False, **overrides))
+
+
+@needs_triton
+def test_the_triton_backend_checks_itself_at_start_up(make_checkpoint) -> None:
+    rt = _runtime(make_checkpoint("attn-check", num_attention_heads=4, num_key_value_heads=2), attention_backend="triton")
+    (check,) = [v for v in rt.kernel_checks if v.kernel == "attention"]
+    assert rt.attn.name == "triton" and check.used and check.error <= 1e-4
+
+
+@needs_triton
+def test_a_wrong_attention_backend_falls_back_to_the_torch_one_and_says_so(make_checkpoint, monkeypatch,
+                                                                          capsys) -> None:
+    from chip_child.attention.triton_backend import TritonAttention
+    from chip_child.local import LocalDriver, LocalRequest
+
+    path = make_checkpoint("attn-check", num_attention_heads=4, num_key_value_heads=2)
+    real = TritonAttention.attend
+    monkeypatch.setattr(TritonAttention, "attend", lambda self, *a, **k: real(self, *a, **k) * 0.5)  # injected
+    rt = _runtime(path, attention_backend="triton")
+    (check,) = [v for v in rt.kernel_checks if v.kernel == "attention"]
+    assert rt.attn.name == "torch" and not check.used and check.error > 0.1
+    assert "the triton attention backend failed its self-check" in capsys.readouterr().err
+    prompts = [[3, 4, 5, 6, 7], list(range(10, 30))]
+    got = LocalDriver(rt).run([LocalRequest(p, 6) for p in prompts]).token_ids
+    monkeypatch.undo()
+    want = LocalDriver(_runtime(path)).run([LocalRequest(p, 6) for p in prompts]).token_ids
+    assert got == want
+    monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "attention")  # forced: no check, the torch backend
+    forced = _runtime(path, attention_backend="triton")
+    assert forced.attn.name == "torch" and [(v.kernel, v.error, v.used) for v in forced.kernel_checks
+                                            if v.kernel == "attention"] == [("attention", None, False)]
