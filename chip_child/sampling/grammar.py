@@ -49,6 +49,16 @@ class Matcher:
             raise ValueError(f"bitmask row has {row.numel()} words, needs {bitmask_words(self.vocab_size)}")
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
+    @staticmethod
+    def fill_bitmasks(executor: llguidance.LLExecutor, matchers: list[tuple["Matcher", int]],
+                      mask: torch.Tensor) -> None:
+        """Fills row `i` of the int32 CPU bitmask `mask` [B, ceil(V / 32)] for each (matcher, i),
+        all at once on llguidance's threads, without holding the interpreter lock."""
+        if mask.dtype != torch.int32 or mask.device.type != "cpu" or not mask.is_contiguous() or mask.dim() != 2:
+            raise ValueError("bitmask must be a contiguous 2-D int32 CPU tensor")
+        executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in matchers], mask.data_ptr(), mask.shape[1] * 4,
+                                         mask.shape[0])
+
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more (or eos was accepted): the row stops."""
         return self._m.is_stopped()

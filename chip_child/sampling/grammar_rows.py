@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import llguidance
 import numpy as np
 import torch
 
@@ -55,6 +56,7 @@ class ConstrainedRows:
         self.copied = None
         self.rows: dict[int, _Row] = {}
         self._pending: tuple[torch.Tensor, object, list[int]] | None = None  # (ids, their event, rows)
+        self._executor: llguidance.LLExecutor | None = None  # llguidance's threads, made at the first batch fill
         mask.fill_(-1)
         self.words = mask.shape[1]
 
@@ -104,13 +106,20 @@ class ConstrainedRows:
             for row in previous:
                 self._take(self.rows[row], values[row])
         self._wait_copied()
+        ready = []
         for row in rows:
             r = self.rows[row]
             matcher = self._ready(r)
             if matcher is None or not r.started:
                 self.mask[row] = -1
             else:
-                matcher.fill_bitmask(self.mask[row])
+                ready.append((matcher, row))
+        if len(ready) == 1:
+            ready[0][0].fill_bitmask(self.mask[ready[0][1]])
+        elif ready:  # a batch of rows: in parallel, off the interpreter lock
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            Matcher.fill_bitmasks(self._executor, ready, self.mask)
 
     # -- internals -------------------------------------------------------------------------------
     @staticmethod

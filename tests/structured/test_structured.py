@@ -182,6 +182,22 @@ def test_rollback_restores_the_mask(compiler: GrammarCompiler, vocab: Vocab) -> 
     assert torch.equal(masks[0], masks[1])
 
 
+def test_a_batch_fill_gives_each_rows_own_mask(compiler: GrammarCompiler, vocab: Vocab) -> None:
+    import llguidance
+
+    specs = [StructuredSpec.from_request(guided_regex=r"ab[0-9]+c"),
+             StructuredSpec.from_request(guided_choice=["xy", "z"]),
+             StructuredSpec.from_request(response_format={"type": "json_object"})]
+    matchers = [compiler.compile(spec).matcher() for spec in specs]
+    assert matchers[0].accept(vocab.tok.encode("a").ids[0])  # rows at different points of their grammars
+    one_by_one, batch = allocate_bitmask(4, vocab.vocab_size), allocate_bitmask(4, vocab.vocab_size)
+    for row, m in zip((0, 1, 3), matchers):
+        m.fill_bitmask(one_by_one[row])
+    type(matchers[0]).fill_bitmasks(llguidance.LLExecutor(), list(zip(matchers, (0, 1, 3))), batch)
+    assert torch.equal(batch[[0, 1, 3]], one_by_one[[0, 1, 3]])
+    assert not torch.equal(batch[0], batch[1]) and (batch[2] == -1).all()  # row 2 had no matcher: untouched
+
+
 def test_refused_token_leaves_the_matcher_in_error(compiler: GrammarCompiler, vocab: Vocab) -> None:
     matcher = compiler.compile(StructuredSpec.from_request(guided_choice=["yes"])).matcher()
     assert matcher.error is None
