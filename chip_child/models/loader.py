@@ -102,14 +102,26 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
     if archs is not None:
         known = [a for a in archs if a in FAMILIES]
         if not known:
+            _refuse_remote_code(raw, f"architectures {archs!r}", path)
             raise ValueError(f"{path}: unsupported architectures {archs!r}; supported: {', '.join(FAMILIES)}")
         return known[0]
     model_type = raw.get("model_type")
     for arch, family in FAMILIES.items():
         if model_type in family.model_types:
             return arch
+    _refuse_remote_code(raw, f"model_type {model_type!r}", path)
     raise ValueError(f"{path}: unsupported model_type {model_type!r} (no 'architectures'); "
                      f"supported: {', '.join(FAMILIES)}")
+
+
+def _refuse_remote_code(raw: dict[str, Any], what: str, path: Path) -> None:
+    """A config whose `auto_map` points at the repository's own Python (trust_remote_code in
+    transformers and vLLM) names a model no built-in family implements: say so by name."""
+    auto_map = raw.get("auto_map")
+    if isinstance(auto_map, dict) and auto_map:
+        raise ValueError(f"{path}: {what} needs the checkpoint's own code (auto_map: "
+                         f"{', '.join(f'{k} -> {v}' for k, v in auto_map.items())}), which l3worker never runs, "
+                         f"--trust-remote-code or not; supported: {', '.join(FAMILIES)}")
 
 
 def _max_positions(raw: dict[str, Any], arch: str, path: Path) -> int:

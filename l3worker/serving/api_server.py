@@ -23,6 +23,7 @@ from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, model_f
 
 async def _serve(config: ApiServerConfig, stop: SignalStop) -> None:
     options = ServeOptions(**config.options)
+    options.disable_log_stats = True  # API server 0 logs every engine's figures
     info = ModelInfo(**config.model)
     model = model_for(info, load_tokenizer(info.model_dir), options)
     sock = socket.socket(fileno=config.fd)

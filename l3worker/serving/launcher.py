@@ -83,9 +83,13 @@ class DataParallel:
         return self.size if self.local_size is None else self.local_size
 
     def engine_kwargs(self, worker_kwargs: dict, engine: int) -> dict:
-        """Rank `engine`'s worker arguments: its consecutive share of this node's device ids."""
+        """Rank `engine`'s worker arguments: its consecutive share of this node's device ids (on a
+        cpu, where the engines share one memory, also its share of --gpu-memory-utilization)."""
         if self.local == 1:
             return worker_kwargs
+        fraction = worker_kwargs.get("gpu_memory_utilization")
+        if fraction is not None and device_type(worker_kwargs["device"]) == "cpu":
+            worker_kwargs = {**worker_kwargs, "gpu_memory_utilization": fraction / self.local}
         ids = worker_kwargs.get("device_ids")
         if ids is None:  # the default: each engine its tensor-parallel ranks' worth, in order
             ids = list(range(self.local * (worker_kwargs.get("tensor_parallel_size") or 1)))

@@ -17,24 +17,30 @@ from typing import Awaitable, Callable
 
 import uvicorn
 
-from l3worker.serving.openai.app import create_app
+from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME
+from l3worker.serving.openai.app import Cors, create_app
 from l3worker.serving.openai.chat import ChatTemplate
 from l3worker.serving.openai.chat_reply import ChatParsing
+from l3worker.serving.openai.generation_config import GenerationDefaults, RequestSeeds
 from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES
+from l3worker.serving.openai.protocol import MAX_TOP_LOGPROBS
 from l3worker.serving.openai.tokens import Tokens
-from l3worker.serving.openai.translate import GenerationDefaults, ServedModel
+from l3worker.serving.openai.translate import ServedModel
+from l3worker.serving.stats_log import StatsLog
 
 log = logging.getLogger("l3worker.serving")
 
 
 @dataclass
 class ServeOptions:
+    """The server's side of `l3worker serve`'s flags (JSON-able: API servers 1..N-1 get them as JSON)."""
+
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_names: tuple[str, ...] = ()  # empty: the model directory's name
-    api_key: str | None = None
-    chat_template: str | None = None  # a file; None: the checkpoint's
-    generation_config: str = "auto"  # auto: sampling defaults from generation_config.json; vllm: OpenAI's
+    served_model_names: tuple[str, ...] = ()  # empty: the model as named (ModelInfo.model_name)
+    api_key: str | list[str] | None = None  # one key or several (vLLM's --api-key takes several)
+    chat_template: str | None = None  # a file or the template itself; None: the checkpoint's
+    generation_config: str = "auto"  # auto: generation_config.json's sampling defaults; vllm: none; or a folder
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     uvicorn_log_level: str = "warning"
     graceful_timeout_s: float = 10.0  # after aborting, how long connections may take to close
@@ -43,6 +49,26 @@ class ServeOptions:
     enable_auto_tool_choice: bool = False  # parse tool calls when tool_choice is "auto"
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
+    seed: int | None = None  # --seed: seeds the requests that give none (generation_config.RequestSeeds)
+    max_logprobs: int = MAX_TOP_LOGPROBS  # --max-logprobs
+    response_role: str = "assistant"  # --response-role
+    enable_log_requests: bool = False  # --enable-log-requests: each request's prompt and parameters
+    disable_log_stats: bool = False  # --disable-log-stats: no periodic throughput line
+    stats_interval_s: float = 10.0  # between two throughput lines (vLLM's interval)
+    root_path: str = ""  # --root-path, behind a proxy that routes a path prefix here
+    allowed_origins: tuple[str, ...] = ("*",)  # the CORS flags, vLLM's defaults
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    ssl_keyfile: str | None = None  # uvicorn's TLS options
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE
+
+    @property
+    def cors(self) -> Cors:
+        return Cors(tuple(self.allowed_origins), self.allow_credentials, tuple(self.allowed_methods),
+                    tuple(self.allowed_headers))
 
 
 @dataclass
@@ -50,34 +76,37 @@ class ModelInfo:
     """What the API needs to know of the worker's model (an API server process has no worker)."""
 
     model_dir: str
-    model_name: str
+    model_name: str  # the model as the user named it (path or Hub id), or the built-in model's name
     max_seq_len: int
     vocab_size: int
+    root: str = ""  # /v1/models' root: model_name, or the built-in model's directory
 
     @classmethod
     def of(cls, worker) -> "ModelInfo":
+        builtin = worker.model_name == TINY_MODEL_SERVED_NAME
         return cls(str(worker.model_dir), worker.model_name, worker.runtime_config.max_seq_len,
-                   worker.model_config.vocab_size)
+                   worker.model_config.vocab_size, str(worker.model_dir) if builtin else worker.model_name)
 
 
-def served_model(worker, options: ServeOptions) -> ServedModel:
-    """What the API serves, from the worker's model; raises ValueError for a bad chat template or
-    parser options."""
-    return model_for(ModelInfo.of(worker), worker.tokenizer, options)
+def served_model(worker, options: ServeOptions, info: ModelInfo | None = None) -> ServedModel:
+    """What the API serves, from the worker's model (`info`: what to tell of it, when not the
+    worker's own); raises ValueError for a bad chat template, generation config or parser options."""
+    return model_for(info or ModelInfo.of(worker), worker.tokenizer, options)
 
 
 def model_for(info: ModelInfo, tokenizer, options: ServeOptions) -> ServedModel:
     model_dir = info.model_dir
     names = tuple(options.served_model_names) or (info.model_name,)
-    defaults = GenerationDefaults.from_model_dir(model_dir) if options.generation_config == "auto" \
-        else GenerationDefaults()
     return ServedModel(
         names=names, model_dir=str(model_dir), max_model_len=info.max_seq_len,
         vocab_size=info.vocab_size,
         tokens=Tokens(tokenizer) if tokenizer is not None else None,
-        chat_template=ChatTemplate.load(model_dir, options.chat_template), defaults=defaults,
+        chat_template=ChatTemplate.load(model_dir, options.chat_template),
+        defaults=GenerationDefaults.for_option(options.generation_config, model_dir),
         parsing=ChatParsing(options.reasoning_parser, options.tool_call_parser, options.enable_auto_tool_choice),
-        return_tokens_as_token_ids=options.return_tokens_as_token_ids)
+        return_tokens_as_token_ids=options.return_tokens_as_token_ids, root=info.root or info.model_name,
+        max_logprobs=options.max_logprobs, response_role=options.response_role,
+        seeds=RequestSeeds(options.seed), log_requests=options.enable_log_requests)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -85,9 +114,9 @@ def bind(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class _Uvicorn(uvicorn.Server):
@@ -147,13 +176,18 @@ async def serve(engine, model: ServedModel, options: ServeOptions, sock: socket.
     """Starts `engine` (an AsyncEngine, or a CoreClient of an engine-core process), serves on `sock`
     until told to stop, then shuts all down. `on_stop` runs when the stop begins, before the
     server's own requests are aborted."""
+    stats: StatsLog | None = None  # the periodic throughput line (--disable-log-stats: none)
     try:
         await engine.start()
         app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
-                         enable_tokenizer_info=options.enable_tokenizer_info_endpoint)
+                         enable_tokenizer_info=options.enable_tokenizer_info_endpoint, cors=options.cors)
         config = uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level, access_log=False,
                                 lifespan="off", http="auto", ws="none",
-                                timeout_graceful_shutdown=options.graceful_timeout_s)
+                                timeout_graceful_shutdown=options.graceful_timeout_s, root_path=options.root_path,
+                                ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile,
+                                ssl_ca_certs=options.ssl_ca_certs, ssl_cert_reqs=options.ssl_cert_reqs)
+        if not options.disable_log_stats:
+            stats = StatsLog(engine, options.stats_interval_s)
 
         async def stopping() -> None:
             if on_stop is not None:
@@ -166,10 +200,15 @@ async def serve(engine, model: ServedModel, options: ServeOptions, sock: socket.
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
+        scheme = "https" if options.ssl_certfile else "http"
         if server.started and on_ready is not None:
-            on_ready(Running(url_of(sock), engine, model, server))
+            on_ready(Running(url_of(sock, scheme), engine, model, server))
+        if server.started and stats is not None:
+            stats.start()
         await task
     finally:
+        if stats is not None:
+            await stats.stop()
         await engine.shutdown()
         sock.close()
 

@@ -15,7 +15,6 @@ import sys
 import time
 import weakref
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import zmq
@@ -35,6 +34,7 @@ from chip_child.spec.config import SpeculativeConfig
 from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.worker.child_process import ChildProcess, child_spec, wait_all_ready
 from l3worker.worker.arg_checks import check_limits, positive_int
+from l3worker.worker.kv_sizing import KvSizing, size_kv_cache
 from l3worker.worker.cpu_placement import CpuPlacement
 from l3worker.worker.shared_buffers import StepBuffers
 from l3worker.engine.speculation import check_proposer, speculative_tokens
@@ -66,6 +66,9 @@ class DistributedWorker:
         max_seq_len: int = 4096,
         page_size: int = 128,
         num_pages: int | None = None,
+        # vLLM's: size the KV cache from this fraction of the device's memory (kv_sizing.py);
+        # None: room for max_seq_len in every row. num_pages, when given, overrides it.
+        gpu_memory_utilization: float | None = None,
         dtype: str = "auto",
         pipeline_depth: int = 2,
         max_num_batched_tokens: int | None = None,
@@ -138,12 +141,10 @@ class DistributedWorker:
             max_waiting_requests=max_waiting_requests)
         restart_policy = RestartPolicy(max_restarts, restart_window_s)
         restart_policy.validate()
-        # A Hub id is served under that id; a directory under its name.
+        # The model as the caller named it, path or Hub id (vLLM's served name).
         self.model_name = str(model_dir) if model_dir is not None else TINY_MODEL_SERVED_NAME
         self.model_dir = resolve_model(model_dir, revision, download_dir, "model_dir") if model_dir is not None \
             else str(ensure_tiny_model())
-        if model_dir is not None and Path(model_dir).expanduser().is_dir():
-            self.model_name = Path(self.model_dir).name
         self.model_config = load_config(self.model_dir, quantization)
         resolve_dtype(dtype, "cpu", self.model_config)  # rejects unknown names before any child starts
         resolve_cpu_prepack(cpu_prepack, kind, resolve_dtype(dtype, kind, self.model_config))
@@ -153,7 +154,14 @@ class DistributedWorker:
         if not isinstance(enable_expert_parallel, bool):
             raise TypeError(f"enable_expert_parallel must be a bool, got {type(enable_expert_parallel).__name__}")
         # tensor parallelism must divide heads and MLP (expert parallelism: the experts)
-        shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
+        shard = shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
+        self.kv_sizing: KvSizing | None = None
+        if gpu_memory_utilization is not None:
+            self.kv_sizing = size_kv_cache(
+                shard, fraction=gpu_memory_utilization, kind=kind, device_id=device_ids[0],
+                itemsize=resolve_dtype(dtype, kind, self.model_config).itemsize, local_ranks=len(device_ids),
+                page_size=page_size, max_seq_len=max_seq_len)
+            num_pages = num_pages if num_pages is not None else self.kv_sizing.num_pages
         if speculative is not None:
             speculative = check_proposer(speculative, self.model_config, layout.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -1,10 +1,14 @@
 """The FastAPI application: routes, each a thin call into the module that does its job."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from importlib import metadata
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from l3worker.serving.openai.chat_completions import create_chat_completion
@@ -15,22 +19,45 @@ from l3worker.serving.openai.errors import APIError, bad_request
 from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES, APIKey, BodyLimit, RequestLog
 from l3worker.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                       error_body)
-from l3worker.serving.openai.responses import now
+from l3worker.serving.openai.responses import new_id, now
+from l3worker.serving.openai.tokenization import detokenize, tokenize
 from l3worker.serving.openai.tokenizer_info import tokenizer_info
 from l3worker.serving.openai.translate import ServedModel
 
 
-def create_app(engine, model: ServedModel, *, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_tokenizer_info: bool = False) -> FastAPI:
+@dataclass(frozen=True)
+class Cors:
+    """vLLM's CORS flags and their defaults (--allowed-origins, --allow-credentials, ...)."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+
+def version() -> str:
+    try:
+        return metadata.version("l3worker")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def create_app(engine, model: ServedModel, *, api_key: str | list[str] | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_tokenizer_info: bool = False,
+               cors: Cors = Cors()) -> FastAPI:
     client = EngineClient(engine)
     app = FastAPI(title="l3worker", docs_url=None, redoc_url=None)
     app.state.client = client
     app.state.model = model
     created = now()
 
-    # Added innermost first: the request log is the outermost layer.
+    # Added innermost first: the request log is the outermost layer; CORS answers preflights
+    # before the key is asked for, and puts its headers on refusals too.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(APIKey, api_key=api_key)
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                       allow_credentials=cors.allow_credentials, allow_methods=list(cors.allowed_methods),
+                       allow_headers=list(cors.allowed_headers))
     app.add_middleware(RequestLog)
 
     @app.exception_handler(APIError)
@@ -66,31 +93,35 @@ def create_app(engine, model: ServedModel, *, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
+        """vLLM's ModelList: every served name, its root the model as the user named it."""
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "l3worker", "root": model.model_dir,
-             "parent": None, "max_model_len": model.max_model_len} for name in model.names]}
+            {"id": name, "object": "model", "created": created, "owned_by": "l3worker",
+             "root": model.root or model.model_dir, "parent": None, "max_model_len": model.max_model_len,
+             "permission": [_permission(created)]} for name in model.names]}
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if client.healthy else 503)
+
+    # SageMaker's probe, which vLLM answers as /health, on both methods
+    app.get("/ping", operation_id="ping_get")(health)
+    app.post("/ping", operation_id="ping_post")(health)
+
+    @app.get("/version")
+    async def get_version() -> dict:
+        return {"version": version()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(await engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict:
-        model.resolve(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("give exactly one of prompt and messages", "prompt")
-        if req.messages is not None:
-            ids = model.chat_prompt(req)
-        else:
-            if model.tokens is None:
-                raise bad_request("this model has no tokenizer.json", "prompt")
-            ids = model.tokens.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        strs = [model.tokens.token_text(t) for t in ids] if req.return_token_strs else None
-        return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
+    async def post_tokenize(req: TokenizeRequest) -> dict:
+        return tokenize(req, model)
+
+    @app.post("/detokenize")
+    async def post_detokenize(req: DetokenizeRequest) -> dict:
+        return detokenize(req, model)
 
     if enable_tokenizer_info:
         info = tokenizer_info(model.model_dir, model.chat_template)
@@ -99,17 +130,15 @@ def create_app(engine, model: ServedModel, *, api_key: str | None = None,
         async def get_tokenizer_info() -> dict:
             return info
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict:
-        model.resolve(req.model)
-        if model.tokens is None:
-            raise bad_request("this model has no tokenizer.json", "tokens")
-        for t in req.tokens:
-            if not 0 <= t < model.vocab_size:
-                raise bad_request(f"tokens: token id {t} outside [0, {model.vocab_size}) (vocab_size)", "tokens")
-        return {"prompt": model.tokens.decode(req.tokens)}
-
     return app
+
+
+def _permission(created: int) -> dict:
+    """vLLM's ModelPermission, with its values (an OpenAI field clients may still read)."""
+    return {"id": new_id("modelperm"), "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def _dotted(loc: list[str]) -> str:

@@ -6,6 +6,7 @@ the environment transformers gives it: trim_blocks, lstrip_blocks, the loop-cont
 tokens (bos_token, eos_token, ...) are template variables, as in transformers."""
 from __future__ import annotations
 
+import codecs
 import json
 from datetime import datetime
 from pathlib import Path
@@ -61,6 +62,19 @@ def _template_from_config(value: Any) -> str | None:
     return None
 
 
+def _template_text(override: str | Path) -> tuple[str, str]:
+    """--chat-template, as vLLM reads it: a file, or else the template itself written on one line
+    (with its escapes, such as \\n, decoded); (source, origin)."""
+    try:
+        return Path(override).read_text(encoding="utf-8"), str(override)
+    except (OSError, ValueError) as e:
+        text = str(override)
+        if isinstance(override, Path) or not any(c in text for c in "{}\n"):
+            raise ValueError(f"--chat-template {text!r} looks like a file path, but it cannot be read: {e}") from None
+        # Escapes are decoded as vLLM does; non-ASCII text would not survive that, so it stays as written.
+        return (codecs.decode(text, "unicode_escape") if text.isascii() else text), "--chat-template"
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None, origin: str = "<string>"):
         self.source = source
@@ -84,8 +98,8 @@ class ChatTemplate:
             config = loaded if isinstance(loaded, dict) else {}
         special = {name: tok for name in SPECIAL_TOKEN_NAMES if (tok := _token_content(config.get(name)))}
         if override is not None:
-            path = Path(override)
-            return cls(path.read_text(encoding="utf-8"), special, str(path))
+            source, origin = _template_text(override)
+            return cls(source, special, origin)
         jinja_file = model_dir / "chat_template.jinja"
         if jinja_file.is_file():
             return cls(jinja_file.read_text(encoding="utf-8"), special, str(jinja_file))

@@ -25,8 +25,9 @@ class ChatCompletion(Generation):
     req: ChatCompletionRequest
 
     def __init__(self, req: ChatCompletionRequest, model_name: str, prompts: list[list[int]], fmt: TokenFormatter,
-                 reader: ReplyReader | None = None):
+                 reader: ReplyReader | None = None, role: str = "assistant"):
         super().__init__(req, model_name, prompts, fmt)
+        self.role = role  # ServedModel.chat_role
         self.reader = reader  # None: the reply is all content, as the model wrote it
         self.readers: dict[int, ReplyReader] = {}  # streamed choices' parsers
 
@@ -38,7 +39,7 @@ class ChatCompletion(Generation):
         return "tool_calls" if called and s.finish_reason in ("stop", "length") else s.finish_reason
 
     def choice(self, i: int, out: RequestOutput, s: CompletionOutput) -> dict:
-        message = {"role": "assistant", "content": s.text or "", "refusal": None}
+        message = {"role": self.role, "content": s.text or "", "refusal": None}
         called = False
         if self.reader is not None:
             piece = self.reader.whole(s.text or "")
@@ -90,8 +91,8 @@ class ChatCompletion(Generation):
             into["reasoning_content"] = into["reasoning"] = reasoning
 
     def opening(self) -> list[dict]:
-        # Every choice opens with the assistant role, as OpenAI's stream does.
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        # Every choice opens with the reply's role, as OpenAI's stream does.
+        return [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
                 for i in range(self.req.n)]
 
 
@@ -99,10 +100,12 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
                                  client: EngineClient) -> Response:
     model_name = model.resolve(req.model)
     text = model.chat_text(req)
-    prompt = model.chat_prompt(req, text)
+    prompt = model.chat_prompt(req, text, req.add_special_tokens)
     params = model.chat_params(req, len(prompt), prompt)
     reasoning = model.parsing.reasoning_parser is not None
     tools = model.parses_tools(req)
     reader = ReplyReader(reasoning, tools, reasoning and prompt_opens_think(text)) if reasoning or tools else None
     fmt = TokenFormatter(model.tokens, model.token_ids_as_text(req))
-    return await respond(request, ChatCompletion(req, model_name, [prompt], fmt, reader), client, [params])
+    gen = ChatCompletion(req, model_name, [prompt], fmt, reader, model.chat_role(req))
+    model.log_request(gen.request_id, [prompt], [params])
+    return await respond(request, gen, client, [params])

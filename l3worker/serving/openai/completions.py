@@ -77,4 +77,6 @@ async def create_completion(request: Request, req: CompletionRequest, model: Ser
     model_name = model.resolve(req.model)
     prompts = model.completion_prompts(req)
     params = [model.completion_params(req, len(p), p) for p in prompts]
-    return await respond(request, Completion(req, model_name, prompts, TokenFormatter(model.tokens, model.token_ids_as_text(req))), client, params)
+    gen = Completion(req, model_name, prompts, TokenFormatter(model.tokens, model.token_ids_as_text(req)))
+    model.log_request(gen.request_id, prompts, params)
+    return await respond(request, gen, client, params)

@@ -8,7 +8,7 @@ from l3worker.serving.openai.protocol import error_body
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -29,7 +29,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def model_not_found(name: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    """vLLM's body for a model the server does not serve."""
+    return APIError(404, f"The model `{name}` does not exist.", type_="NotFoundError", param="model", code=404)
 
 
 def unauthorized() -> APIError:

@@ -16,7 +16,7 @@ log = logging.getLogger("l3worker.serving")
 request_log = logging.getLogger("l3worker.serving.requests")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 16 MiB: a 2M-token prompt as an id list still fits
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no key
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")  # probes and scrapers need no key
 
 
 class RequestLog:
@@ -51,16 +51,26 @@ class RequestLog:
                      scope["path"], status, time.perf_counter() - t0, f" {detail()}" if detail else "")
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without --root-path, which uvicorn puts in front of it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class APIKey:
-    def __init__(self, app: ASGIApp, api_key: str | None):
+    """vLLM's --api-key: one key or several, any of which is accepted."""
+
+    def __init__(self, app: ASGIApp, api_key: str | list[str] | tuple[str, ...] | None):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.expected = [f"Bearer {k}".encode() for k in keys if k]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if not self.expected or scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = Headers(scope=scope).get("authorization", "").encode()
-        if not hmac.compare_digest(given, self.expected):
+        # Every key is compared, so that the time taken does not tell which one was close.
+        if not sum(hmac.compare_digest(given, key) for key in self.expected):
             return await unauthorized().response()(scope, receive, send)
         await self.app(scope, receive, send)
 

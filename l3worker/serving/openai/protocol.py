@@ -100,17 +100,21 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last message (add_generation_prompt=false)
+    add_special_tokens: bool = False  # the tokenizer's own specials around the rendered chat
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize: a prompt, or chat messages rendered through the template."""
+    """vLLM's /tokenize: a prompt (TokenizeCompletionRequest), or chat messages rendered through the
+    template (TokenizeChatRequest), in one body."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: vLLM's defaults, true for a prompt and false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False

@@ -5,9 +5,9 @@ before anything reaches the engine; the engine's own checks still stand behind t
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 from l3worker.params import SamplingParams
@@ -17,44 +17,19 @@ from l3worker.structured.tool_parsers import TOOL_CALL_START
 from l3worker.serving.openai.chat import ChatTemplate, ChatTemplateError
 from l3worker.serving.openai.chat_reply import ChatParsing
 from l3worker.serving.openai.errors import bad_request, model_not_found
+from l3worker.serving.openai.generation_config import GenerationDefaults, RequestSeeds
 from l3worker.serving.openai.protocol import (MAX_TOP_LOGPROBS, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                       TokenizeRequest, _Sampling)
 from l3worker.serving.openai.tokens import Tokens
 
-_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """Sampling defaults for fields a request leaves out: the checkpoint's generation_config.json
-    (as vLLM's --generation-config auto), else OpenAI's."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "GenerationDefaults":
-        path = Path(model_dir) / "generation_config.json"
-        if not path.is_file():
-            return cls()
-        with path.open(encoding="utf-8") as f:
-            raw = json.load(f)
-        found = {k: raw[k] for k in _DEFAULTABLE if isinstance(raw, dict) and isinstance(raw.get(k), (int, float))}
-        return cls(**found)
-
-    def overrides(self) -> dict[str, float]:
-        """The fields that differ from OpenAI's defaults (for the startup log)."""
-        return {k: getattr(self, k) for k in _DEFAULTABLE if getattr(self, k) != getattr(GenerationDefaults, k)}
+request_log = logging.getLogger("l3worker.serving.received")  # --enable-log-requests
 
 
 @dataclass
 class ServedModel:
     """What the API needs to know of the engine's model."""
 
-    names: tuple[str, ...]  # --served-model-name; the first is the default
+    names: tuple[str, ...]  # --served-model-name, else the model as named; the first is the one reported
     model_dir: str
     max_model_len: int
     vocab_size: int
@@ -63,14 +38,25 @@ class ServedModel:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     parsing: ChatParsing = field(default_factory=ChatParsing)
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: a request's default
+    root: str = ""  # /v1/models' root: the model as the user named it (path or Hub id)
+    max_logprobs: int = MAX_TOP_LOGPROBS  # --max-logprobs
+    response_role: str = "assistant"  # --response-role
+    seeds: RequestSeeds = field(default_factory=RequestSeeds)  # --seed
+    log_requests: bool = False  # --enable-log-requests
 
     def resolve(self, requested: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
-        if requested is None or requested == "":
-            return self.names[0]
-        if requested not in self.names:
+        """The name to answer with: the first served name, as vLLM reports it whichever alias a
+        request used; 404 for a model this server does not serve."""
+        if requested is not None and requested != "" and requested not in self.names:
             raise model_not_found(requested)
-        return requested
+        return self.names[0]
+
+    def log_request(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """--enable-log-requests: what each request asked for, as vLLM logs it."""
+        if self.log_requests:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                request_log.info("Received request %s%s: prompt_token_ids: %s, params: %s", request_id,
+                                 f"-{i}" if len(prompts) > 1 else "", prompt, p)
 
     # -- prompts ------------------------------------------------------------------------------------
     def encode(self, text: str, param: str) -> list[int]:
@@ -101,31 +87,42 @@ class ServedModel:
         return prompts
 
     def render_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None) -> str:
+                    tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
+                    continue_final_message: bool = False) -> str:
         if self.chat_template is None:
             raise bad_request("this model has no chat template (no chat_template in tokenizer_config.json); "
                               "start the server with --chat-template PATH, or use /v1/completions", "messages")
         if self.tokens is None:
             raise bad_request("this model has no tokenizer.json, so chat messages cannot be tokenized", "messages")
+        if continue_final_message and add_generation_prompt:
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              "continue_final_message")
         kwargs = dict(kwargs or {})
         for reserved in ("messages", "tools", "documents", "add_generation_prompt"):
             if reserved in kwargs:
                 raise bad_request(f"chat_template_kwargs: {reserved!r} is set by the request itself",
                                   "chat_template_kwargs")
+        dicts = [_message_dict(m, i) for i, m in enumerate(messages)]
         try:
-            return self.chat_template.render([_message_dict(m, i) for i, m in enumerate(messages)],
-                                             add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+            text = self.chat_template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **kwargs)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
+        return _open_final_message(text, dicts[-1].get("content")) if continue_final_message and dicts else text
 
     def chat_text(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         return self.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
-                                kwargs=req.chat_template_kwargs)
+                                kwargs=req.chat_template_kwargs, continue_final_message=req.continue_final_message)
 
-    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, text: str | None = None) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest, text: str | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
         """The prompt's ids; `text` when the caller already rendered it."""
         text = self.chat_text(req) if text is None else text
-        return self.check_ids(self.tokens.encode(text), "messages")
+        return self.check_ids(self.tokens.encode(text, add_special_tokens=add_special_tokens), "messages")
+
+    def chat_role(self, req: ChatCompletionRequest) -> str:
+        """The reply's role, vLLM's rule: --response-role after a generation prompt, else the last message's."""
+        return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
     def parses_tools(self, req: ChatCompletionRequest) -> bool:
         """Whether tool calls are parsed from the reply. tool_choice defaults to "auto" when tools are
@@ -145,6 +142,12 @@ class ServedModel:
         """return_tokens_as_token_ids: the request's, else the server's."""
         asked = req.return_tokens_as_token_ids
         return self.return_tokens_as_token_ids if asked is None else asked
+
+    def check_logprobs(self, n: int | None, param: str, kind: str = "sample") -> None:
+        """vLLM's --max-logprobs refusal (a 400 naming the field)."""
+        if n is not None and n > self.max_logprobs:
+            raise bad_request(f"{param}: Requested {kind} logprobs of {n}, which is greater than max allowed: "
+                              f"{self.max_logprobs} (--max-logprobs)", param)
 
     def check_length(self, prompt_len: int, max_new_tokens: int, prompt_param: str, max_param: str) -> None:
         """vLLM's wording: the prompt plus the completion must fit in --max-model-len."""
@@ -206,6 +209,8 @@ class ServedModel:
                         structured: dict[str, Any] | None = None) -> SamplingParams:
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        for kind, n in (("sample", logprobs), ("prompt", prompt_logprobs)):
+            self.check_logprobs(n, logprobs_param, kind)
         d = self.defaults
         top_k = req.top_k if req.top_k is not None else d.top_k
         if top_k == -1:  # vLLM's spelling of "disabled"
@@ -217,7 +222,7 @@ class ServedModel:
             top_p=_first(req.top_p, d.top_p),
             top_k=top_k,
             min_p=_first(req.min_p, d.min_p),
-            seed=req.seed,
+            seed=req.seed if req.seed is not None else self.seeds.next(),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
@@ -266,9 +271,9 @@ class ServedModel:
         if max_new < 1:
             raise bad_request(f"{max_param} must be >= 1, got {max_new}", max_param)
         if req.top_logprobs is not None:
-            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
-                                  "top_logprobs")
+            if req.top_logprobs < 0:
+                raise bad_request(f"top_logprobs must be >= 0, got {req.top_logprobs}", "top_logprobs")
+            self.check_logprobs(req.top_logprobs, "top_logprobs")
             if req.top_logprobs > 0 and not req.logprobs:
                 raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         self.check_length(prompt_len, max_new, "messages", max_param)
@@ -296,6 +301,17 @@ def _renamed(message: str, names: dict[str, str]):
         message = re.sub(rf"\b{engine_name}\b", api_name, message)
     m = _LEADING_NAME.match(message)
     return bad_request(message, m.group(1) if m else None)
+
+
+def _open_final_message(text: str, final: Any) -> str:
+    """continue_final_message, as transformers does it: the rendered chat cut right after the last
+    message's content, so that the model continues that message."""
+    final = final if isinstance(final, str) else ""
+    for piece in (final, final.strip()):
+        if piece and piece in text:
+            return text[:text.rindex(piece) + len(piece)]
+    raise bad_request("continue_final_message: the final message's content does not appear in the chat the "
+                      "template rendered", "continue_final_message")
 
 
 def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:

@@ -1,0 +1,159 @@
+"""KV-cache pages from a share of the device's memory: vLLM's `gpu_memory_utilization`.
+
+vLLM gives the KV cache what is left of `gpu_memory_utilization` x the device's memory once the
+weights (and its profiled activations) are in. The parent computes the same before any child
+starts, from the model's KV bytes per token and its weight bytes; activations are not measured
+here, which is why the fraction should leave them room. On a cpu the "device" is the memory the
+process may use (the machine's RAM, or its cgroup's limit when lower), shared by every child on the
+node; an accelerator's is that device's own memory, read in a short subprocess so that the parent
+never opens a device.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from chip_child.models.loader import ModelConfig, expected_tensor_shapes
+
+GIB = 1 << 30
+MAX_SLOTS = 2**31 - 1  # KV slot ids (page * page_size + offset) are int32 on the wire
+_PROBE_TIMEOUT_S = 120.0
+# The device's total memory and what is free now, in bytes, from a child that exits at once.
+_PROBE = """import sys, torch
+kind, index = sys.argv[1], int(sys.argv[2])
+if kind == "npu":
+    import torch_npu  # noqa: F401
+mod = getattr(torch, kind)
+free, total = mod.mem_get_info(index)
+print(total, free)
+"""
+
+
+@dataclass(frozen=True)
+class KvSizing:
+    """How many KV pages a memory fraction buys: every figure per device (a cpu node is one device)."""
+
+    fraction: float  # gpu_memory_utilization
+    memory_bytes: int  # what the fraction is of
+    weight_bytes: int  # the weights held in that memory
+    page_bytes: int  # one page of every layer's K and V, over the ranks sharing the memory
+    num_pages: int  # usable pages (the scratch page 0 not counted)
+    page_size: int
+    device: str  # "cpu" or "cuda:N" / "npu:N": where memory_bytes was read
+
+    @property
+    def tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def describe(self) -> str:
+        return (f"{self.num_pages} KV pages ({self.tokens} tokens) in {self.fraction} of {_size(self.memory_bytes)} "
+                f"({self.device}) less {_size(self.weight_bytes)} of weights")
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    """K and V over every layer for one token position (`cfg`: one rank's view, its share of the heads)."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """The weights of `cfg` (one rank's view under tensor parallelism) in the runtime dtype;
+    quantized projections take one byte an element (their scales are small enough to ignore)."""
+    total = 0
+    for name, shape in expected_tensor_shapes(cfg).items():
+        quantized = cfg.quantization is not None and name.endswith("_proj.weight") and len(shape) == 2
+        total += math.prod(shape) * (1 if quantized else itemsize)
+    return total
+
+
+def cpu_memory_bytes() -> int:
+    """The memory this process may use: physical RAM, or the cgroup's limit when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_memory_limit()
+    return min(total, limit) if limit is not None else total
+
+
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """This process's cgroup memory limit (v2's memory.max or v1's memory.limit_in_bytes); None
+    when there is none or it cannot be read."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    candidates: list[Path] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        rel = path.lstrip("/")
+        if hierarchy == "0" and controllers == "":  # v2, unified
+            candidates += [Path(root) / rel / "memory.max", Path(root) / "memory.max"]
+        elif "memory" in controllers.split(","):  # v1
+            candidates += [Path(root) / "memory" / rel / "memory.limit_in_bytes",
+                           Path(root) / "memory" / "memory.limit_in_bytes"]
+    limits = []
+    for candidate in candidates:
+        try:
+            text = candidate.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 writes a huge number for "no limit", v2 "max"
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def accelerator_memory_bytes(kind: str, device_id: int) -> tuple[int, int]:
+    """(total, free) bytes of `kind` device `device_id`, read by a subprocess (the parent opens no device)."""
+    why = "no answer"
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, kind, str(device_id)], capture_output=True, text=True,
+                              timeout=_PROBE_TIMEOUT_S)
+        if done.returncode == 0:
+            total, free = (int(x) for x in done.stdout.split())
+            return total, free
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    except (subprocess.SubprocessError, ValueError, OSError) as e:
+        why = str(e)
+    raise ValueError(f"gpu_memory_utilization: cannot read the memory of {kind} device {device_id}: {why}")
+
+
+def size_kv_cache(cfg: ModelConfig, *, fraction: float, kind: str, device_id: int, itemsize: int,
+                  local_ranks: int, page_size: int, max_seq_len: int,
+                  memory: tuple[int, int] | None = None) -> KvSizing:
+    """The pages `fraction` of the memory holds once the weights are in. `cfg` is one rank's view
+    (shard_config); `local_ranks` of them share a cpu node's memory. `memory`: (total, free)
+    instead of reading it (tests). ValueError naming gpu_memory_utilization when out of (0, 1], when
+    an accelerator has less free than the fraction asks, or when one row of max_seq_len does not fit."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise TypeError(f"gpu_memory_utilization must be a float in (0, 1], got {fraction!r}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+    on_cpu = kind == "cpu"
+    if memory is None:
+        memory = (cpu_memory_bytes(),) * 2 if on_cpu else accelerator_memory_bytes(kind, device_id)
+    total, free = memory
+    requested = int(fraction * total)
+    where = "cpu" if on_cpu else f"{kind}:{device_id}"
+    if not on_cpu and free < requested:  # vLLM's start-up check: another process holds the memory
+        raise ValueError(f"gpu_memory_utilization={fraction}: {where} has {_size(free)} free of {_size(total)}, "
+                         f"less than the {_size(requested)} asked for; lower it")
+    sharing = local_ranks if on_cpu else 1  # a cpu node's ranks share one memory
+    weights = weight_bytes(cfg, itemsize) * sharing
+    page_bytes = kv_bytes_per_token(cfg, itemsize) * page_size * sharing
+    # One page more than the usable ones: page 0 is the scratch page idle rows write to.
+    num_pages = min(max(requested - weights, 0) // page_bytes - 1, MAX_SLOTS // page_size - 1)
+    sizing = KvSizing(fraction, total, weights, page_bytes, max(num_pages, 0), page_size, where)
+    row_pages = math.ceil(max_seq_len / page_size)
+    if num_pages < row_pages:
+        raise ValueError(f"gpu_memory_utilization={fraction} leaves {sizing.describe()}; one row of "
+                         f"max_seq_len={max_seq_len} needs {row_pages} pages of {page_size} tokens: raise "
+                         "gpu_memory_utilization or lower max_seq_len")
+    return sizing
