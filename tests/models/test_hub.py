@@ -2,7 +2,6 @@
 as huggingface_hub lays it out (no network here: HF_HUB_OFFLINE answers from the cache alone)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -10,22 +9,8 @@ from huggingface_hub import constants
 
 from chip_child.models.tiny_model import ensure_tiny_model
 from l3worker import DistributedWorker, SamplingParams
+from hub_cache import COMMIT, REPO, lay_out_hub_cache
 from l3worker.hub import resolve_model
-
-REPO = "l3test/tiny-qwen3"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def lay_out_hub_cache(hub_cache: Path, repo: str = REPO, commit: str = COMMIT, ref: str = "main") -> Path:
-    """The built-in tiny model as huggingface_hub caches a snapshot: models--org--name/refs/<ref>
-    holds the commit, snapshots/<commit>/ the files. Returns the snapshot directory."""
-    storage = hub_cache / ("models--" + repo.replace("/", "--"))
-    snapshot = storage / "snapshots" / commit
-    shutil.copytree(ensure_tiny_model(), snapshot)
-    (storage / "refs").mkdir(parents=True, exist_ok=True)
-    (storage / "refs" / ref).write_text(commit)
-    return snapshot
-
 
 @pytest.fixture
 def offline(monkeypatch):

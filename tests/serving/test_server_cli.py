@@ -11,6 +11,7 @@ import httpx
 import psutil
 import pytest
 
+from hub_cache import REPO, lay_out_hub_cache
 from server_helpers import sse_events
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
@@ -118,23 +119,7 @@ def test_the_cpu_layout_flag_reaches_the_worker_and_is_reported(served) -> None:
     assert s.proc.wait(60) == 2
 
 
-def _hub_helpers():
-    """tests/models/test_hub.py's Hub-cache layout (that folder is on sys.path only when its tests run too)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    module = sys.modules.get("test_hub")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("test_hub", Path(__file__).parent.parent / "models" / "test_hub.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module.REPO, module.lay_out_hub_cache
-
-
 def test_a_hub_id_is_served_under_that_id_from_the_offline_cache(served, tmp_path) -> None:
-    REPO, lay_out_hub_cache = _hub_helpers()
-
     hf_home = tmp_path / "hf"
     lay_out_hub_cache(hf_home / "hub")
     s = served(REPO, "--max-model-len", "256", "--block-size", "16", env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
