@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 import zmq
@@ -73,10 +73,9 @@ class HeadlessNode:
             for rank in self.layout.local_ranks:
                 link, monitor = link_socket(ctx)
                 link.connect(endpoint)
-                reg = Registration(rank, *[getattr(self.registration, f) for f in
-                                           ("dp_size", "model", "max_model_len", "vocab_size")])
+                reg = replace(self.registration, rank=rank)
                 link.send_multipart([REGISTER, reg.to_wire()])
-                ranks.append(_Rank(rank, link, monitor, Silence()))
+                ranks.append(_Rank(rank, link, monitor, Silence(self.layout.silence_s)))
             log.info("data-parallel ranks %d..%d: waiting for the head at %s", ranks[0].rank, ranks[-1].rank,
                      endpoint)
             return self._serve(ranks)

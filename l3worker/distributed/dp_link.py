@@ -5,7 +5,7 @@ and the head (vLLM's flags: `--data-parallel-size N --data-parallel-size-local M
 The head (l3worker/distributed/dp_remote.py) binds one ZeroMQ ROUTER at tcp://ADDR:P; each remote
 engine core's node (l3worker/distributed/dp_headless.py) connects one DEALER per engine rank. Frames,
 node -> head (the ROUTER prepends the link's identity):
-  [register, msgpack{rank, dp_size, model, max_model_len, vocab_size}]  first, once
+  [register, msgpack{rank, dp_size, model, max_model_len, vocab_size, fingerprint}]  first, once
   [ctl, api-identity, payload]   a control reply of the core (l3worker/serving/core_wire.py, unchanged)
   [out, api-index, payload]      an outputs message of the core (one per step, unchanged)
   [ping]                         every HEARTBEAT_S
@@ -14,20 +14,23 @@ head -> node:
   [welcome, msgpack{api_server_count}] | [refused, text]   the answer to register
   [ctl, api-identity, payload]   a control message of API server api-identity (add, abort, ...)
   [ping] | [stop]
-Either side that hears nothing for SILENCE_S (pings included) takes the other for gone; a
-closed connection is seen at once.
+Either side that hears nothing for --data-parallel-silence-timeout (pings included) takes the
+other for gone; a closed connection is seen at once. A rank that was lost may register again (a
+restarted node): the head takes it back, and its API servers route to it again.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
+
+from chip_child.models.fingerprint import mismatch
 
 REGISTER, WELCOME, REFUSED = b"register", b"welcome", b"refused"
 CTL, OUT, PING, GONE, STOP = b"ctl", b"out", b"ping", b"gone", b"stop"
 HEARTBEAT_S = 1.0  # a ping each way every second, busy or idle
-SILENCE_S = 3.0  # nothing from the other side for this long: it is gone
+SILENCE_S = 3.0  # nothing from the other side for this long: it is gone (the default of the flag)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class DpLayout:
     address: str | None = None
     rpc_port: int | None = None
     headless: bool = False
+    silence_s: float = SILENCE_S  # --data-parallel-silence-timeout: either side quiet this long is gone
 
     @property
     def local(self) -> int:
@@ -95,9 +99,12 @@ class Registration:
     model: str  # the model's name (the checkpoint directory's, or the built-in one's)
     max_model_len: int
     vocab_size: int
+    # chip_child.models.fingerprint of its checkpoint: same-shaped other weights are refused too
+    fingerprint: dict[str, str] = field(default_factory=dict)
 
     def to_wire(self) -> bytes:
-        return msgpack.packb([self.rank, self.dp_size, self.model, self.max_model_len, self.vocab_size])
+        return msgpack.packb([self.rank, self.dp_size, self.model, self.max_model_len, self.vocab_size,
+                              self.fingerprint])
 
     @classmethod
     def from_wire(cls, data: bytes) -> "Registration":
@@ -110,13 +117,17 @@ class Registration:
             mine, theirs = getattr(self, name), getattr(head, name)
             if mine != theirs:
                 return f"{flag} differs: the head has {theirs!r}, data-parallel rank {self.rank} has {mine!r}"
+        differs = mismatch(self.fingerprint, head.fingerprint)
+        if differs is not None:
+            return f"data-parallel rank {self.rank}'s checkpoint is not the head's model: {differs}"
         return None
 
 
 class Silence:
     """When the other side was last heard from, and when ours is due a ping."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit_s: float = SILENCE_S) -> None:
+        self.limit_s = limit_s
         self.heard = self.pinged = time.monotonic()
 
     def hear(self) -> None:
@@ -131,4 +142,4 @@ class Silence:
 
     @property
     def silent(self) -> bool:
-        return time.monotonic() - self.heard > SILENCE_S
+        return time.monotonic() - self.heard > self.limit_s

@@ -42,6 +42,7 @@ class RemoteConfig:
     parent_pid: int
     expected: dict  # Registration fields every rank must match (its rank aside)
     startup_timeout_s: float = 600.0
+    silence_s: float = SILENCE_S  # a registered rank quiet this long is lost (until it registers again)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -155,17 +156,23 @@ class RemoteEngines:
         if reason is None and reg.rank not in self.ranks:
             reason = (f"data-parallel rank {reg.rank} is not one the head waits for (ranks "
                       f"{self.ranks[0]}..{self.ranks[-1]}; check --data-parallel-start-rank)")
-        if reason is None and reg.rank in self.lost:
-            reason = f"data-parallel rank {reg.rank} was lost; restart the head to serve it again"
-        if reason is None and reg.rank in self.peer:
+        if reason is None and reg.rank in self.peer and reg.rank not in self.lost:
             reason = f"data-parallel rank {reg.rank} is already connected"
         if reason is not None:
             log.error("refused a remote engine: %s", reason)
             self._send(None, [ident, REFUSED, reason.encode()])
             return
-        self.peer[reg.rank], self.rank_of[ident], self.silence[reg.rank] = ident, reg.rank, Silence()
-        log.info("data-parallel rank %d connected", reg.rank)
+        back = reg.rank in self.lost  # a restarted node: its API servers route to it again
+        if back:
+            self.lost.discard(reg.rank)
+            self.rank_of.pop(self.peer[reg.rank], None)
+        self.peer[reg.rank], self.rank_of[ident] = ident, reg.rank
+        self.silence[reg.rank] = Silence(self.config.silence_s)
+        log.info("data-parallel rank %d %s", reg.rank, "is back" if back else "connected")
         self._send(reg.rank, [ident, WELCOME, msgpack.packb({"api_server_count": len(self.pushes)})])
+        if back:
+            for index in range(len(self.pushes)):
+                self.controls[reg.rank].send_multipart([identity(index), pack(["back"])])
         for frames in self.pending.pop(reg.rank, []):
             self._to_rank(reg.rank, frames)
 
@@ -185,7 +192,7 @@ class RemoteEngines:
             silence = self.silence[rank]
             if silence.silent:
                 self._lose(rank, f"data-parallel rank {rank}'s node went silent (nothing for "
-                                 f"{SILENCE_S:g} s)")
+                                 f"{silence.limit_s:g} s)")
             elif silence.ping_due() or force:
                 self._send(rank, [ident, PING])
 

@@ -29,7 +29,8 @@ DP_NODE_FLAGS = ("--data-parallel-size-local", "--data-parallel-start-rank", "--
 def dp_layout(args: argparse.Namespace) -> DpLayout:
     """Which data-parallel ranks this command runs, from the flags (checked by data_parallel_refusal)."""
     return DpLayout(args.data_parallel_size, args.data_parallel_size_local, args.data_parallel_start_rank or 0,
-                    args.data_parallel_address, args.data_parallel_rpc_port, headless_dp(args))
+                    args.data_parallel_address, args.data_parallel_rpc_port, headless_dp(args),
+                    args.data_parallel_silence_timeout)
 
 
 def headless_dp(args: argparse.Namespace) -> bool:
@@ -46,6 +47,8 @@ def data_parallel_refusal(args: argparse.Namespace) -> str | None:
     """Why these data-parallel arguments cannot be served, naming the flag, or None."""
     if args.data_parallel_size < 1:
         return f"--data-parallel-size must be >= 1, got {args.data_parallel_size}"
+    if not args.data_parallel_silence_timeout > 1.0:  # above the one-second ping, or every link is lost
+        return f"--data-parallel-silence-timeout must be > 1 second, got {args.data_parallel_silence_timeout}"
     if getattr(args, "nnodes", 1) > 1:
         given = [f for f in DP_NODE_FLAGS if _given(args, f)]
         if given:
@@ -147,6 +150,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     if args.headless:
         return headless_dp_command(args) if headless_dp(args) else headless_command(args)
+    from chip_child.models.fingerprint import checkpoint_fingerprint
     from l3worker import DistributedWorker  # heavy imports after the arguments are known good
     from l3worker.serving.launcher import DataParallel, launch_api_servers, launch_core
 
@@ -169,9 +173,11 @@ def serve_command(args: argparse.Namespace) -> int:
         model = served_model(worker, options, info)
         remote = None if not layout.remote else dict(  # what the relay for the other ranks needs
             endpoint=layout.endpoint(), startup_timeout_s=worker.startup_timeout_s or 600.0,
+            silence_s=layout.silence_s,
             expected=dict(dp_size=dp.size, model=Path(worker.model_dir).name,
                           max_model_len=worker.runtime_config.max_seq_len,
-                          vocab_size=worker.model_config.vocab_size))
+                          vocab_size=worker.model_config.vocab_size,
+                          fingerprint=checkpoint_fingerprint(worker.model_dir)))
     except (ValueError, TypeError, OSError) as e:
         print(f"l3worker serve: {e}", file=sys.stderr)
         return 2
@@ -286,6 +292,7 @@ def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int,
 
 def headless_dp_command(args: argparse.Namespace) -> int:
     """This node's data-parallel engines for the head, until the head goes away or SIGTERM."""
+    from chip_child.models.fingerprint import checkpoint_fingerprint
     from l3worker import DistributedWorker
     from l3worker.distributed.dp_headless import run_headless
     from l3worker.distributed.dp_link import Registration
@@ -303,7 +310,7 @@ def headless_dp_command(args: argparse.Namespace) -> int:
         print(f"l3worker serve --headless: {e}", file=sys.stderr)
         return 2
     registration = Registration(layout.start_rank, layout.size, Path(info.model_dir).name, info.max_seq_len,
-                                info.vocab_size)
+                                info.vocab_size, checkpoint_fingerprint(info.model_dir))
     return run_headless(layout, worker_kwargs, registration)
 
 

@@ -11,7 +11,8 @@ and its readiness fails every open stream and turns /health and new requests int
 engine stops the service: its requests are gone, as vLLM does). An engine on another node that is
 lost (its relay, l3worker/distributed/dp_remote.py, says ["lost", text] on its control socket) fails
 its own requests, leaves the router and turns /health into 503; the others keep serving what is
-routed to them. All metrics live in the cores:
+routed to them. When it registers again (["back"]), it is asked "hello" and rejoins on its answer.
+All metrics live in the cores:
 whichever API server answers a scrape asks every core and shows each engine's series under an
 `engine` label.
 """
@@ -255,6 +256,14 @@ class CoreClient:
                     future.set_result(msg[2])
             elif kind == "lost":
                 self._lose(engine, msg[1])
+            elif kind == "back":  # a lost remote engine registered again: ask how it is
+                await control.send(pack(["hello"]))
+            elif kind == "ready" and engine in self._lost:  # its answer: it serves again
+                del self._lost[engine]
+                self._core_healthy[engine] = msg[1]
+                if self.router:
+                    self.router.down.discard(engine)
+                log.warning("data-parallel engine %d is back", engine)
 
     def _lose(self, engine: int, text: str) -> None:
         """A remote engine is gone: its requests fail, the router skips it, /health says 503."""

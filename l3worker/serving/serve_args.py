@@ -10,6 +10,7 @@ import re
 
 from chip_child.device import CPU_LAYOUTS, DEVICE_TYPES
 from chip_child.spec.config import SpeculativeConfig
+from l3worker.distributed.dp_link import SILENCE_S
 from l3worker.distributed.router import ROUTINGS
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
 from l3worker.serving.openai.chat_reply import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -145,6 +146,10 @@ def _parallel_args(g: argparse._ArgumentGroup) -> None:
                    help="the head's address, where engines on other nodes connect (it listens there)")
     g.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None, metavar="P",
                    help="the head's port for engines on other nodes (tcp)")
+    g.add_argument("--data-parallel-silence-timeout", type=float, default=SILENCE_S, metavar="S",
+                   help="l3worker: a data-parallel node and its head that hear nothing from each other (pings "
+                        "come every second) for this long take the other for gone; a lost node may register "
+                        "again")
     g.add_argument("--data-parallel-routing", choices=ROUTINGS, default="cache_aware",
                    help="l3worker: which engine a request goes to: the one holding the longest prefix of its "
                         "prompt unless it is busier than the least loaded by half a batch (cache_aware), the "

@@ -141,6 +141,7 @@ def test_a_headless_node_exits_when_its_head_is_killed(served, node, tmp_path: P
       "70000"], "--data-parallel-rpc-port must be a port"),
     (["-dp", "2", "--data-parallel-start-rank", "1"], "--data-parallel-start-rank belongs to --headless"),
     (["--nnodes", "2", "--data-parallel-address", "h"], "--data-parallel-address with --nnodes"),
+    (["-dp", "2", "--data-parallel-silence-timeout", "0.5"], "--data-parallel-silence-timeout must be > 1 second"),
 ])
 def test_bad_data_parallel_node_flags_are_refused_by_name(argv, named, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -203,6 +204,84 @@ def test_a_silent_node_is_lost_by_the_heartbeats_and_told_to_stop(tmp_path: Path
             kinds.append(link.recv_multipart()[0])
         assert STOP in kinds
         monitor.close(0)
+    finally:
+        relay.stopping = True
+        thread.join(30)
+        ctx.destroy(linger=0)
+
+
+def _relay(tmp_path: Path, **expected):
+    """A relay for rank 1 in a thread (silence limit 1.5 s), an API server's control socket and a
+    node's link to it: (relay, its thread, api, link, monitor, ctx)."""
+    import zmq
+
+    from l3worker.distributed.dp_remote import RemoteConfig, RemoteEngines
+    from l3worker.distributed.nodes import link_socket
+
+    config = RemoteConfig(f"tcp://127.0.0.1:{free_master_port(1)}", {"1": f"ipc://{tmp_path}/core-1"},
+                          [f"ipc://{tmp_path}/out-0"], os.getpid(),
+                          dict(dp_size=2, model="m", max_model_len=64, vocab_size=10, **expected), silence_s=1.5)
+    relay = RemoteEngines(config)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    ctx = zmq.Context()
+    api = ctx.socket(zmq.DEALER)
+    api.setsockopt(zmq.IDENTITY, b"api-0")
+    api.connect(config.controls["1"])
+    link, monitor = link_socket(ctx)
+    link.connect(config.endpoint)
+    return relay, thread, api, link, monitor, ctx, config
+
+
+def test_a_rank_with_other_weights_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    from l3worker.distributed.dp_link import REFUSED, REGISTER, Registration
+
+    relay, thread, api, link, monitor, ctx, _ = _relay(tmp_path, fingerprint={"config.json": "c", "w": "1"})
+    try:
+        link.send_multipart([REGISTER, Registration(1, 2, "m", 64, 10, {"config.json": "c", "w": "2"}).to_wire()])
+        assert link.poll(30_000)
+        kind, text = link.recv_multipart()
+        assert kind == REFUSED and text.decode() == \
+            "data-parallel rank 1's checkpoint is not the head's model: tensor w differs (dtype, shape or values)"
+        monitor.close(0)
+    finally:
+        relay.stopping = True
+        thread.join(30)
+        ctx.destroy(linger=0)
+
+
+def test_a_lost_rank_that_registers_again_is_taken_back(tmp_path: Path) -> None:
+    """Silent past --data-parallel-silence-timeout, rank 1 is lost; a node that registers as rank 1
+    again (a restart) is welcomed, and the API servers hear it is back."""
+    import msgpack
+
+    from l3worker.distributed.dp_link import REGISTER, WELCOME, Registration
+    from l3worker.distributed.nodes import link_socket
+    from l3worker.serving.core_wire import unpack
+
+    relay, thread, api, link, monitor, ctx, config = _relay(tmp_path)
+    try:
+        link.send_multipart([REGISTER, Registration(1, 2, "m", 64, 10).to_wire()])
+        assert link.recv_multipart()[0] == WELCOME
+        assert api.poll(30_000), "no lost message"
+        kind, text = unpack(api.recv())
+        assert kind == "lost" and "went silent (nothing for 1.5 s)" in text
+        again, again_monitor = link_socket(ctx)  # the restarted node's new connection
+        again.connect(config.endpoint)
+        again.send_multipart([REGISTER, Registration(1, 2, "m", 64, 10).to_wire()])
+        assert again.poll(30_000)
+        kind, body = again.recv_multipart()
+        assert kind == WELCOME and msgpack.unpackb(body) == {"api_server_count": 1}
+        assert api.poll(30_000) and unpack(api.recv()) == ["back"]
+        api.send(msgpack.packb(["hello"]))  # the API server's question reaches the new node
+        frames = []
+        while again.poll(5_000):
+            frames = again.recv_multipart()
+            if frames[0] != b"ping":
+                break
+        assert frames[0] == b"ctl" and msgpack.unpackb(frames[2]) == ["hello"]
+        for m in (monitor, again_monitor):
+            m.close(0)
     finally:
         relay.stopping = True
         thread.join(30)
