@@ -168,6 +168,7 @@ class L3:
     def generate(self, prompts: Sequence, new_tokens: int, **sampling: Any) -> np.ndarray:
         from l3worker import SamplingParams
 
+        sampling = {"temperature": 0.0, **sampling}  # greedy unless told otherwise, as hf_generate is
         outs = self.w.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, **sampling),
                                use_tqdm=False)
         return np.array([o.token_ids for o in outs], np.int32)

@@ -99,7 +99,7 @@ def test_token_id_prompts_match_transformers(make_checkpoint, hf_model) -> None:
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--max-new-tokens", "0"], r"^error: .*max_new_tokens"),
+    (["--max-new-tokens", "0"], r"^error: .*max_tokens"),
     (["--top-p", "1.5"], r"^error: .*top_p"),
     (["--copy-policy", "sometimes"], r"error: argument --copy-policy"),
     (["--device-ids", "zero"], r"error: argument --device-ids"),

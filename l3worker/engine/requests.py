@@ -11,7 +11,7 @@ import itertools
 import secrets
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,10 @@ from l3worker.engine.scheduler import Sequence
 
 if TYPE_CHECKING:
     from chip_child.step.runtime import RuntimeConfig
+
+# A request without SamplingParams: greedy, DistributedWorker's and the Engine's own default (the
+# LLM entrypoint fills in vLLM's defaults before a request gets here).
+DEFAULT_PARAMS = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -75,7 +79,7 @@ class InputProcessor:
     def process(self, prompt, params: SamplingParams | None, request_id: str | None, stream: bool,
                 where: str, arrival: float | None = None) -> RequestState:
         """A validated request. Raises ValueError/TypeError naming the field (`where` names the prompt)."""
-        params = SamplingParams() if params is None else params
+        params = DEFAULT_PARAMS if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate(self.model_config.vocab_size)
@@ -86,9 +90,18 @@ class InputProcessor:
                              "tokenizer.json")
         ids = token_ids(prompt, self.tokenizer, self.model_config.vocab_size, where, self.model_dir)
         cfg = self.runtime_config
-        steps = max(params.max_new_tokens, 1)
+        if params.max_tokens is None:  # vLLM's "until the sequence is full"
+            room = cfg.max_seq_len - len(ids)
+            if room < 1:
+                raise ValueError(f"{where}: prompt length {len(ids)} leaves no room for output within "
+                                 f"max_seq_len={cfg.max_seq_len}")
+            if params.min_tokens > room:
+                raise ValueError(f"min_tokens must be in [0, {room}] (the room max_tokens=None leaves after the "
+                                 f"prompt), got {params.min_tokens}")
+            params = replace(params, max_tokens=room)
+        steps = max(params.max_tokens, 1)
         if len(ids) + steps > cfg.max_seq_len:
-            raise ValueError(f"{where}: prompt length {len(ids)} + max_new_tokens {params.max_new_tokens} "
+            raise ValueError(f"{where}: prompt length {len(ids)} + max_tokens {params.max_tokens} "
                              f"exceeds max_seq_len={cfg.max_seq_len}")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")

@@ -234,7 +234,7 @@ def test_bad_request_is_refused_and_running_requests_are_untouched(worker, solo)
     engine.step()
     for bad, match in ((SamplingParams(temperature=0.0, top_p=0.0), "top_p"), (SamplingParams(temperature=0.0, presence_penalty=3.0), "presence_penalty"),
                        (SamplingParams(temperature=0.0, n=0), "n must"), (SamplingParams(temperature=0.0, logprobs=21), "logprobs"),
-                       (SamplingParams(temperature=0.0, stop=[""]), "stop"), (SamplingParams(temperature=0.0, max_new_tokens=0), "max_new_tokens")):
+                       (SamplingParams(temperature=0.0, stop=[""]), "stop"), (SamplingParams(temperature=0.0, max_new_tokens=0), "max_tokens")):
         with pytest.raises(ValueError, match=match):
             engine.add_request(ps[1], bad)
     with pytest.raises(ValueError, match="max_seq_len=256"):

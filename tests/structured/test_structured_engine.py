@@ -41,7 +41,7 @@ def worker():
 
 
 def params(**kw) -> SamplingParams:
-    return SamplingParams(**{"max_new_tokens": 100, "structured_outputs": JSON, **kw})
+    return SamplingParams(**{"max_new_tokens": 100, "temperature": 0.0, "structured_outputs": JSON, **kw})
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -37,7 +37,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 
 def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, **kw)
+    return SamplingParams(max_new_tokens=n, **{"temperature": 0.0, **kw})
 
 
 def token_ids(outs) -> list[list[int]]:
@@ -180,12 +180,12 @@ BAD_REQUESTS = [
     ("empty array", np.array([], np.int64), greedy(), ValueError, r"prompts\[0\].*empty"),
     ("negative id", [[1, -1, 2]], greedy(), ValueError, r"token id -1.*vocab_size"),
     ("id >= vocab", [[1, 300]], greedy(), ValueError, r"token id 300.*vocab_size"),
-    ("too long", [list(range(40))], greedy(30), ValueError, r"max_new_tokens.*max_seq_len"),
-    ("max_new_tokens 0", [[1, 2]], greedy(0), ValueError, r"max_new_tokens"),
+    ("too long", [list(range(40))], greedy(30), ValueError, r"max_tokens.*max_seq_len"),
+    ("max_tokens 0", [[1, 2]], greedy(0), ValueError, r"max_tokens"),
     ("temperature < 0", [[1, 2]], greedy(temperature=-0.5), ValueError, r"temperature"),
     ("top_p 0", [[1, 2]], greedy(top_p=0.0), ValueError, r"top_p"),
     ("top_p 1.5", [[1, 2]], greedy(top_p=1.5), ValueError, r"top_p"),
-    ("top_k < 0", [[1, 2]], greedy(top_k=-1), ValueError, r"top_k"),
+    ("top_k < -1", [[1, 2]], greedy(top_k=-2), ValueError, r"top_k"),  # -1 is vLLM's "disabled"
     ("float array", np.array([1.0, 2.0]), greedy(), TypeError, r"prompts\[0\].*dtype"),
     ("float id in a list", [[1, 2.0, 3]], greedy(), TypeError, r"prompts\[0\].*token ids must be ints"),
     ("bool id in a list", [[1, True, 3]], greedy(), TypeError, r"prompts\[0\].*token ids must be ints"),
