@@ -33,6 +33,7 @@ from l3worker.engine.metrics import exposition
 from l3worker.serving.async_engine import checked
 from l3worker.engine.step_loop import EngineDeadError
 from l3worker.errors import EngineBusyError
+from l3worker.engine.requests import DEFAULT_PARAMS
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.distributed.router import Router
 
@@ -165,7 +166,7 @@ class CoreClient:
             raise self.error
         if len(self._lost) == len(self._controls):
             raise EngineDeadError(f"every engine is lost: {'; '.join(self._lost.values())}")
-        params = params or SamplingParams()
+        params = params or DEFAULT_PARAMS  # greedy, as AsyncEngine's in-process engine
         request_id = request_id or uuid.uuid4().hex
         queue = self._queues[request_id] = _Outputs()
         self._prompts[request_id] = list(prompt)

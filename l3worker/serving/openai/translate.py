@@ -240,7 +240,7 @@ class ServedModel:
         try:
             params.validate(self.vocab_size)
         except (ValueError, TypeError) as e:
-            raise _renamed(str(e), {"max_new_tokens": max_param, "prompt_logprobs": logprobs_param,
+            raise _renamed(str(e), {"max_tokens": max_param, "prompt_logprobs": logprobs_param,
                                    "logprobs": logprobs_param}) from None
         return params
 
