@@ -162,3 +162,12 @@ def test_chat_messages_as_the_template_receives_them() -> None:
         [{"type": "text", "text": "a"}]
     with pytest.raises(ValueError, match=r"messages\[1\] must be a dict with a 'role'"):
         template_messages([{"role": "user", "content": "a"}, {"content": "b"}], "string", -1)
+
+
+def test_vllms_module_paths_hold_the_same_types() -> None:
+    import l3worker
+    from l3worker.inputs import TextPrompt, TokensPrompt
+    from l3worker.sampling_params import SamplingParams, StructuredOutputsParams
+
+    assert (SamplingParams, StructuredOutputsParams, TextPrompt, TokensPrompt) == \
+        (l3worker.SamplingParams, l3worker.StructuredOutputsParams, l3worker.TextPrompt, l3worker.TokensPrompt)
