@@ -70,6 +70,7 @@ class Engine:
         self.max_waiting_requests = max_waiting_requests  # None: no limit
         self.restarts = RestartBudget(restart_policy)
         self.restarting = False  # fresh children are starting: requests queue meanwhile
+        self.restart_waits_on_nodes = False  # a restart waits for follower nodes (set by the worker)
         self.stopping = threading.Event()  # set by request_stop(): waits on children give up
         self.scheduler: Scheduler | None = None
         self.metrics = EngineMetrics(running=self._num_running, waiting=self._num_waiting, kv_usage=self._kv_usage)
@@ -145,8 +146,9 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        """Serving: not stopped by a failure, and not between a failure and its fresh children."""
-        return self.error is None and not self.restarting
+        """Serving: not stopped by a failure, and not restarting children that wait on another node
+        (a local restart takes seconds at most: requests queue through it, and /health stays 200)."""
+        return self.error is None and not (self.restarting and self.restart_waits_on_nodes)
 
     def dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine stopped: {self.error}")

@@ -84,8 +84,13 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        """Serving now: false once the engine stopped, and while its children restart."""
+        """Serving now: false once the engine stopped, and while its children restart on other nodes."""
         return self._thread is not None and not self._stopping and self.engine.healthy
+
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken now: exactly when /health says 200."""
+        return self.healthy
 
     async def start(self) -> None:
         """Prepares the worker (starts the chip-children) and starts the loop thread."""

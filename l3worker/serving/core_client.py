@@ -126,6 +126,12 @@ class CoreClient:
     def healthy(self) -> bool:
         return not self._stopping and self.error is None and all(self._core_healthy)
 
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken now: some engine serves (with one engine: exactly when /health
+        says 200; a lost data-parallel engine turns /health 503 while the others still serve)."""
+        return not self._stopping and self.error is None and any(self._core_healthy)
+
     async def start(self) -> None:
         """Waits until every engine core serves (they may still be loading the model). Raises
         EngineDeadError if one's process exits first."""

@@ -235,6 +235,7 @@ class DistributedWorker:
             self.close()
             raise
         self.engine.bind(self._children, self._buffers, self._doorbell, self._relaunch)
+        self.engine.restart_waits_on_nodes = bool(self._nodes)
         self._prepare_s = time.perf_counter() - t0
         return self
 

@@ -159,6 +159,27 @@ def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_eve
         head.stop()
 
 
+def test_served_while_a_restart_waits_for_a_follower_requests_get_503_at_once_as_health_does(
+        make_checkpoint, follower, head_dir: Path) -> None:
+    path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
+    port = free_master_port(2)
+    node = follower(path, port)
+    head = Served(head_dir, str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
+                  "--master-port", str(port), "--max-model-len", "128", "--block-size", "8", "--max-restarts", "1")
+    try:
+        url = head.ready().group(1)
+        body = {"model": str(path), "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
+        with httpx.Client(base_url=url, timeout=10) as client:  # a request held for the follower would time out
+            assert client.post("/v1/completions", json=body).status_code == 200
+            os.killpg(node.pid, signal.SIGKILL)
+            assert wait_for(lambda: client.get("/health").status_code == 503, 30)
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 503 and "wait for another node" in r.text
+            assert client.get("/health").status_code == 503
+    finally:
+        head.stop()
+
+
 def test_a_follower_exits_when_its_head_is_killed(make_checkpoint, follower, tmp_path: Path, head_dir: Path) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
     port = free_master_port(2)

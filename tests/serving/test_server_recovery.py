@@ -64,6 +64,32 @@ def test_idle_death_is_repaired_with_no_request_running(server, http) -> None:
     assert [completion(http, GREEDY), completion(http, SEEDED)] == before
 
 
+def test_health_and_requests_agree_through_a_local_restart(server, http) -> None:
+    """A local restart queues requests, so /health stays 200 through it: sampled every 20 ms on
+    its own connection while requests run, it never says 503 while they are served."""
+    restarts = metric(http, RESTARTS)
+    health: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(base_url=server[0].url, timeout=30) as c:
+            while not done.is_set():
+                health.append(c.get("/health").status_code)
+                done.wait(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        kill_child(server)
+        served = [http.post("/v1/completions", json={**GREEDY, "max_tokens": 2}).status_code for _ in range(3)]
+        wait_until(lambda: metric(http, RESTARTS) == restarts + 1, 60, "a restart")
+    finally:
+        done.set()
+        watcher.join(30)
+    assert served == [200, 200, 200]
+    assert health and set(health) == {200}
+
+
 def test_streams_open_across_a_death_end_as_undisturbed_ones() -> None:
     # Each of the first two generations of children exits at its 21st decode step: mid-stream.
     shm_before = shm_entries()

@@ -39,6 +39,8 @@ class EngineClient:
             raise unavailable("the server is shutting down")
         if self.dead:
             raise unavailable(f"the engine is dead: {self.engine.error!r}")
+        if not self.engine.accepting:  # e.g. restarting children that wait on another node: 503 now, as /health
+            raise unavailable("the engine is not serving now: its chip-children restart and wait for another node")
         self.inflight.add(request_id)
         started = False
         outputs = self.engine.generate(prompt, params, request_id)
