@@ -56,13 +56,15 @@ class DraftModel:
         self.valid[rows] = 0
 
     def propose(self, rows: np.ndarray, pos: np.ndarray, room: np.ndarray, history: torch.Tensor,
-                any_random: bool, any_filter: bool, features: Features | None = None) -> torch.Tensor:
-        """Drafts [R, k] for rows (input positions `pos`): room[i] of them for row i, -1 after."""
+                any_random: bool, any_filter: bool,
+                features: Features | None = None) -> tuple[torch.Tensor, np.ndarray]:
+        """(drafts [R, k], drafts per row) for rows (input positions `pos`): room[i] of them for
+        row i, -1 after."""
         rt, k = self.rt, self.k
         drafts = torch.full((len(rows), self.k), -1, dtype=torch.int64, device=rt.device)
         go = np.flatnonzero(room > 0)
         if not go.size:
-            return drafts
+            return drafts, room
         # Catch up to the input token (included) and sample the first draft after it.
         done = np.minimum(self.valid[rows[go]], pos[go])
         while True:
@@ -92,7 +94,7 @@ class DraftModel:
             hidden = self._forward(drafts[index, j - 1], axis)
             drafts[index, j] = self._sample(hidden, axis.rows, axis.positions, any_random, any_filter, features)
         self._fed = (rows[go], pos[go], np.minimum(room[go], k) - 1)  # drafts fed after the input token
-        return drafts
+        return drafts, room
 
     def accepted(self, rows: np.ndarray, accepted: np.ndarray) -> None:
         """After verification: positions pos .. pos + min(accepted, fed) hold accepted tokens' K/V."""

@@ -15,7 +15,7 @@ the positions whose next token the step knows: a plain step's decoding lanes (ne
 and prompt chunks (next: the chunk's own token, or the sample after a prompt's last), a verify
 step's accepted positions (next: the target's tokens). A row's last such position yields the
 first draft of its next step; drafts 2..k then feed the head's own output back (pre-norm) one
-position at a time. A row the head has not caught up with drafts placeholders once. Draft
+position at a time. A row the head has not caught up with gets no drafts that step. Draft
 tokens never decide output tokens (verification does), so positions the head never saw (a
 chunk's last when the prompt goes on, a prefix-cache hit's) cost acceptance only.
 
@@ -208,14 +208,18 @@ class Eagle3Head:
 
     @torch.inference_mode()
     def propose(self, rows: np.ndarray, pos: np.ndarray, room: np.ndarray, history: torch.Tensor,
-                any_random: bool, any_filter: bool, features: Features | None = None) -> torch.Tensor:
-        """Drafts [R, k]: room[i] for row i (-1 after); a row the head has not caught up with
-        gets placeholders (its input id), verified like any draft, so its verification feeds the head.
-        The head drafts greedily: the rows' sampling settings and features apply in verification."""
+                any_random: bool, any_filter: bool,
+                features: Features | None = None) -> tuple[torch.Tensor, np.ndarray]:
+        """(drafts [R, k], drafts per row on the host): room[i] for row i, -1 after. A row the head
+        has not caught up with (after a preemption or a prefix-cache hit) gets none: its verify
+        step (or plain step) feeds the head, and it drafts from the next step on. The head drafts
+        greedily: the rows' sampling settings and features apply in verification."""
         rt, k = self.rt, self.k
         rows_t = rt.h2d(rows.astype(np.int64))
-        drafts = rt.state["input_ids"][rows_t][:, None].repeat(1, k)
+        drafts = torch.full((len(rows), k), -1, dtype=torch.int64, device=rt.device)
         ready = np.flatnonzero((self.ready[rows] == pos) & (room > 0))
+        counts = np.zeros(len(rows), np.int64)
+        counts[ready] = np.minimum(room[ready], k)
         if ready.size:
             at = rt.h2d(ready.astype(np.int64))
             token, hidden = self.first[rows_t[at]], self.state[rows_t[at]]
@@ -231,10 +235,10 @@ class Eagle3Head:
                 hidden, token = self._forward(token[sel], hidden[sel], axis)
                 drafts[at[sel], j] = token
                 at = at[sel]
-        drafts.masked_fill_(torch.arange(k, device=rt.device)[None, :] >= rt.h2d(room.astype(np.int64))[:, None], -1)
-        if rt.cfg.tp_size > 1:
+        if rt.cfg.tp_size > 1:  # every rank verifies rank 0's drafts: the counts follow from them
             _broadcast(drafts)
-        return drafts
+            counts = (drafts >= 0).sum(1).cpu().numpy()
+        return drafts, counts
 
     def capturing(self) -> tuple[tuple[int, ...], dict[int, torch.Tensor]]:
         """What a target forward fills (chip_child.models.qwen3.forward's `aux`), emptied first."""
@@ -347,8 +351,10 @@ class BroadcastDrafts:
         pass  # the rows' head state lives on rank 0
 
     def propose(self, rows: np.ndarray, pos: np.ndarray, room: np.ndarray, history: torch.Tensor,
-                any_random: bool, any_filter: bool, features: Features | None = None) -> torch.Tensor:
-        return _broadcast(torch.empty((len(rows), self.k), dtype=torch.int64, device=self.rt.device))
+                any_random: bool, any_filter: bool,
+                features: Features | None = None) -> tuple[torch.Tensor, np.ndarray]:
+        drafts = _broadcast(torch.empty((len(rows), self.k), dtype=torch.int64, device=self.rt.device))
+        return drafts, (drafts >= 0).sum(1).cpu().numpy()
 
     def accepted(self, rows: np.ndarray, accepted: np.ndarray) -> None:
         pass

@@ -166,9 +166,12 @@ class Speculation:
         if not room.any():
             return False
         act_t, pos_t, room_t = rt.h2d(np.stack([act, pos, room]).astype(np.int64)).unbind(0)
-        if self.draft is not None:  # the draft model proposes as many as the room allows
-            drafts = self.draft.propose(act, pos, room, self.history, facts.any_random, facts.any_filter, features)
-            self._proposal = (act, pos, act_t, pos_t, drafts, room)
+        if self.draft is not None:  # a draft model fills the room; an EAGLE-3 head skips rows it has not seen
+            drafts, drafted = self.draft.propose(act, pos, room, self.history, facts.any_random, facts.any_filter,
+                                                 features)
+            if not drafted.any():
+                return False
+            self._proposal = (act, pos, act_t, pos_t, drafts, drafted)
             return True
         c = self.config
         drafts, counts = ngram_drafts(self.history[act_t, :int(pos.max()) + 1], pos_t + 1, k, c.prompt_lookup_min,

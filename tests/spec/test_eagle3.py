@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from chip_child.spec.eagle3 import aux_layers
-from l3worker import DistributedWorker
+from l3worker import DistributedWorker, SamplingParams
 from spec_helpers import PARAMS, PROMPTS, SMALL, _check_counts, _tokens
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
@@ -126,3 +126,71 @@ def test_eagle3_under_tensor_parallel_across_two_nodes(plain, one_device, tmp_pa
                            speculative_config=_eagle(head)) as w:
         assert _tokens(w.generate(PROMPTS, PARAMS)) == plain
         assert _check_counts(w) == one_device
+
+
+def _bigram_target_and_its_mirror_head(root: Path) -> tuple[Path, Path]:
+    """A Qwen3 whose layers add nothing to the residual stream (o_proj and down_proj zero), so its
+    next token is a function of the current token alone, and an EAGLE-3 head that computes that
+    very function: fc and the hidden-state path are zero, its attention looks at its own position
+    only (q and k read a constant embedding column through RoPE's highest frequencies, at a large
+    scale) and copies that position's normed token embedding to the output, whose norm and
+    lm_head are the target's. Every first draft is the target's greedy token: acceptance 1."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    hidden, heads, head_dim, vocab, const = 64, 4, 16, 320, 7
+    torch.manual_seed(5)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, max_position_embeddings=512,
+        eos_token_id=None)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_()
+        model.model.embed_tokens.weight[:, const] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    target = root / "target"
+    model.save_pretrained(target)
+    state = load_file(str(target / "model.safetensors"))
+    head = root / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": 32, "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": head_dim,
+        "num_hidden_layers": 1, "vocab_size": vocab, "draft_vocab_size": vocab, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": False}))
+    q, k = torch.zeros(heads * head_dim, 2 * hidden), torch.zeros(heads * head_dim, 2 * hidden)
+    for h in range(heads):  # rotary dims 0 and 1 of every head: the two highest frequencies
+        q[h * head_dim:h * head_dim + 2, const] = 200.0
+        k[h * head_dim:h * head_dim + 2, const] = 1.0
+    v = torch.zeros(heads * head_dim, 2 * hidden)
+    v[:, :hidden] = torch.eye(hidden)  # the normed token embedding, unchanged
+    m = "midlayer."
+    save_file({
+        "fc.weight": torch.zeros(hidden, 3 * hidden), "norm.weight": state["model.norm.weight"].float(),
+        "lm_head.weight": state["lm_head.weight"].float(),
+        m + "hidden_norm.weight": torch.zeros(hidden), m + "input_layernorm.weight": torch.ones(hidden),
+        m + "post_attention_layernorm.weight": torch.ones(hidden),
+        m + "self_attn.q_proj.weight": q, m + "self_attn.k_proj.weight": k, m + "self_attn.v_proj.weight": v,
+        m + "self_attn.o_proj.weight": torch.eye(hidden), m + "mlp.gate_proj.weight": torch.zeros(32, hidden),
+        m + "mlp.up_proj.weight": torch.zeros(32, hidden), m + "mlp.down_proj.weight": torch.zeros(hidden, 32),
+    }, str(head / "model.safetensors"))
+    return target, head
+
+
+def test_a_head_that_mirrors_its_target_has_every_draft_accepted(tmp_path) -> None:
+    target, head = _bigram_target_and_its_mirror_head(tmp_path)
+    prompts = [[5, 9, 33, 2], [100, 101, 102, 103, 104, 105], [7]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    options = dict(device="cpu", max_batch_size=4, max_seq_len=64, page_size=8, dtype="float32", num_threads=1)
+    with DistributedWorker(str(target), **options) as w:
+        plain = [o.token_ids for o in w.generate(prompts, params)]
+    assert len({t for tokens in plain for t in tokens}) > 6  # not one token over and over: drafting is real work
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 1}
+    with DistributedWorker(str(target), speculative_config=spec, **options) as w:
+        assert [o.token_ids for o in w.generate(prompts, params)] == plain
+        s = _check_counts(w)
+    # Every step of every row verifies one real draft, and the target always agrees with it.
+    assert s["num_drafts"] > 0 and s["acceptance_rate"] == 1.0 and s["mean_accepted_length"] == 2.0
