@@ -3,13 +3,14 @@ tokens per row, with its own paged K/V cache on the target's page ids.
 
 The draft's cache holds, per row, valid K/V up to `valid[row]` (exclusive). A proposal first
 catches a row up from the device-side token history (chip_child.spec.speculation) to its input token,
-in one packed forward (pieces of at most the step's chunk capacity), and samples the first draft
-there; then k - 1 one-token forwards sample the others. Each draft is sampled with the row's own
+at most the step's token budget of positions a step (a row left behind gets no drafts until it
+has caught up), and samples the first draft there; then k - 1 one-token forwards sample the others. Each draft is sampled with the row's own
 sampling parameters and the sampler's hashed noise at its position, so a draft model equal to the
 target proposes exactly the target's tokens. After verification only the positions whose tokens
 were accepted stay valid; rejected ones are rewritten by a later catch-up. A row taken by a new
-sequence starts over from position 0 (its prefix-cached pages may hold another row's draft K/V:
-the rewrite gives the same values, and a stale value could only cost acceptance, never tokens).
+sequence keeps its prefix-cached positions: their pages hold the draft K/V written when they were
+computed for the same ids (a position the draft never reached holds a stale value, which could
+only cost acceptance, never tokens).
 """
 from __future__ import annotations
 
@@ -51,9 +52,12 @@ class DraftModel:
         options = {"decode_mirror": False} if backend.name == "torch" else {}
         self.attn = backend(spec, rt.device, **options).allocate()
         self.valid = np.zeros(b, np.int64)  # per row: positions whose draft K/V is valid
+        self.budget = cfg.prefill_capacity  # catch-up tokens one step may run: the step's token budget
+        self.catch_up_tokens = 0  # those the last proposal ran
 
-    def admitted(self, rows: list[int]) -> None:
-        self.valid[rows] = 0
+    def admitted(self, rows: list[int], cached: list[int]) -> None:
+        """New sequences' rows: the draft K/V of their prefix-cached positions is kept."""
+        self.valid[rows] = cached
 
     def propose(self, rows: np.ndarray, pos: np.ndarray, room: np.ndarray, history: torch.Tensor,
                 any_random: bool, any_filter: bool,
@@ -62,13 +66,21 @@ class DraftModel:
         row i, -1 after."""
         rt, k = self.rt, self.k
         drafts = torch.full((len(rows), self.k), -1, dtype=torch.int64, device=rt.device)
+        counts = np.zeros(len(rows), np.int64)
         go = np.flatnonzero(room > 0)
         if not go.size:
-            return drafts, room
-        # Catch up to the input token (included) and sample the first draft after it.
+            return drafts, counts
+        # Catch up to the input token (included) and sample the first draft after it, within the
+        # step's token budget: the rows that need least first (a decoding row needs its input
+        # token alone); a row left behind goes on at the next steps and drafts once caught up.
         done = np.minimum(self.valid[rows[go]], pos[go])
-        while True:
-            left = pos[go] + 1 - done
+        need = pos[go] + 1 - done
+        order = np.argsort(need, kind="stable")
+        before = np.empty_like(need)
+        before[order] = np.concatenate([[0], np.cumsum(need[order])[:-1]])
+        end = done + np.minimum(need, np.maximum(self.budget - before, 0))
+        self.catch_up_tokens = int((end - done).sum())
+        while (left := end - done).any():
             part = np.minimum(left, max(1, self.capacity // len(go)))
             feed = np.flatnonzero(part > 0)
             axis = packed_axis(rows[go][feed], done[feed], part[feed], rt.state["block_table"], rt.cfg.page_size,
@@ -82,8 +94,10 @@ class DraftModel:
                 drafts[index, 0] = self._sample(hidden.index_select(0, at), axis.rows[at], axis.positions[at],
                                                 any_random, any_filter, features)
             done[feed] += part[feed]
-            if (done == pos[go] + 1).all():
-                break
+        behind = done < pos[go] + 1
+        self.valid[rows[go][behind]] = done[behind]
+        go = go[~behind]
+        counts[go] = room[go]
         for j in range(1, k):  # draft j + 1 from draft j, at position pos + j
             more = go[room[go] > j]
             if not more.size:
@@ -94,7 +108,7 @@ class DraftModel:
             hidden = self._forward(drafts[index, j - 1], axis)
             drafts[index, j] = self._sample(hidden, axis.rows, axis.positions, any_random, any_filter, features)
         self._fed = (rows[go], pos[go], np.minimum(room[go], k) - 1)  # drafts fed after the input token
-        return drafts, room
+        return drafts, counts
 
     def accepted(self, rows: np.ndarray, accepted: np.ndarray) -> None:
         """After verification: positions pos .. pos + min(accepted, fed) hold accepted tokens' K/V."""

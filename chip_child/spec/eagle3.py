@@ -203,7 +203,7 @@ class Eagle3Head:
                            d2t=d2t.to(dev), embed=w("embed_tokens.weight") if "embed_tokens.weight" in state else None)
 
     # -- the proposer's interface -----------------------------------------------------------------
-    def admitted(self, rows: list[int]) -> None:
+    def admitted(self, rows: list[int], cached: list[int]) -> None:
         self.ready[rows] = -1
 
     @torch.inference_mode()
@@ -347,7 +347,7 @@ class BroadcastDrafts:
     def __init__(self, rt: "StepHost", k: int):
         self.rt, self.k = rt, k
 
-    def admitted(self, rows: list[int]) -> None:
+    def admitted(self, rows: list[int], cached: list[int]) -> None:
         pass  # the rows' head state lives on rank 0
 
     def propose(self, rows: np.ndarray, pos: np.ndarray, room: np.ndarray, history: torch.Tensor,

@@ -304,7 +304,7 @@ class Speculation:
                 n = min(len(a.cached_ids), self.scratch)
                 self.history[a.row, :n] = torch.from_numpy(np.asarray(a.cached_ids[:n], np.int64)).to(self.rt.device)
         if self.draft is not None:
-            self.draft.admitted([a.row for a in admits])
+            self.draft.admitted([a.row for a in admits], [len(a.cached_ids) for a in admits])
 
     def write_outputs(self, lanes: int, outputs: "StepOutputs") -> None:
         """The last step's per-row counts and tokens into the ring slot's views."""

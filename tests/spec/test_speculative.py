@@ -355,3 +355,40 @@ def test_serve_flag_checks_its_json(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["serve", "--speculative-config", '{"method": "ngram", "k": 2}'])
     assert e.value.code == 2 and "unknown key(s) ['k']" in capsys.readouterr().err
+
+
+def test_a_draft_models_catch_up_stays_within_the_steps_token_budget() -> None:
+    """Two 4-token prompts prefilled in one step of an 8-token budget: the first proposal catches
+    up 5 + 5 positions, more than the budget, so one row catches up 3 and drafts nothing that
+    step, and the next proposal finishes it. A row admitted over a prefix-cache hit keeps the
+    draft K/V of the cached positions."""
+    import numpy as np
+    import torch
+
+    from chip_child.config import RuntimeConfig
+    from chip_child.local import LocalRequest, _row_values
+    from chip_child.models.tiny_model import ensure_tiny_model
+    from chip_child.protocol import Admit, prefill_command
+    from chip_child.step.results import StepOutputs
+    from chip_child.step.runtime import ChipRuntime
+
+    model = str(ensure_tiny_model())
+    rt = ChipRuntime(RuntimeConfig(model, device="cpu", dtype="float32", max_batch_size=2, max_seq_len=64,
+                                   page_size=8, max_prefill_tokens=8, decode_graphs=False,
+                                   speculative=_draft(model)))
+    draft = rt.spec.draft
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    admits = [(Admit(i, **_row_values(LocalRequest(p, 8))), np.array([1 + i], np.int32), 4 * i)
+              for i, p in enumerate(prompts)]
+    staging = np.array(prompts[0] + prompts[1], np.int32)
+    rt.execute(prefill_command(0, admits), staging, torch.zeros(2, dtype=torch.int32), StepOutputs.allocate(2, 8))
+    rows, pos, room = np.array([0, 1]), np.array([4, 4]), np.array([3, 3])
+    with torch.inference_mode():  # as the runtime's step calls it
+        _, counts = draft.propose(rows, pos, room, rt.spec.history, False, False)
+        assert draft.catch_up_tokens == 8 and counts.tolist() == [3, 0] and draft.valid[1] == 3
+        _, counts = draft.propose(np.array([1]), np.array([4]), np.array([3]), rt.spec.history, False, False)
+        assert draft.catch_up_tokens == 2 and counts.tolist() == [3]
+    with torch.inference_mode():
+        rt.spec.admitted([Admit(0, **{**_row_values(LocalRequest(prompts[0], 8)), "cached_ids": np.arange(8)})])
+    assert draft.valid[0] == 8
+    rt.close()
