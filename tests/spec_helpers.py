@@ -1,9 +1,10 @@
 """What the speculative-decoding tests share: the workload (run plainly by conftest's `plain`
-fixture), a workload of rows asking for log-probabilities, and the check that the speculation
-counters add up."""
+fixture), a workload of rows asking for log-probabilities, the check that the speculation
+counters add up, and the n-gram lookup recomputed over whole histories (the proposer's oracle)."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from l3worker import DistributedWorker, SamplingParams
 
@@ -60,3 +61,35 @@ def _check_counts(w: DistributedWorker) -> dict:
     made = s["num_drafts"] + s["num_accepted_tokens"] + s["num_undrafted_tokens"]
     assert made >= m.value("l3worker:generation_tokens_total")
     return s
+
+
+def ngram_drafts_reference(history: torch.Tensor, lengths: torch.Tensor, k: int, lookup_min: int,
+                 lookup_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt-lookup rule recomputed over whole histories (the test oracle of
+    chip_child.spec.ngram.NgramIndex). For each row of `history` [R, W] (its first `lengths` [R] entries are its tokens): the k
+    tokens that followed the latest earlier occurrence of its last n tokens, the longest n in
+    [lookup_min, lookup_max] that occurs, as drafts [R, k] (-1 past the count) and counts [R]."""
+    r, w = history.shape
+    dev = history.device
+    drafts = torch.full((r, k), -1, dtype=torch.int64, device=dev)
+    counts = torch.zeros(r, dtype=torch.int64, device=dev)
+    found = torch.zeros(r, dtype=torch.bool, device=dev)
+    for n in range(min(lookup_max, w - 1), lookup_min - 1, -1):
+        starts = (lengths - n).clamp(min=0)
+        pattern = history.gather(1, starts[:, None] + torch.arange(n, device=dev)[None, :])  # [R, n]
+        windows = history.unfold(1, n, 1)  # [R, W - n + 1, n]: the n tokens from each start
+        match = (windows == pattern[:, None, :]).all(-1)
+        # A window must end before the row's last token, so at least one token follows it.
+        index = torch.arange(windows.shape[1], device=dev)
+        match &= index[None, :] < (lengths - n)[:, None]
+        hit = match.any(1) & ~found
+        latest = (match * (index[None, :] + 1)).argmax(1)  # the latest matching start
+        follow = latest + n
+        take = (lengths - follow).clamp(min=0, max=k)
+        cols = (follow[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
+        got = history.gather(1, cols)
+        valid = torch.arange(k, device=dev)[None, :] < take[:, None]
+        drafts = torch.where(hit[:, None] & valid, got, drafts)
+        counts = torch.where(hit, take, counts)
+        found |= hit
+    return drafts, counts

@@ -41,6 +41,7 @@ import torch
 
 from chip_child.step.chunk_layout import ChunkPlan
 from chip_child.spec.draft_model import DraftModel
+from chip_child.spec.ngram import NgramIndex
 from chip_child.spec.eagle3 import Eagle3Head, eagle3_proposer
 from chip_child.models.qwen3 import final_logits, forward
 from chip_child.step.packed_axis import packed_axis
@@ -52,37 +53,6 @@ from chip_child.spec.config import SpeculativeConfig
 if TYPE_CHECKING:
     from chip_child.step.host import StepHost
     from chip_child.step.results import StepOutputs
-
-
-def ngram_drafts(history: torch.Tensor, lengths: torch.Tensor, k: int, lookup_min: int,
-                 lookup_max: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of `history` [R, W] (its first `lengths` [R] entries are its tokens): the k
-    tokens that followed the latest earlier occurrence of its last n tokens, the longest n in
-    [lookup_min, lookup_max] that occurs, as drafts [R, k] (-1 past the count) and counts [R]."""
-    r, w = history.shape
-    dev = history.device
-    drafts = torch.full((r, k), -1, dtype=torch.int64, device=dev)
-    counts = torch.zeros(r, dtype=torch.int64, device=dev)
-    found = torch.zeros(r, dtype=torch.bool, device=dev)
-    for n in range(min(lookup_max, w - 1), lookup_min - 1, -1):
-        starts = (lengths - n).clamp(min=0)
-        pattern = history.gather(1, starts[:, None] + torch.arange(n, device=dev)[None, :])  # [R, n]
-        windows = history.unfold(1, n, 1)  # [R, W - n + 1, n]: the n tokens from each start
-        match = (windows == pattern[:, None, :]).all(-1)
-        # A window must end before the row's last token, so at least one token follows it.
-        index = torch.arange(windows.shape[1], device=dev)
-        match &= index[None, :] < (lengths - n)[:, None]
-        hit = match.any(1) & ~found
-        latest = (match * (index[None, :] + 1)).argmax(1)  # the latest matching start
-        follow = latest + n
-        take = (lengths - follow).clamp(min=0, max=k)
-        cols = (follow[:, None] + torch.arange(k, device=dev)[None, :]).clamp(max=w - 1)
-        got = history.gather(1, cols)
-        valid = torch.arange(k, device=dev)[None, :] < take[:, None]
-        drafts = torch.where(hit[:, None] & valid, got, drafts)
-        counts = torch.where(hit, take, counts)
-        found |= hit
-    return drafts, counts
 
 
 class Speculation:
@@ -106,6 +76,10 @@ class Speculation:
         self.lp_values = torch.zeros(b, self.k + 1, 1 + MAX_LOGPROBS, device=dev)
         self.lp_ids = torch.zeros(b, self.k + 1, MAX_LOGPROBS, dtype=torch.int64, device=dev)
         self.lp_n = -1
+        # ngram: host-side and incremental (chip_child.spec.ngram); its ids arrive with each step
+        self.ngram = NgramIndex(b, s, config.prompt_lookup_min, config.prompt_lookup_max) \
+            if config.method == "ngram" else None
+        self._sampled_rows: tuple[np.ndarray, np.ndarray] | None = None  # (rows, positions) a plain step sampled
         proposers = {"draft_model": DraftModel, "eagle3": eagle3_proposer}
         self.draft = proposers[config.method](rt, config.model, self.k) if config.method in proposers else None
         rt.register_callable("verify", self.verify)
@@ -129,15 +103,24 @@ class Speculation:
         """What a plain step's target forward captures for an EAGLE-3 head (None: nothing)."""
         return self.draft.capturing() if isinstance(self.draft, Eagle3Head) else None
 
-    def after_plain_step(self, lanes: int, plan: ChunkPlan | None, chunks: list) -> None:
+    def after_plain_step(self, lanes: int, plan: ChunkPlan | None, chunks: list, host_ints: np.ndarray | None) -> None:
         """A plain step ran (every active row moved on by one): the chunks' ids and the sampled
-        ids join the histories; each active row produced one token; an EAGLE-3 head catches up."""
+        ids join the histories (the n-gram index takes the sampled ones once they are on the host:
+        `sampled`); each active row produced one token; an EAGLE-3 head catches up."""
         rt, v = self.rt, self.rt.lane_views[lanes]
         ids = None
         if plan is not None:
             ints = plan.layout.unpack(rt.prefill_state["chunk_ints"])
             self.history[ints.rows, ints.positions] = ints.ids
             ids = ints.ids
+            if self.ngram is not None:
+                host = plan.layout.unpack(host_ints)
+                for c in chunks:  # a chunk's ids are contiguous positions of one row
+                    at = np.flatnonzero(host.rows == c.row)
+                    self.ngram.put(c.row, int(host.positions[at[0]]), host.ids[at])
+        if self.ngram is not None:
+            act = np.flatnonzero(rt.rows.active[:lanes])
+            self._sampled_rows = (act, rt.rows.positions[act].copy())
         if isinstance(self.draft, Eagle3Head):
             rows = rt.rows
             decoded = np.where(rows.active[:lanes], rows.positions[:lanes] - 1, -1)  # positions have advanced
@@ -151,6 +134,15 @@ class Speculation:
         self.drafted[:lanes] = 0
         self.lp_n = -1
         self.stop_finished(lanes)
+
+    def sampled(self, ids: np.ndarray) -> None:
+        """A step's sampled ids on the host (after its one synchronisation): after a plain step,
+        each row that sampled takes its id into the n-gram index."""
+        if self._sampled_rows is not None:
+            rows, positions = self._sampled_rows
+            self._sampled_rows = None
+            for row, at in zip(rows.tolist(), positions.tolist()):
+                self.ngram.put(row, at, ids[row:row + 1])
 
     # -- the speculative step ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -173,15 +165,14 @@ class Speculation:
                 return False
             self._proposal = (act, pos, act_t, pos_t, drafts, drafted)
             return True
-        c = self.config
-        drafts, counts = ngram_drafts(self.history[act_t, :int(pos.max()) + 1], pos_t + 1, k, c.prompt_lookup_min,
-                                      c.prompt_lookup_max)
-        counts = torch.minimum(counts, room_t)
-        drafted = counts.cpu().numpy()
+        host = np.full((len(act), k), -1, np.int64)
+        drafted = np.zeros(len(act), np.int64)
+        for i in np.flatnonzero(room):  # on the host: nothing waits for the device
+            got = self.ngram.propose(int(act[i]), int(room[i]))
+            host[i, :len(got)], drafted[i] = got, len(got)
         if not drafted.any():
             return False
-        drafts.masked_fill_(torch.arange(k, device=rt.device)[None, :] >= counts[:, None], -1)  # past the room: none
-        self._proposal = (act, pos, act_t, pos_t, drafts, drafted)
+        self._proposal = (act, pos, act_t, pos_t, rt.h2d(host), drafted)
         return True
 
     @torch.inference_mode()
@@ -237,7 +228,12 @@ class Speculation:
         columns = torch.where(steps < produced[:, None], pos_t[:, None] + 1 + steps, self.scratch)
         self.history[act_t[:, None], columns] = target
         self.step_ids[act_t] = target
-        made = produced.cpu().numpy()  # the step's synchronisation: the next step's lengths need it
+        # The step's one synchronisation: the next step's lengths need the counts, the n-gram index the tokens.
+        host = torch.cat([produced[:, None], target], 1).cpu().numpy()
+        made = host[:, 0]
+        if self.ngram is not None:
+            for i, row in enumerate(act.tolist()):
+                self.ngram.put(row, int(pos[i]) + 1, host[i, 1:1 + made[i]])
         self.counts[:lanes] = 0
         self.counts[act] = made
         self.drafted[:lanes] = 0
@@ -300,6 +296,9 @@ class Speculation:
         """Rows taken by new sequences: their histories start with the ids their chunks skip
         (a prefix-cache hit) and fill from their chunks."""
         for a in admits:
+            if self.ngram is not None:
+                self.ngram.reset(a.row)
+                self.ngram.put(a.row, 0, a.cached_ids)
             if len(a.cached_ids):
                 n = min(len(a.cached_ids), self.scratch)
                 self.history[a.row, :n] = torch.from_numpy(np.asarray(a.cached_ids[:n], np.int64)).to(self.rt.device)

@@ -275,6 +275,8 @@ class ChipRuntime:
         if step.done is not None:
             step.done.synchronize()
             step.out[:step.lanes].copy_(step.ids_host)
+        if self.spec is not None:
+            self.spec.sampled(step.out[:step.lanes].numpy())
         step.result.device_s = step.timer.elapsed_s()
         return step.result
 
@@ -331,7 +333,7 @@ class ChipRuntime:
                                any_filter=facts.any_filter, slots=slots, features=features)
         rows.advance()
         if self.spec is not None:
-            self.spec.after_plain_step(lanes, plan, chunks)
+            self.spec.after_plain_step(lanes, plan, chunks, ints if chunks else None)
         return (-1 if features is None else features.logprobs), plan, lanes
 
     def _step(self, *, plan: ChunkPlan | None, lanes: int, lane_lens: np.ndarray, max_lane_len: int,

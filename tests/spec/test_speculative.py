@@ -392,3 +392,32 @@ def test_a_draft_models_catch_up_stays_within_the_steps_token_budget() -> None:
         rt.spec.admitted([Admit(0, **{**_row_values(LocalRequest(prompts[0], 8)), "cached_ids": np.arange(8)})])
     assert draft.valid[0] == 8
     rt.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_incremental_ngram_index_proposes_what_the_whole_history_lookup_does(seed: int) -> None:
+    """Histories fed token by token, in chunks of any size, each checked after every token
+    against the lookup recomputed over the whole history."""
+    import numpy as np
+    import torch
+
+    from chip_child.spec.ngram import NgramIndex
+    from spec_helpers import ngram_drafts_reference
+
+    rng = np.random.default_rng(seed)
+    rows, length, k, lo, hi = 6, 60, 4, 1, 3
+    histories = rng.integers(0, 5, (rows, length))  # a small alphabet: n-grams recur often
+    histories[0, 30:] = histories[0, :30]  # and a row that repeats its first half
+    index = NgramIndex(rows, length, lo, hi)
+    for row in range(rows):
+        at = 0
+        while at < length:
+            size = int(rng.integers(1, 6))
+            index.put(row, at, histories[row, at:at + size])
+            at = min(at + size, length)
+            want_d, want_n = ngram_drafts_reference(torch.from_numpy(histories[row:row + 1, :at]),
+                                                    torch.tensor([at]), k, lo, hi)
+            got = index.propose(row, k)
+            assert got.tolist() == want_d[0, :int(want_n[0])].tolist(), (row, at)
+    index.reset(2)
+    assert index.propose(2, k).tolist() == [] and index.length[2] == 0
