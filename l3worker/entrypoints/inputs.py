@@ -7,13 +7,13 @@ LLM.chat does before the template sees them: text content parts joined into one 
 content format) and a tool call's JSON arguments parsed into an object."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Sequence, TypedDict
 
 import numpy as np
 
 from l3worker.engine.inputs import as_prompt_list
+from l3worker.serving.openai.chat import tool_call_for_template
 
 
 class TextPrompt(TypedDict):
@@ -103,7 +103,7 @@ def template_messages(conversation: Sequence[Any], content_format: str, index: i
         elif isinstance(content, list):
             m["content"] = "\n".join(_part_text(part, f"{where}['content'][{k}]") for k, part in enumerate(content))
         if isinstance(m.get("tool_calls"), list):
-            m["tool_calls"] = [_parsed_call(c) for c in m["tool_calls"]]
+            m["tool_calls"] = [tool_call_for_template(c) for c in m["tool_calls"]]
         out.append(m)
     return out
 
@@ -115,15 +115,3 @@ def _part_text(part: Any, where: str) -> str:
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
     raise ValueError(f"{where}: content of type {kind!r} is not supported by l3worker (text only)")
-
-
-def _parsed_call(call: Any) -> Any:
-    """vLLM hands templates a tool call's arguments as an object; OpenAI-style messages hold JSON text."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(fn["arguments"])
-    except ValueError:
-        return call  # not JSON: the template gets the text as written
-    return {**call, "function": {**fn, "arguments": arguments}} if isinstance(arguments, dict) else call

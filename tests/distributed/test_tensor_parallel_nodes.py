@@ -131,13 +131,20 @@ def test_a_follower_that_comes_back_is_restarted_and_requests_resume(make_checkp
     assert sorted(got.values()) == sorted(expected)
 
 
-def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_everything(
-        make_checkpoint, follower, head_dir: Path) -> None:
+def _served_over_two_nodes(make_checkpoint, follower, head_dir: Path, max_restarts: int):
+    """(checkpoint, follower process, `l3worker serve` head) of a tensor-parallel pair on the loopback."""
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
     port = free_master_port(2)
     node = follower(path, port)
     head = Served(head_dir, str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
-                  "--master-port", str(port), "--max-model-len", "128", "--block-size", "8", "--max-restarts", "0")
+                  "--master-port", str(port), "--max-model-len", "128", "--block-size", "8", "--max-restarts",
+                  str(max_restarts))
+    return path, node, head
+
+
+def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_everything(
+        make_checkpoint, follower, head_dir: Path) -> None:
+    path, node, head = _served_over_two_nodes(make_checkpoint, follower, head_dir, max_restarts=0)
     try:
         url = head.ready().group(1)
         head_tree = tree(head.proc.pid)
@@ -161,11 +168,7 @@ def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_eve
 
 def test_served_while_a_restart_waits_for_a_follower_requests_get_503_at_once_as_health_does(
         make_checkpoint, follower, head_dir: Path) -> None:
-    path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
-    port = free_master_port(2)
-    node = follower(path, port)
-    head = Served(head_dir, str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
-                  "--master-port", str(port), "--max-model-len", "128", "--block-size", "8", "--max-restarts", "1")
+    path, node, head = _served_over_two_nodes(make_checkpoint, follower, head_dir, max_restarts=1)
     try:
         url = head.ready().group(1)
         body = {"model": str(path), "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}

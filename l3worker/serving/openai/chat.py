@@ -75,6 +75,20 @@ def _template_text(override: str | Path) -> tuple[str, str]:
         return (codecs.decode(text, "unicode_escape") if text.isascii() else text), "--chat-template"
 
 
+def tool_call_for_template(call: Any) -> Any:
+    """A tool call as chat templates expect it (and vLLM hands it over): its arguments as an
+    object, where OpenAI-style messages hold them as JSON text; as written when they are not a
+    JSON object."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}} if isinstance(arguments, dict) else call
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None, origin: str = "<string>"):
         self.source = source

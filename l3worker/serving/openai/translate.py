@@ -4,7 +4,6 @@ Every check here names the request's field and the limit, so a client gets a 400
 before anything reaches the engine; the engine's own checks still stand behind these."""
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from l3worker.params import SamplingParams
 from l3worker.structured.reasoning import THINK_END
 from l3worker.structured.specs import StructuredSpec, tool_choice_spec
 from l3worker.structured.tool_parsers import TOOL_CALL_START
-from l3worker.serving.openai.chat import ChatTemplate, ChatTemplateError
+from l3worker.serving.openai.chat import ChatTemplate, ChatTemplateError, tool_call_for_template
 from l3worker.serving.openai.chat_reply import ChatParsing
 from l3worker.serving.openai.errors import bad_request, model_not_found
 from l3worker.serving.openai.generation_config import GenerationDefaults, RequestSeeds
@@ -319,7 +318,7 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     assistant's tool-call arguments as an object (as vLLM passes them; the API sends JSON text)."""
     out = m.model_dump(exclude_unset=False)
     if isinstance(out.get("tool_calls"), list):
-        out["tool_calls"] = [_call_for_template(c) for c in out["tool_calls"]]
+        out["tool_calls"] = [tool_call_for_template(c) for c in out["tool_calls"]]
     content = m.content
     if isinstance(content, list):
         texts = []
@@ -330,16 +329,3 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
             texts.append(part.text)
         out["content"] = "\n".join(texts)
     return out
-
-
-def _call_for_template(call: Any) -> Any:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(fn["arguments"])
-    except ValueError:
-        return call  # not JSON: the template gets the text as written
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**fn, "arguments": arguments}}
