@@ -19,7 +19,7 @@ from chip_child.models.moe import MoeWeights, parse_moe, route, torch_moe
 from chip_child.step.runtime import ChipRuntime
 from l3worker import DistributedWorker, SamplingParams
 
-from conftest import write_hf_checkpoint  # noqa: E402
+from checkpoints import write_hf_checkpoint  # noqa: E402
 from parity import assert_matches_transformers  # noqa: E402
 
 NEW_TOKENS = 20
