@@ -150,6 +150,15 @@ class Engine:
         (a local restart takes seconds at most: requests queue through it, and /health stays 200)."""
         return self.error is None and not (self.restarting and self.restart_waits_on_nodes)
 
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why the engine does not serve now (what a refused request's 503 says), or None."""
+        if self.error is not None:
+            return f"the engine stopped: {self.error}"
+        if self.restarting and self.restart_waits_on_nodes:
+            return "its chip-children restart and wait for another node"
+        return None
+
     def dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine stopped: {self.error}")
 

@@ -92,6 +92,15 @@ class AsyncEngine:
         """New requests are taken now: exactly when /health says 200."""
         return self.healthy
 
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why no request is taken now (None while `accepting`)."""
+        if self.accepting:
+            return None
+        if self._thread is None or self._stopping:
+            return "the engine is not running"
+        return self.engine.unavailable_reason
+
     async def start(self) -> None:
         """Prepares the worker (starts the chip-children) and starts the loop thread."""
         if self._thread is not None:

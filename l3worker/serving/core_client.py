@@ -111,6 +111,7 @@ class CoreClient:
         self._scrapes: dict[tuple[int, int], asyncio.Future] = {}
         self._seq = itertools.count()
         self._core_healthy = [False] * len(controls)
+        self._core_why: list[str | None] = [None] * len(controls)  # why an engine does not serve (its word)
         self._lost: dict[int, str] = {}  # remote engines gone: why
         self._stopping = False
         self._closed = False
@@ -131,6 +132,18 @@ class CoreClient:
         """New requests are taken now: some engine serves (with one engine: exactly when /health
         says 200; a lost data-parallel engine turns /health 503 while the others still serve)."""
         return not self._stopping and self.error is None and any(self._core_healthy)
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why no request is taken now, in the engines' words (None while `accepting`)."""
+        if self.accepting:
+            return None
+        if self._stopping:
+            return "the server is shutting down"
+        if self.error is not None:
+            return str(self.error)
+        return "; ".join(dict.fromkeys(why or self._lost.get(e) or f"data-parallel engine {e} is not serving"
+                                       for e, why in enumerate(self._core_why)))
 
     async def start(self) -> None:
         """Waits until every engine core serves (they may still be loading the model). Raises
@@ -155,6 +168,7 @@ class CoreClient:
                 if kind == "lost":
                     raise EngineDeadError(extra[0])
                 self._core_healthy[engine] = extra.pop(0)
+                self._core_why[engine] = extra[-1]
                 if kind == "ready":
                     layouts.append(extra[0])
                     break
@@ -252,7 +266,7 @@ class CoreClient:
             msg = unpack(await control.recv())
             kind = msg[0]
             if kind == "health":
-                self._core_healthy[engine] = msg[1]
+                self._core_healthy[engine], self._core_why[engine] = msg[1], msg[2]
             elif kind == "refused":
                 queue = self._queues.get(msg[1])
                 if queue is not None:
@@ -267,7 +281,7 @@ class CoreClient:
                 await control.send(pack(["hello"]))
             elif kind == "ready" and engine in self._lost:  # its answer: it serves again
                 del self._lost[engine]
-                self._core_healthy[engine] = msg[1]
+                self._core_healthy[engine], self._core_why[engine] = msg[1], msg[3]
                 if self.router:
                     self.router.down.discard(engine)
                 log.warning("data-parallel engine %d is back", engine)

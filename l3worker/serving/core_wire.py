@@ -2,12 +2,13 @@
 Each API server connects to every engine core (`--data-parallel-size`) alike.
 
 Control socket (each API server's DEALER, identity `api-<i>`, to the core's ROUTER):
-  in:  ["hello"]                       -> ["ready"] once the engine runs
+  in:  ["hello"]                       -> ["ready", healthy, cpu layout, why] once the engine runs
        ["add", request_id, prompt_ids, params] (accepted silently; refused -> ["refused", id, kind, text])
        ["abort", request_id]
        ["metrics", seq]                -> ["metrics", seq, metric families (l3worker.engine.metrics.families_to_wire)]
        ["shutdown"]                    (the launching API server, when it stops)
-  out: ["health", healthy]             whenever the engine's health changes (a restart begins or ends)
+  out: ["health", healthy, why]        whenever the engine's health changes (a restart begins or ends);
+                                       `why` says what a refused request's 503 says, None when healthy
 Outputs socket (the core's PUSH to each API server's PULL), written by the step loop only:
   ["out", [output, ...]]               ONE message per step per API server with requests that advanced
   ["dead", text]                       the engine stopped after a failure

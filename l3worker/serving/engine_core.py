@@ -125,7 +125,8 @@ class EngineCore:
         elif kind == "metrics":
             self._reply(who, ["metrics", msg[1], families_to_wire(self.engine.metrics.registry, self.config.engine)])
         elif kind == "hello":
-            self._reply(who, ["ready", self.engine.healthy, self.worker.cpu_layout_in_use])
+            self._reply(who, ["ready", self.engine.healthy, self.worker.cpu_layout_in_use,
+                              self.engine.unavailable_reason])
         elif kind == "shutdown":
             self.stop.set()
         else:
@@ -155,7 +156,7 @@ class EngineCore:
         if healthy != self._healthy:
             self._healthy = healthy
             for index in range(len(self.pushes)):
-                self._reply(identity(index), ["health", healthy])
+                self._reply(identity(index), ["health", healthy, self.engine.unavailable_reason])
 
     # -- the loop thread ---------------------------------------------------------------------------
     def _publish(self, outputs: list[RequestOutput]) -> None:

@@ -159,3 +159,51 @@ def test_a_lagging_stream_gets_the_steps_it_missed_as_one_output() -> None:
     s = merged.outputs[0]
     assert (s.delta_token_ids, s.delta_text, s.delta_logprobs) == ([1, 2, 3], "bcd", lp[1:])
     assert merged.finished and s.finish_reason == "length" and isinstance(error, RuntimeError)
+
+
+def test_a_core_that_stops_serving_says_why_even_before_its_death_notice(tmp_path) -> None:
+    """Health travels on the control socket and the death notice on the outputs socket, so a 503
+    may be written between the two: it must already name the cause, not guess one."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from l3worker.serving.core_client import CoreClient
+    from l3worker.serving.openai.engine_client import EngineClient
+    from l3worker.serving.openai.errors import APIError
+
+    why = "the engine stopped: follower node 1 (ranks from 1) lost its connection"
+
+    async def run() -> tuple[str | None, str | None, str]:
+        ctx = zmq.asyncio.Context()
+        core = ctx.socket(zmq.ROUTER)
+        core.bind(f"ipc://{tmp_path}/control")
+        client = CoreClient(0, [f"ipc://{tmp_path}/control"], f"ipc://{tmp_path}/outputs", [os.getpid()])
+        try:
+            starting = asyncio.ensure_future(client.start())
+            who, hello = await core.recv_multipart()
+            assert unpack(hello) == ["hello"]
+            await core.send_multipart([who, pack(["ready", True, None, None])])
+            await starting
+            before = client.unavailable_reason
+            await core.send_multipart([who, pack(["health", False, why])])
+            for _ in range(500):
+                if not client.accepting:
+                    break
+                await asyncio.sleep(0.01)
+            with_reason = client.unavailable_reason
+            try:
+                await EngineClient(client).generate([1, 2], SamplingParams(), "r").__anext__()
+                refusal = "served"
+            except APIError as e:
+                refusal = f"{e.status} {e.message}"
+            return before, with_reason, refusal
+        finally:
+            await client.shutdown()
+            ctx.destroy(linger=0)
+
+    before, with_reason, refusal = asyncio.run(run())
+    assert before is None
+    assert with_reason == why
+    assert refusal.startswith("503 ") and "follower node 1" in refusal

@@ -40,7 +40,7 @@ class EngineClient:
         if self.dead:
             raise unavailable(f"the engine is dead: {self.engine.error!r}")
         if not self.engine.accepting:  # e.g. restarting children that wait on another node: 503 now, as /health
-            raise unavailable("the engine is not serving now: its chip-children restart and wait for another node")
+            raise unavailable(f"the engine is not serving now: {self.engine.unavailable_reason}")
         self.inflight.add(request_id)
         started = False
         outputs = self.engine.generate(prompt, params, request_id)
