@@ -45,6 +45,7 @@ class RuntimeConfig:
     tp_size: int = 1
     dist_init: str | None = None  # torch.distributed init_method when tp_size > 1
     speculative: dict | None = None  # chip_child.spec.config.SpeculativeConfig's fields; None: off
+    enable_sleep_mode: bool = False  # weights in storage sleep can free in place (chip_child.step.sleep)
 
     @property
     def max_blocks_per_row(self) -> int:

@@ -23,7 +23,10 @@ from chip_child.config import Limits
 from chip_child.step.row_fields import (BASIC_FIELDS, FULL_STATE_FIELDS, MAX_GRAMMAR_BYTES, ROW_FIELDS, Admit, FullState,
                                    RowField)
 
-OP_DECODE, OP_PREFILL, OP_SHUTDOWN = 0, 1, 2
+OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL = 0, 1, 2, 3
+# Between steps, with no step in flight: [3, name, {args}] -> {"control": name, ...results}
+# (chip_child.step.controls), or {"control": name, "refused": why} for input it cannot take.
+CONTROLS = ("sleep", "wake_up", "update_weights", "drop_pending_weights")
 MAX_STEP = 2**62  # step numbers stay well inside int64 wherever they are stored
 
 _NO_PAGES = np.zeros((0, 3), np.int32)
@@ -77,9 +80,19 @@ class Shutdown:
     pass
 
 
-def encode(cmd: Command | Shutdown) -> bytes:
+@dataclass
+class Control:
+    """Sleep, wake or new weights: run between steps (the parent sends none meanwhile)."""
+
+    name: str
+    args: dict = field(default_factory=dict)
+
+
+def encode(cmd: Command | Shutdown | Control) -> bytes:
     if isinstance(cmd, Shutdown):
         return msgpack.packb([OP_SHUTDOWN])
+    if isinstance(cmd, Control):
+        return msgpack.packb([OP_CONTROL, cmd.name, cmd.args])
     pages = cmd.new_pages.astype(np.int32, copy=False).tobytes()
     if cmd.admits or cmd.chunks:
         admits = [[a.row, *(_to_wire(f, getattr(a, f.name)) for f in ROW_FIELDS)] for a in cmd.admits]
@@ -117,7 +130,7 @@ def _check_pages(pages: np.ndarray, limits: Limits, what: str) -> None:
         raise ProtocolError(f"{what}: page id outside [1, {limits.num_pages})")
 
 
-def decode(raw: bytes, limits: Limits) -> Command | Shutdown:
+def decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control:
     """Parses and range-checks a command; raises ProtocolError before anything is applied."""
     try:
         return _decode(raw, limits)
@@ -127,7 +140,7 @@ def decode(raw: bytes, limits: Limits) -> Command | Shutdown:
         raise ProtocolError(f"malformed command: {type(exc).__name__}: {exc}") from None
 
 
-def _decode(raw: bytes, limits: Limits) -> Command | Shutdown:
+def _decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control:
     try:
         msg = msgpack.unpackb(raw)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
@@ -137,10 +150,14 @@ def _decode(raw: bytes, limits: Limits) -> Command | Shutdown:
     if type(msg) is list and len(msg) == 4 and msg[0] == OP_DECODE and msg[2] == [] and msg[3] == b"" \
             and type(msg[1]) is int and 0 <= msg[1] < MAX_STEP:
         return Command(msg[1])
-    if not isinstance(msg, list) or not msg or msg[0] not in (OP_DECODE, OP_PREFILL, OP_SHUTDOWN):
+    if not isinstance(msg, list) or not msg or msg[0] not in (OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL):
         raise ProtocolError(f"unknown op in command {msg!r:.80}")
     if msg[0] == OP_SHUTDOWN:
         return Shutdown()
+    if msg[0] == OP_CONTROL:
+        if len(msg) != 3 or msg[1] not in CONTROLS or not isinstance(msg[2], dict):
+            raise ProtocolError(f"a control is [3, name, {{args}}] with name one of {CONTROLS}")
+        return Control(msg[1], msg[2])
     if len(msg) < 4 or not isinstance(msg[1], int) or not isinstance(msg[2], list):
         raise ProtocolError("command must be [op, step, finished_rows, new_pages, ...]")
     if not 0 <= msg[1] < MAX_STEP:

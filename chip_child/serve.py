@@ -28,6 +28,7 @@ from chip_child import protocol
 from chip_child.config import RuntimeConfig
 from chip_child.cpu_layout import choose_cpu_layout, read_trial
 from chip_child.device import pin_socket_threads
+from chip_child.step.controls import RuntimeControls
 from chip_child.step.runtime import ChipRuntime, LaunchedStep, StepOutputs
 from chip_child.child_spec import ChildSpec
 
@@ -197,6 +198,7 @@ class StepLoop:
         self.leader = spec.rank == 0
         self.failed: str | None = None  # why later commands are refused
         self.pending: tuple[int, LaunchedStep] | None = None  # (step, its launch): launched, not yet published
+        self.controls: RuntimeControls | None = None  # made at the first control
 
     def run(self) -> None:
         sock, limits = self.sock, self.rt.limits
@@ -218,7 +220,30 @@ class StepLoop:
             if isinstance(cmd, protocol.Shutdown):
                 self.publish()
                 return
+            if isinstance(cmd, protocol.Control):
+                self.publish()
+                self.control(cmd)
+                continue
             self.launch(cmd)
+
+    def control(self, cmd: protocol.Control) -> None:
+        """Runs a control and replies with its results; input it cannot take is refused and the
+        child goes on; a failure half-way (weights half copied) is a failed child."""
+        if self.failed is not None:
+            self.report(None, f"refused: {self.failed}", "")
+            return
+        if self.controls is None:
+            self.controls = RuntimeControls(self.rt)
+        try:
+            result = self.controls.handle(cmd.name, cmd.args)
+        except ValueError as exc:
+            self.sock.send(msgpack.packb({"control": cmd.name, "refused": str(exc)}))
+            return
+        except Exception as exc:
+            self.failed = f"control {cmd.name} failed earlier ({type(exc).__name__}: {exc})"
+            self.report(None, f"{cmd.name}: {type(exc).__name__}: {exc}", traceback.format_exc())
+            return
+        self.sock.send(msgpack.packb({"control": cmd.name, **result}))
 
     def launch(self, cmd: protocol.Command) -> None:
         """Launches a step, then publishes the one before it."""

@@ -29,5 +29,10 @@ class EngineBusyError(WorkerError):
     """More requests wait than max_waiting_requests allows; the request was not queued."""
 
 
+class EngineAsleepError(EngineBusyError):
+    """The engine sleeps (sleep()), or its weights were dropped and not updated yet: it takes no
+    request until wake_up() (and a weight update)."""
+
+
 class RequestFailedError(WorkerError):
     """The request was in flight at two consecutive chip-child failures and was failed alone."""

@@ -10,6 +10,7 @@ producing silently wrong outputs later.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ _ACCELERATORS = ("cuda", "npu")
 # int32) is quantized data that only a declared and implemented quantization may read.
 _FLOAT_STORAGE = ("F32", "BF16", "F16")
 _FP8_STORAGE = "F8_E4M3"
-_DEFAULT_ROPE_THETA = 10000.0  # transformers' default when nothing is given
+_DEFAULT_ROPE_THETA = 10000.0
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # transformers' default when nothing is given
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,12 @@ def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def unit_of(name: str) -> str:
+    """What an HF tensor is loaded with in place (a weight update): "layer 3", or its own name."""
+    m = _LAYER.match(name)
+    return f"layer {m.group(1)}" if m else name
+
+
 def _tensor_files(model_dir: Path, names: list[str], optional: list[str] = ()) -> dict[str, list[str]]:
     """Map each safetensors file to the expected tensor names it should hold, and to those of
     the `optional` names the index places in it (a single file gets them all: the reader skips
@@ -282,16 +290,20 @@ def load_weights(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     keep_fp8: bool = False,
+    only: "set[str] | None" = None,
 ) -> dict[str, torch.Tensor]:
     """Load exactly the expected tensors (extras such as a tied lm_head are ignored) in `dtype`;
     block-FP8 weights of a checkpoint that declares them are dequantized (chip_child.models.fp8), and a
     plain checkpoint's projections quantized first when `cfg.quantization.at_load`. With
     `keep_fp8` (chip_child.models.fp8_linear.keeps_fp8: cuda) the projections (the experts' too) stay float8
-    instead, each with its scales under `name + "_scale_inv"`, after the expected tensors."""
+    instead, each with its scales under `name + "_scale_inv"`, after the expected tensors. `only`:
+    just these of the expected names (a weight update loads one layer at a time)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     expected = expected_tensor_shapes(cfg)
+    if only is not None:
+        expected = {name: shape for name, shape in expected.items() if name in only}
     quant = cfg.quantization
     stored = quant if quant is not None and not quant.at_load else None  # the checkpoint holds fp8 data
     scale_names = {n + SCALE_SUFFIX: n for n in expected} if stored is not None else {}

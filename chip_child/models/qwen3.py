@@ -71,46 +71,8 @@ class Qwen3Weights:
         expert's in a MoE layer, or with `expert_parallel` its num_experts / world experts
         whole), with o_proj and down_proj split by input so one all-reduce after each completes
         the layer."""
+        layers = [layer_from_hf(state, cfg, i, rank, world, expert_parallel) for i in range(cfg.num_layers)]
         hd = cfg.head_dim
-        heads = _shard(rank, world, cfg.num_heads * hd)
-        kv_heads = _shard(rank, world, cfg.num_kv_heads * hd)
-        inter = _shard(rank, world, cfg.intermediate_size)
-        moe = cfg.moe
-        if moe is not None:
-            expert_inter = slice(None) if expert_parallel else _shard(rank, world, moe.intermediate_size)
-            experts = _shard(rank, world, moe.num_experts) if expert_parallel else slice(0, moe.num_experts)
-        layers = []
-        every = slice(None)
-        dtype = state["model.embed_tokens.weight"].dtype  # the compute dtype
-        proj = lambda parts: projection(state, parts, cfg.quantization, dtype)  # noqa: E731
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            attn = p + "self_attn."
-            rows = {"q": heads, "k": kv_heads, "v": kv_heads}
-            qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"][rows[n]] for n in "qkv"]) if cfg.qkv_bias else None
-            # Added by one rank only, so the all-reduce sums it in once.
-            o_bias = state[attn + "o_proj.bias"] if cfg.o_bias and rank == 0 else None
-            sparse = moe is not None and i in moe.sparse_layers
-            qk_norm = None
-            if cfg.qk_norm:
-                qk_norm = torch.cat([state[attn + "q_norm.weight"].expand(cfg.num_heads // world, hd),
-                                     state[attn + "k_norm.weight"].expand(cfg.num_kv_heads // world, hd)])
-            layers.append(
-                LayerWeights(
-                    input_norm=state[p + "input_layernorm.weight"],
-                    qkv=proj([(attn + f"{n}_proj.weight", rows[n], every) for n in "qkv"]),
-                    qkv_bias=qkv_bias,
-                    qk_norm=qk_norm,
-                    o_proj=proj([(attn + "o_proj.weight", every, heads)]),
-                    o_bias=o_bias,
-                    post_norm=state[p + "post_attention_layernorm.weight"],
-                    gate_up=None if sparse else proj([(p + f"mlp.{n}_proj.weight", inter, every)
-                                                      for n in ("gate", "up")]),
-                    down=None if sparse else proj([(p + "mlp.down_proj.weight", every, inter)]),
-                    moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts, cfg.quantization)
-                    if sparse else None,
-                )
-            )
         embed = state["model.embed_tokens.weight"]
         tied = cfg.tie_word_embeddings
         scalar = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
@@ -122,7 +84,7 @@ class Qwen3Weights:
     def to(self, device: torch.device) -> "Qwen3Weights":
         # Tensor.to keeps the transposed strides, so the moved projections are still [in, out] views.
         to = lambda t: None if t is None else t.to(device)  # noqa: E731  (MoeWeights has .to too)
-        layers = [LayerWeights(**{k: to(v) for k, v in vars(lw).items()}) for lw in self.layers]
+        layers = [layer_to(lw, device) for lw in self.layers]
         embed = to(self.embed)
         return Qwen3Weights(embed=embed, layers=layers, norm=to(self.norm),
                             lm_head=embed.t() if self.tied else to(self.lm_head), tied=self.tied,
@@ -140,11 +102,60 @@ class Qwen3Weights:
         plain matrix above the packed model. A tied lm_head's packed copy is extra memory: the
         embedding keeps the plain one."""
         for lw in self.layers:
-            for name in PROJECTIONS:
-                if getattr(lw, name) is not None:  # a sparse layer's experts stay plain (chip_child.models.moe)
-                    setattr(lw, name, prepacked(getattr(lw, name)))
+            prepack_layer(lw)
         self.lm_head = prepacked(self.lm_head)
 
+
+
+def layer_to(lw: LayerWeights, device: torch.device) -> LayerWeights:
+    return LayerWeights(**{k: None if v is None else v.to(device) for k, v in vars(lw).items()})
+
+
+def prepack_layer(lw: LayerWeights) -> None:
+    for name in PROJECTIONS:
+        if getattr(lw, name) is not None:  # a sparse layer's experts stay plain (chip_child.models.moe)
+            setattr(lw, name, prepacked(getattr(lw, name)))
+
+
+def layer_from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, i: int, rank: int = 0, world: int = 1,
+                  expert_parallel: bool = False) -> LayerWeights:
+    """Layer `i` of Qwen3Weights.from_hf: its HF tensors fused, this rank's shard (weight updates
+    rebuild one layer at a time with it)."""
+    hd = cfg.head_dim
+    heads = _shard(rank, world, cfg.num_heads * hd)
+    kv_heads = _shard(rank, world, cfg.num_kv_heads * hd)
+    inter = _shard(rank, world, cfg.intermediate_size)
+    moe = cfg.moe
+    expert_inter = experts = None
+    if moe is not None:
+        expert_inter = slice(None) if expert_parallel else _shard(rank, world, moe.intermediate_size)
+        experts = _shard(rank, world, moe.num_experts) if expert_parallel else slice(0, moe.num_experts)
+    every = slice(None)
+    p = f"model.layers.{i}."
+    attn = p + "self_attn."
+    dtype = state[p + "input_layernorm.weight"].dtype  # the compute dtype
+    proj = lambda parts: projection(state, parts, cfg.quantization, dtype)  # noqa: E731
+    rows = {"q": heads, "k": kv_heads, "v": kv_heads}
+    qkv_bias = torch.cat([state[attn + f"{n}_proj.bias"][rows[n]] for n in "qkv"]) if cfg.qkv_bias else None
+    # Added by one rank only, so the all-reduce sums it in once.
+    o_bias = state[attn + "o_proj.bias"] if cfg.o_bias and rank == 0 else None
+    sparse = moe is not None and i in moe.sparse_layers
+    qk_norm = None
+    if cfg.qk_norm:
+        qk_norm = torch.cat([state[attn + "q_norm.weight"].expand(cfg.num_heads // world, hd),
+                             state[attn + "k_norm.weight"].expand(cfg.num_kv_heads // world, hd)])
+    return LayerWeights(
+        input_norm=state[p + "input_layernorm.weight"],
+        qkv=proj([(attn + f"{n}_proj.weight", rows[n], every) for n in "qkv"]),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        o_proj=proj([(attn + "o_proj.weight", every, heads)]),
+        o_bias=o_bias,
+        post_norm=state[p + "post_attention_layernorm.weight"],
+        gate_up=None if sparse else proj([(p + f"mlp.{n}_proj.weight", inter, every) for n in ("gate", "up")]),
+        down=None if sparse else proj([(p + "mlp.down_proj.weight", every, inter)]),
+        moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts, cfg.quantization) if sparse else None,
+    )
 
 def _shard(rank: int, world: int, size: int) -> slice:
     step = size // world

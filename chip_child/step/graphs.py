@@ -107,6 +107,10 @@ class DecodeGraphs:
     def capture(self, lanes: int, fn: Callable[[], None]) -> None:
         self._replays[lanes] = self._capturer.capture(fn)
 
+    def fresh(self) -> "DecodeGraphs":
+        """No graphs yet, with the same capturer (and memory pool): to capture again."""
+        return DecodeGraphs(self._capturer)
+
     def replay(self, lanes: int) -> None:
         self._replays[lanes]()
 

@@ -41,6 +41,7 @@ from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
 from chip_child.attention.self_check import checked_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device, tensor_parallel_all_reduce
+from chip_child.step.sleep import owned_storage
 from chip_child.step.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_of, resolve_decode_graphs
 from chip_child.models.fp8_linear import keeps_fp8_on
 from chip_child.models.loader import ModelConfig, load_config, load_weights, resolve_dtype
@@ -95,6 +96,8 @@ class ChipRuntime:
         self.cpu_prepack = resolve_cpu_prepack(cfg.cpu_prepack, self.device.type, self.dtype)
         if self.cpu_prepack:
             self.weights.prepack()
+        if cfg.enable_sleep_mode:  # sleep frees the weights in place: they need storage of their own
+            owned_storage(self.weights)
         mc = self.model_cfg
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
         self.ops = triton_layer_ops() if resolve_fused_kernels(cfg.fused_kernels, self.device.type) else TORCH_OPS
@@ -160,7 +163,7 @@ class ChipRuntime:
 
         warm_up(self)
         if self._pending_graphs is not None:  # every row idle: the captures write to the scratch page only
-            self._capture_graphs(self._pending_graphs)
+            self.capture_graphs(self._pending_graphs)
         self.reset()
         self.warm_pool_allocations = self.pool.allocations
         self.setup_s = time.perf_counter() - t0
@@ -483,7 +486,7 @@ class ChipRuntime:
         self.state["kv_cache"].zero_()
         self.attn.invalidate()
 
-    def _capture_graphs(self, graphs: DecodeGraphs) -> None:
+    def capture_graphs(self, graphs: DecodeGraphs) -> None:
         """One graph per lane bucket, the largest first (the smaller ones reuse its memory). Every
         row is idle here, so the runs made while capturing write only to the scratch page."""
         for lanes in sorted(self.lane_views, reverse=True):

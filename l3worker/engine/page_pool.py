@@ -339,9 +339,11 @@ class PagePool:
             cursor.hash, cursor.serial, cursor.page = key, serial, last
         return registered
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, in_use: bool = False) -> int:
         """Forgets every evictable cached page (they become free); pages in use keep their
-        entries until freed. Returns how many were dropped. For benchmarks."""
+        entries until freed, or with `in_use` (new weights: no page's K/V may be found again)
+        lose them now and go to the free list when their requests end. Returns how many cached
+        pages were dropped."""
         entry, table = self._entry, self._table
         for page in self._lru:
             del table[entry[page].key]
@@ -349,6 +351,12 @@ class PagePool:
             self._free.append(page)
         dropped = len(self._lru)
         self._lru.clear()
+        if in_use:
+            for page, e in enumerate(entry):
+                if e is not None:
+                    del table[e.key]
+                    entry[page] = None
+                    dropped += 1
         return dropped
 
     # -- internals ------------------------------------------------------------------------------------

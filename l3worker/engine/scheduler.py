@@ -243,6 +243,14 @@ class Scheduler:
             self.waiting.remove(seq)
         self._release(seq)
 
+    def forget_cache(self) -> int:
+        """New weights: no page written before may be found again, in use or not, and running
+        rows register nothing more (their K/V mixes the two). Returns the pages forgotten."""
+        for seq in self.rows:
+            if seq is not None and seq.cursor is not None:
+                seq.cursor.serial = -1
+        return self.pages.reset_prefix_cache(in_use=True)
+
     def requeue(self, seqs: list[Sequence]) -> None:
         """The children restarted with an empty KV cache and no rows: every unfinished sequence
         that ran goes back to waiting as a preempted one does (oldest first, ahead of those that

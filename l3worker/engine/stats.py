@@ -67,3 +67,12 @@ class GenerateStats:
 
     def step_table(self) -> list[dict]:
         return [asdict(s) for s in self.steps]
+
+
+def advance_bar(bar, finals, elapsed_s: float) -> None:
+    """generate()'s progress bar (tqdm): one more request done, with the token rates so far."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
+    output_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    bar.set_postfix_str(f"input {prompt_tokens / elapsed_s:.1f} tok/s, output {output_tokens / elapsed_s:.1f} tok/s",
+                        refresh=False)
+    bar.update(1)

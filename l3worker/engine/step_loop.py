@@ -27,7 +27,7 @@ from chip_child.models.loader import ModelConfig
 from l3worker.worker.child_process import ChildProcess
 from l3worker.engine.grammar_gate import GrammarGate, attach_matchers
 from l3worker.worker.doorbell import Doorbell
-from l3worker.errors import ChildFailure, EngineBusyError, WorkerError
+from l3worker.errors import ChildFailure, EngineAsleepError, EngineBusyError, WorkerError
 from l3worker.engine.metrics import EngineMetrics
 from l3worker.engine.outputs import OutputProcessor, SlotLogprobs
 from l3worker.params import RequestOutput, SamplingParams
@@ -46,6 +46,33 @@ Relaunch = Callable[[], "tuple[list[ChildProcess], Doorbell]"]
 
 class EngineDeadError(WorkerError):
     """The engine stopped after a failure (a chip-child died, raised or hung); it takes no requests."""
+
+
+class BetweenSteps:
+    """A call the loop thread runs between two steps for another thread, which waits for it."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.fn = fn
+        self._done = threading.Event()
+        self._value: object = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._value = self.fn()
+        except BaseException as exc:  # the caller's to raise
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self, gone: Callable[[], BaseException | None]) -> object:
+        """Waits for the call; raises what `gone` returns if the loop stops first."""
+        while not self._done.wait(0.1):
+            if (why := gone()) is not None:
+                raise why
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 @dataclass
@@ -89,7 +116,11 @@ class Engine:
         self._step_stats: np.ndarray | None = None
         self._slot_logprobs: list[list[SlotLogprobs]] = []  # per ring slot, per token position of a step
         self._inflight: deque[_InFlight] = deque()
-        self._inbox: deque[tuple[str, object]] = deque()  # ("add", RequestState) / ("abort", request_id)
+        # ("add", RequestState) / ("abort", request_id) / ("call", BetweenSteps)
+        self._inbox: deque[tuple[str, object]] = deque()
+        self.paused = False  # pause_generation: no step is sent; requests keep their rows and pages
+        self.refusal: str | None = None  # why new requests are refused now (asleep), or None
+        self._held: list[RequestOutput] = []  # outputs of steps completed between steps (a drain)
         self._work = threading.Event()  # set whenever the inbox gets something, or a grammar compiled
         self._gate = GrammarGate(self._work.set)  # requests whose grammar is compiling wait here
         self._last_done = time.perf_counter()
@@ -196,6 +227,8 @@ class Engine:
         """Queues a request made by make_request. Raises if its id is taken by a live request."""
         if self.error is not None:
             raise self.dead_error()
+        if self.refusal is not None:
+            raise EngineAsleepError(self.refusal)
         limit = self.max_waiting_requests
         if limit is not None and self._num_queued() >= limit:
             raise EngineBusyError(f"{limit} requests are waiting already (max_waiting_requests); try again later")
@@ -211,6 +244,23 @@ class Engine:
         pipeline_depth steps. An unknown or finished id is ignored."""
         self._inbox.append(("abort", request_id))
         self._work.set()
+
+    @property
+    def halted(self) -> bool:
+        """No step is sent: paused, or asleep (requests that came in wait)."""
+        return self.paused or self.refusal is not None
+
+    def call_between_steps(self, fn: Callable[[], object]) -> object:
+        """Runs `fn` between two steps, with no command in flight, and returns what it returns:
+        on the loop thread when one drives the engine (this thread waits), else here."""
+        if not self.driven_by_loop_thread:
+            self._drain(self._held)
+            return fn()
+        call = BetweenSteps(fn)
+        self._inbox.append(("call", call))
+        self._work.set()
+        return call.result(lambda: self.dead_error() if self.error is not None else
+                           EngineDeadError("the engine is stopping") if self.stopping.is_set() else None)
 
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or bool(self.requests) or bool(self._inflight)
@@ -246,19 +296,20 @@ class Engine:
         oldest, and return the outputs it produced (deltas of streaming requests, final outputs)."""
         if self.error is not None:
             raise self.dead_error()
-        outputs: list[RequestOutput] = []
+        outputs, self._held = self._held, []
         try:
             self._apply_inbox(outputs)
             for state in self._gate.release():
                 self._enqueue(state, outputs)
             sched = self.scheduler
-            while len(self._inflight) < self.pipeline_depth and (s := sched.next_command()) is not None:
+            while not self.halted and len(self._inflight) < self.pipeline_depth and \
+                    (s := sched.next_command()) is not None:
                 self._inflight.append(self._send(s))
             self._count_scheduling()
             if self._inflight:
                 self._complete(self._inflight.popleft(), outputs)
-            elif self._gate and sched.idle:
-                self.wait_for_work(0.1)  # nothing runs: until a grammar compiles (or a request or an abort comes)
+            elif self._gate and sched.idle or self.halted and not outputs:
+                self.wait_for_work(0.1)  # nothing runs: until a grammar compiles, a resume, a request or an abort
         except ChildFailure as exc:
             self._recover(exc, outputs)
         except BaseException as exc:
@@ -308,6 +359,10 @@ class Engine:
     def _apply_inbox(self, outputs: list[RequestOutput]) -> None:
         while self._inbox:
             kind, item = self._inbox.popleft()
+            if kind == "call":
+                self._drain(outputs)
+                item.run()
+                continue
             if kind == "add":
                 self.output_processor.add(item)
                 if not self._gate.hold(item):
@@ -319,6 +374,11 @@ class Engine:
             for seq in state.seqs:
                 self.scheduler.finish(seq, "abort")
             self.output_processor.report(state, outputs)
+
+    def _drain(self, outputs: list[RequestOutput]) -> None:
+        """Completes every command in flight (a control needs the children idle)."""
+        while self._inflight:
+            self._complete(self._inflight.popleft(), outputs)
 
     def _enqueue(self, state: RequestState, outputs: list[RequestOutput]) -> None:
         """A request joins the scheduler's queue, with its samples' grammars when it has one."""

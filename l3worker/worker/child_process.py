@@ -141,6 +141,13 @@ class ChildProcess:
             if isinstance(reply, dict):
                 return reply
 
+    def control_reply(self, timeout_s: float | None, cancel: threading.Event | None = None) -> dict:
+        """The reply to a control (chip_child.protocol.Control) sent before; its refusal raises ValueError."""
+        reply = self.recv(timeout_s, "a control", cancel)
+        if "refused" in reply:
+            raise ValueError(reply["refused"])
+        return reply
+
     def drain(self) -> None:
         """Consumes every waiting message: wake-ups are dropped, an error reply raises."""
         while True:

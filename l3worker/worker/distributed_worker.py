@@ -47,13 +47,14 @@ from l3worker.distributed.nodes import NodeLayout, RemoteNode
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.engine.recovery import RestartPolicy
 from l3worker.engine.requests import RequestState
-from l3worker.engine.stats import GenerateStats
+from l3worker.engine.stats import GenerateStats, advance_bar
+from l3worker.worker.rollout import RolloutControls
 from l3worker.worker.socket_dir import make_socket_dir
 
 RESTART_GRACE_S = 2.0  # how long a failed generation's live children may take to exit before a kill
 
 
-class DistributedWorker:
+class DistributedWorker(RolloutControls):
     def __init__(
         self,
         model_dir: str | os.PathLike | None = None,
@@ -80,6 +81,7 @@ class DistributedWorker:
         cpu_prepack: bool | None = None,
         quantization: str | None = None,
         enable_expert_parallel: bool = False,
+        enable_sleep_mode: bool = False,  # vLLM's: sleep() may free the weights and the KV cache (rollout.py)
         overlap_steps: bool | None = None,
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
@@ -171,7 +173,7 @@ class DistributedWorker:
             max_prefill_tokens=max_num_batched_tokens, copy_policy=copy_policy, num_threads=num_threads,
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
             cpu_prepack=cpu_prepack, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
-            speculative=None if speculative is None else speculative.to_dict(),
+            speculative=None if speculative is None else speculative.to_dict(), enable_sleep_mode=enable_sleep_mode,
         )
         self.speculative_config = speculative
         self.device_ids = device_ids
@@ -288,6 +290,7 @@ class DistributedWorker:
     def _relaunch(self) -> tuple[list[ChildProcess], Doorbell]:
         """The engine's restart: stops every child (tensor-parallel ranks go together), then
         starts fresh ones as prepare() did. Children that fail to start are stopped too."""
+        self.check_relaunch()
         self._stop_children(RESTART_GRACE_S)
         try:
             self._launch()
@@ -377,7 +380,7 @@ class DistributedWorker:
                 if out.finished:
                     finals[out.request_id] = out
                     if bar is not None:
-                        _advance_bar(bar, finals.values(), time.perf_counter() - t0)
+                        advance_bar(bar, finals.values(), time.perf_counter() - t0)
         finally:
             if bar is not None:
                 bar.close()
@@ -479,14 +482,6 @@ class DistributedWorker:
     def step_records(self) -> list[dict]:
         """Every step of the last generate() call, for --profile."""
         return self._last.step_table()
-
-
-def _advance_bar(bar: tqdm, finals, elapsed_s: float) -> None:
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
-    output_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    bar.set_postfix_str(f"input {prompt_tokens / elapsed_s:.1f} tok/s, output {output_tokens / elapsed_s:.1f} tok/s",
-                        refresh=False)
-    bar.update(1)
 
 
 _live_workers: "weakref.WeakSet[DistributedWorker]" = weakref.WeakSet()
