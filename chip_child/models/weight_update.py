@@ -2,8 +2,8 @@
 graph) already reads, one layer at a time, so memory never holds two models.
 
 A layer is rebuilt from its HF tensors with the load path's own code (fusing, this rank's shard,
-fp8, the cpu's oneDNN prepacking), then copied leaf by leaf into the live layer. A prepacked
-matrix is opaque to copies: its packed buffer is swapped instead (the cpu has no graphs to keep).
+fp8), then copied leaf by leaf into the live layer. A prepacked (oneDNN) matrix is opaque to
+copies: it is packed again into a new buffer, the old one freed first (the cpu has no graphs).
 A layer whose tensors arrive over several updates waits, in host memory, until the last one
 comes (RL trainers send their weights in buckets of a few hundred MB, cutting layers anywhere).
 """
@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from chip_child.models.loader import ModelConfig, expected_tensor_shapes, load_weights, unit_of
-from chip_child.models.prepack import PackedLinear, prepacked
-from chip_child.models.qwen3 import Qwen3Weights, layer_from_hf, layer_to, prepack_layer
+from chip_child.models.prepack import PackedLinear
+from chip_child.models.qwen3 import Qwen3Weights, layer_from_hf, layer_to
 
 def units(cfg: ModelConfig) -> dict[str, set[str]]:
     """Every unit of the model and the HF tensor names it needs, complete."""
@@ -78,20 +78,24 @@ class WeightUpdater:
             i = int(unit.split()[1])
             new = layer_to(layer_from_hf(state, self.cfg, i, self.rank, self.world, self.expert_parallel),
                            self.device)
-            if self.prepack:
-                prepack_layer(new)
-            copy_into(w.layers[i], new, unit)
+            copy_into(w.layers[i], new, unit)  # a prepacked matrix is packed again there
         elif unit == "model.embed_tokens.weight":
             copy_into(w.embed, state[unit].to(self.device), unit)
             if w.tied and isinstance(w.lm_head, PackedLinear):  # its own packed copy of the embedding
-                w.lm_head.weight = PackedLinear(w.embed.t()).weight
+                repack(w.lm_head, w.embed.t())
         elif unit == "model.norm.weight":
             copy_into(w.norm, state[unit].to(self.device), unit)
         elif unit == "lm_head.weight":
-            new_head = state[unit].to(self.device).t()
-            copy_into(w.lm_head, prepacked(new_head) if self.prepack else new_head, unit)
+            copy_into(w.lm_head, state[unit].to(self.device).t(), unit)
         else:
             raise ValueError(f"no tensor of the model is named {unit!r}")
+
+
+def repack(packed: PackedLinear, weight_t: torch.Tensor) -> None:
+    """Packs new [in, out] values into a prepacked matrix, the old buffer released first: a
+    packed buffer cannot be written in place, and holding both would grow the heap by the model."""
+    packed.weight = None
+    packed.weight = PackedLinear(weight_t).weight
 
 
 def copy_into(old: object, new: object, what: str) -> None:
@@ -108,10 +112,10 @@ def copy_into(old: object, new: object, what: str) -> None:
         old.copy_(new)
         return
     if isinstance(old, PackedLinear):
-        if not isinstance(new, PackedLinear) or (old.in_features, old.out_features) != (new.in_features,
-                                                                                         new.out_features):
-            raise ValueError(f"{what}: a packed matrix of another shape")
-        old.weight = new.weight
+        if not isinstance(new, torch.Tensor) or tuple(new.shape) != (old.in_features, old.out_features):
+            raise ValueError(f"{what}: {tuple(getattr(new, 'shape', ()))} where the model holds a packed "
+                             f"{(old.in_features, old.out_features)}")
+        repack(old, new)
         return
     fields = vars(old) if hasattr(old, "__dict__") else {k: getattr(old, k) for k in old.__slots__}
     for key, value in fields.items():

@@ -4,7 +4,7 @@ Coroutines add requests at any moment and read their outputs from an asyncio que
 thread hands each step's outputs to the event loop in one call. Closing or cancelling a request's
 iterator (a client gone) aborts it. With nothing to do the loop thread sleeps on an event, and
 wakes every WATCH_S to check its children: a death is noticed, and the children restarted, even
-when no request runs.
+when no request runs. Rollout controls (control()) wait for the loop thread in the executor's.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from l3worker.engine.step_loop import EngineDeadError
 from l3worker.errors import RequestFailedError
 from l3worker.params import RequestOutput, SamplingParams
+from l3worker.serving.controls import run_control
 from l3worker.worker.distributed_worker import DistributedWorker
 
 __all__ = ["AsyncEngine", "EngineDeadError", "checked", "run_step_loop"]
@@ -135,6 +136,19 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    async def control(self, name: str, args: dict) -> dict:
+        """Runs rollout control `name` (l3worker/serving/controls.py) between two steps; the worker's
+        ValueError for bad input, EngineDeadError once the engine stopped."""
+        if self.dead:
+            raise self.engine.dead_error()
+        if self._thread is None or self._stopping:
+            raise EngineDeadError("the engine is not running")
+        return await asyncio.get_running_loop().run_in_executor(None, run_control, self.worker, name, args)
+
+    @property
+    def weight_version(self) -> str:
+        return self.worker.weight_version
 
     async def shutdown(self) -> None:
         """Aborts what is in flight, stops the loop thread and closes the worker. Idempotent."""

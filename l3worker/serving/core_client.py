@@ -12,6 +12,8 @@ engine stops the service: its requests are gone, as vLLM does). An engine on ano
 lost (its relay, l3worker/distributed/dp_remote.py, says ["lost", text] on its control socket) fails
 its own requests, leaves the router and turns /health into 503; the others keep serving what is
 routed to them. When it registers again (["back"]), it is asked "hello" and rejoins on its answer.
+A rollout control (control()) goes to every engine that is not lost, and their replies are combined
+(controls.combine); each core says its weight_version at hello, in each reply, and whenever it changes.
 All metrics live in the cores:
 whichever API server answers a scrape asks every core and shows each engine's series under an
 `engine` label.
@@ -28,18 +30,17 @@ from typing import AsyncIterator, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from l3worker.serving.core_wire import identity, output_from_wire, pack, params_to_wire, unpack
+from l3worker.serving.controls import combine
+from l3worker.serving.core_wire import error_from_wire, identity, output_from_wire, pack, params_to_wire, unpack
 from l3worker.engine.metrics import exposition
 from l3worker.serving.async_engine import checked
 from l3worker.engine.step_loop import EngineDeadError
-from l3worker.errors import EngineBusyError
 from l3worker.engine.requests import DEFAULT_PARAMS
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.distributed.router import Router
 
 log = logging.getLogger("l3worker.serving")
 METRICS_TIMEOUT_S = 10.0
-_REFUSED = {"value": ValueError, "type": TypeError, "busy": EngineBusyError, "dead": EngineDeadError}
 
 
 class _Outputs:
@@ -109,6 +110,8 @@ class CoreClient:
         self._prompts: dict[str, list[int]] = {}
         self._engine_of: dict[str, int] = {}
         self._scrapes: dict[tuple[int, int], asyncio.Future] = {}
+        self._calls: dict[tuple[int, int], asyncio.Future] = {}  # rollout controls awaiting their reply
+        self._versions = ["default"] * len(controls)  # each engine's weight_version
         self._seq = itertools.count()
         self._core_healthy = [False] * len(controls)
         self._core_why: list[str | None] = [None] * len(controls)  # why an engine does not serve (its word)
@@ -122,6 +125,11 @@ class CoreClient:
     @property
     def dead(self) -> bool:
         return self.error is not None
+
+    @property
+    def weight_version(self) -> str:
+        """The engines' weight_version (joined by "/" where data-parallel engines differ)."""
+        return "/".join(dict.fromkeys(self._versions))
 
     @property
     def healthy(self) -> bool:
@@ -164,13 +172,14 @@ class CoreClient:
                     reply.cancel()
                     raise self.error or EngineDeadError("an engine-core process (or the relay of the engines on "
                                                         "other nodes) exited while starting: see its log")
-                kind, *extra = unpack(reply.result())
-                if kind == "lost":
-                    raise EngineDeadError(extra[0])
-                self._core_healthy[engine] = extra.pop(0)
-                self._core_why[engine] = extra[-1]
-                if kind == "ready":
-                    layouts.append(extra[0])
+                msg = unpack(reply.result())
+                if msg[0] == "lost":
+                    raise EngineDeadError(msg[1])
+                if msg[0] == "health":
+                    self._core_healthy[engine], self._core_why[engine] = msg[1], msg[2]
+                elif msg[0] == "ready":
+                    self._ready(engine, msg)
+                    layouts.append(msg[2])
                     break
         # Data-parallel engines on a cpu each run their own layout: one word when they agree.
         self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
@@ -212,6 +221,32 @@ class CoreClient:
         engine = self._engine_of.get(request_id)
         if engine is not None and engine not in self._lost:
             await self._controls[engine].send(pack(["abort", request_id]))
+
+    async def control(self, name: str, args: dict) -> dict:
+        """Runs rollout control `name` (l3worker/serving/controls.py) on every engine that is not
+        lost and combines their results; the first engine's error is raised (ValueError for bad
+        input, EngineDeadError when one stops first)."""
+        if self._stopping or not self._gone:
+            raise EngineDeadError("the engine is not running")
+        if self.error is not None:
+            raise self.error
+        engines = [e for e in range(len(self._controls)) if e not in self._lost]
+        if not engines:
+            raise EngineDeadError(f"every engine is lost: {'; '.join(self._lost.values())}")
+        seq = next(self._seq)
+        loop = asyncio.get_running_loop()
+        futures = [self._calls.setdefault((e, seq), loop.create_future()) for e in engines]
+        try:
+            for e in engines:
+                await self._controls[e].send(pack(["control", seq, name, args]))
+            replies = await asyncio.gather(*futures)  # no time limit: a weight update loads a checkpoint
+        finally:
+            for e in engines:
+                self._calls.pop((e, seq), None)
+        for ok, value, kind in replies:
+            if not ok:
+                raise error_from_wire(kind, value)
+        return combine([value for _, value, _ in replies])
 
     async def metrics_text(self) -> bytes:
         """Every engine core's /metrics series in one exposition (empty once one is gone)."""
@@ -270,7 +305,16 @@ class CoreClient:
             elif kind == "refused":
                 queue = self._queues.get(msg[1])
                 if queue is not None:
-                    queue.put(_REFUSED[msg[2]](msg[3]))
+                    queue.put(error_from_wire(msg[2], msg[3]))
+            elif kind == "control":
+                _, seq, ok, value, error = msg
+                if ok:
+                    self._versions[engine] = value["weight_version"]
+                future = self._calls.get((engine, seq))
+                if future is not None and not future.done():
+                    future.set_result((ok, value, error))
+            elif kind == "weight_version":
+                self._versions[engine] = msg[1]
             elif kind == "metrics":
                 future = self._scrapes.get((engine, msg[1]))
                 if future is not None and not future.done():
@@ -281,10 +325,16 @@ class CoreClient:
                 await control.send(pack(["hello"]))
             elif kind == "ready" and engine in self._lost:  # its answer: it serves again
                 del self._lost[engine]
-                self._core_healthy[engine], self._core_why[engine] = msg[1], msg[3]
+                self._ready(engine, msg)
                 if self.router:
                     self.router.down.discard(engine)
                 log.warning("data-parallel engine %d is back", engine)
+
+    def _ready(self, engine: int, msg: list) -> None:
+        """["ready", healthy, cpu layout, why, weight_version]; without the version, it stays as it was."""
+        self._core_healthy[engine], self._core_why[engine] = msg[1], msg[3]
+        if len(msg) > 4:
+            self._versions[engine] = msg[4]
 
     def _lose(self, engine: int, text: str) -> None:
         """A remote engine is gone: its requests fail, the router skips it, /health says 503."""
@@ -299,7 +349,7 @@ class CoreClient:
         for request_id, e in self._engine_of.items():
             if e == engine and request_id in self._queues:
                 self._queues[request_id].put(exc)
-        for (e, _), future in self._scrapes.items():
+        for (e, _), future in [*self._scrapes.items(), *self._calls.items()]:
             if e == engine and not future.done():
                 future.set_exception(exc)
 
@@ -325,6 +375,6 @@ class CoreClient:
     def _fail_waiters(self, exc: BaseException) -> None:
         for queue in self._queues.values():
             queue.put(exc)
-        for future in self._scrapes.values():
+        for future in [*self._scrapes.values(), *self._calls.values()]:
             if not future.done():
                 future.set_exception(exc)

@@ -2,13 +2,19 @@
 Each API server connects to every engine core (`--data-parallel-size`) alike.
 
 Control socket (each API server's DEALER, identity `api-<i>`, to the core's ROUTER):
-  in:  ["hello"]                       -> ["ready", healthy, cpu layout, why] once the engine runs
+  in:  ["hello"]                       -> ["ready", healthy, cpu layout, why, weight_version] once the engine runs
        ["add", request_id, prompt_ids, params] (accepted silently; refused -> ["refused", id, kind, text])
        ["abort", request_id]
        ["metrics", seq]                -> ["metrics", seq, metric families (l3worker.engine.metrics.families_to_wire)]
+       ["control", seq, name, args]    -> ["control", seq, ok, result dict or error text, error kind or None]
+                                       a rollout control (l3worker/serving/controls.py: sleep, wake_up,
+                                       update_weights_from_disk, pause_generation, ...), run off the core's
+                                       main thread; the result carries the weight_version after it; the
+                                       error kind is one of ERROR_KINDS ("error": anything else, a 500)
        ["shutdown"]                    (the launching API server, when it stops)
   out: ["health", healthy, why]        whenever the engine's health changes (a restart begins or ends);
                                        `why` says what a refused request's 503 says, None when healthy
+       ["weight_version", version]     to every API server whenever a control changed it (before the reply)
 Outputs socket (the core's PUSH to each API server's PULL), written by the step loop only:
   ["out", [output, ...]]               ONE message per step per API server with requests that advanced
   ["dead", text]                       the engine stopped after a failure
@@ -23,10 +29,23 @@ from dataclasses import fields
 
 import msgpack
 
+from l3worker.engine.step_loop import EngineDeadError
+from l3worker.errors import EngineAsleepError, EngineBusyError
 from l3worker.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
 
-REFUSED_KINDS = ("value", "type", "busy", "dead")  # ValueError, TypeError, EngineBusyError, EngineDeadError
+# A refusal's or a control's error, by kind; the first class an error is an instance of names it
+# (EngineAsleepError before its base EngineBusyError: the API answers them with different codes).
+ERROR_KINDS: dict[str, type[Exception]] = {"asleep": EngineAsleepError, "busy": EngineBusyError,
+                                           "dead": EngineDeadError, "value": ValueError, "type": TypeError}
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def error_kind(exc: BaseException) -> str:
+    return next((kind for kind, cls in ERROR_KINDS.items() if isinstance(exc, cls)), "error")
+
+
+def error_from_wire(kind: str, text: str) -> Exception:
+    return ERROR_KINDS.get(kind, RuntimeError)(text)
 
 
 def identity(index: int) -> bytes:

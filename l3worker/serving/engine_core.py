@@ -7,7 +7,9 @@ server (l3worker/serving/launcher.py), or on another node by a headless data-par
 the main thread answers the control socket (adds, aborts, metrics scrapes, health), the loop thread
 drives Engine.step (run_step_loop, as AsyncEngine does in-process) and sends one message per step
 to each API server with requests that advanced. Its own interpreter lock serves the step loop
-alone, so HTTP work never delays a step.
+alone, so HTTP work never delays a step. Rollout controls (sleep, weight updates, pause; they wait
+for the loop thread, a weight update for a whole checkpoint's load) run on threads of their own;
+the main thread sends their replies, woken by a pipe, so its socket never waits on them.
 
 It stops when told to (a shutdown message, SIGTERM), and at once when the process that started it
 goes away (a pidfd on it is polled with the control socket): nobody could reach it any more.
@@ -22,12 +24,15 @@ import shutil
 import signal
 import sys
 import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import zmq
 
 from l3worker.serving.async_engine import run_step_loop
-from l3worker.serving.core_wire import identity, output_to_wire, pack, params_from_wire, unpack
+from l3worker.serving.controls import run_control
+from l3worker.serving.core_wire import error_kind, identity, output_to_wire, pack, params_from_wire, unpack
 from l3worker.engine.step_loop import EngineDeadError
 from l3worker.errors import EngineBusyError
 from l3worker.engine.metrics import families_to_wire
@@ -76,6 +81,12 @@ class EngineCore:
         self.stop = threading.Event()
         self._healthy: bool | None = None
         self._thread: threading.Thread | None = None
+        self._weight_version = worker.weight_version  # as the API servers know it
+        # Two threads: a long control (a weight update) does not hold up a short one (is_sleeping).
+        self._calls = ThreadPoolExecutor(2, thread_name_prefix="l3worker-control")
+        self._done_calls: deque[tuple[bytes, int, Future]] = deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # a finished call wakes the poll
+        self._wake_lock = threading.Lock()  # no write to a closed (and perhaps reused) descriptor
 
     def run(self) -> None:
         """Prepares the worker, then serves until stopped or orphaned; stops everything it started."""
@@ -89,11 +100,14 @@ class EngineCore:
             poller = zmq.Poller()
             poller.register(self.control, zmq.POLLIN)
             poller.register(parent, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
             while not self.stop.is_set():
                 ready = dict(poller.poll(POLL_MS))
                 if parent in ready:
                     log.warning("the API server that started the engine core is gone: stopping")
                     break
+                if self._wake_r in ready:
+                    self._reply_calls()
                 while self.control.poll(0):
                     who, data = self.control.recv_multipart()
                     try:
@@ -107,11 +121,16 @@ class EngineCore:
 
     def close(self) -> None:
         self.stop.set()
-        self.engine.request_stop()
+        self.engine.request_stop()  # a control waiting for the loop thread gives up
+        self._calls.shutdown(wait=False, cancel_futures=True)
         if self._thread is not None:
             self._thread.join(30)
         self.worker.close()
         self.ctx.destroy(linger=1000)
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
         if os.getppid() != self.config.parent_pid:  # nobody else is left to remove its socket directory
             shutil.rmtree(os.path.dirname(self.config.control.removeprefix("ipc://")), ignore_errors=True)
 
@@ -124,9 +143,11 @@ class EngineCore:
             self.engine.abort(msg[1])
         elif kind == "metrics":
             self._reply(who, ["metrics", msg[1], families_to_wire(self.engine.metrics.registry, self.config.engine)])
+        elif kind == "control":
+            self._control(who, *msg[1:])
         elif kind == "hello":
             self._reply(who, ["ready", self.engine.healthy, self.worker.cpu_layout_in_use,
-                              self.engine.unavailable_reason])
+                              self.engine.unavailable_reason, self.worker.weight_version])
         elif kind == "shutdown":
             self.stop.set()
         else:
@@ -144,8 +165,43 @@ class EngineCore:
                 self.owner.pop(request_id, None)
             else:
                 self.owner[request_id] = previous
-            kind = {EngineBusyError: "busy", EngineDeadError: "dead", TypeError: "type"}.get(type(e), "value")
-            self._reply(who, ["refused", request_id, kind, str(e)])
+            self._reply(who, ["refused", request_id, error_kind(e), str(e)])
+
+    def _control(self, who: bytes, seq: int, name: str, args: dict) -> None:
+        """Runs a rollout control on a thread of its own; _reply_calls answers it when done."""
+        def done(future: Future) -> None:  # on the call's thread: only the main thread sends
+            self._done_calls.append((who, seq, future))
+            with self._wake_lock:
+                if self._wake_w >= 0:  # else the core stopped: nobody waits for the reply
+                    try:
+                        os.write(self._wake_w, b"\0")
+                    except BlockingIOError:  # the pipe is full of wake-ups already
+                        pass
+
+        self._calls.submit(run_control, self.worker, name, args).add_done_callback(done)
+
+    def _reply_calls(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while self._done_calls:
+            who, seq, future = self._done_calls.popleft()
+            try:
+                reply = ["control", seq, True, future.result(), None]
+            except BaseException as e:  # the API server answers it (400, 503, 500)
+                if error_kind(e) == "error":
+                    log.exception("control %d failed", seq)
+                reply = ["control", seq, False, str(e), error_kind(e)]
+            self._send_weight_version()  # before the reply: a response after it reports the new version
+            self._reply(who, reply)
+
+    def _send_weight_version(self) -> None:
+        version = self.worker.weight_version
+        if version != self._weight_version:
+            self._weight_version = version
+            for index in range(len(self.pushes)):
+                self._reply(identity(index), ["weight_version", version])
 
     def _reply(self, who: bytes, message: list) -> None:
         self.control.send_multipart([who, pack(message)])

@@ -49,6 +49,8 @@ class ServeOptions:
     enable_auto_tool_choice: bool = False  # parse tool calls when tool_choice is "auto"
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
+    enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (the worker needs it too)
+    enable_weight_updates: bool = False  # POST /update_weights_from_disk, /pause_generation, ...
     seed: int | None = None  # --seed: seeds the requests that give none (generation_config.RequestSeeds)
     max_logprobs: int = MAX_TOP_LOGPROBS  # --max-logprobs
     response_role: str = "assistant"  # --response-role
@@ -180,7 +182,9 @@ async def serve(engine, model: ServedModel, options: ServeOptions, sock: socket.
     try:
         await engine.start()
         app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
-                         enable_tokenizer_info=options.enable_tokenizer_info_endpoint, cors=options.cors)
+                         enable_tokenizer_info=options.enable_tokenizer_info_endpoint, cors=options.cors,
+                         enable_sleep_mode=options.enable_sleep_mode,
+                         enable_weight_updates=options.enable_weight_updates)
         config = uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level, access_log=False,
                                 lifespan="off", http="auto", ws="none",
                                 timeout_graceful_shutdown=options.graceful_timeout_s, root_path=options.root_path,

@@ -114,6 +114,10 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (None: off)')
+    g.add_argument("--enable-sleep-mode", action="store_true",
+                   help="serve POST /sleep?level=1|2 (free the KV cache; level 2 the weights too), POST /wake_up "
+                        "and GET /is_sleeping, for RL trainers that share the device with the engine; while "
+                        "asleep requests get 503")
 
 
 def _cache_args(g: argparse._ArgumentGroup) -> None:
@@ -238,6 +242,11 @@ def _frontend_args(g: argparse._ArgumentGroup) -> None:
                    help="logprobs name tokens 'token_id:N' unless a request sets return_tokens_as_token_ids")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
+    g.add_argument("--enable-weight-updates", action="store_true",
+                   help="l3worker: serve SGLang's POST /update_weights_from_disk (a checkpoint of the same "
+                        "architecture, loaded in place, with a weight_version that /v1/models and every response "
+                        "report), POST /pause_generation (mode abort or keep), POST /continue_generation and "
+                        "POST /reset_prefix_cache, for RL trainers")
     g.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                    help="API server processes sharing the listening socket, each with its own connection to the "
                         "engine-core process")

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from chip_child.models.loader import ModelConfig, expected_tensor_shapes, load_config, unit_of
 from chip_child.protocol import Control, encode
+from l3worker.errors import WorkerError
 from l3worker.hub import resolve_model
 
 PAUSE_MODES = ("abort", "keep")
@@ -242,7 +243,7 @@ class RolloutControls:
     def check_relaunch(self) -> None:
         """A restart loads the weights from disk: refused once they came from tensors."""
         if self._weights_from_tensors:
-            raise RuntimeError("a chip-child failed after update_weights_from_tensor, whose weights a restart "
+            raise WorkerError("a chip-child failed after update_weights_from_tensor, whose weights a restart "
                                "cannot load again: the engine stops (update from disk to keep restarts)")
 
 

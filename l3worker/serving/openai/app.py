@@ -20,6 +20,7 @@ from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES, APIKey, B
 from l3worker.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                       error_body)
 from l3worker.serving.openai.responses import new_id, now
+from l3worker.serving.openai.rollout_routes import add_rollout_routes
 from l3worker.serving.openai.tokenization import detokenize, tokenize
 from l3worker.serving.openai.tokenizer_info import tokenizer_info
 from l3worker.serving.openai.translate import ServedModel
@@ -44,7 +45,7 @@ def version() -> str:
 
 def create_app(engine, model: ServedModel, *, api_key: str | list[str] | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_tokenizer_info: bool = False,
-               cors: Cors = Cors()) -> FastAPI:
+               cors: Cors = Cors(), enable_sleep_mode: bool = False, enable_weight_updates: bool = False) -> FastAPI:
     client = EngineClient(engine)
     app = FastAPI(title="l3worker", docs_url=None, redoc_url=None)
     app.state.client = client
@@ -93,11 +94,12 @@ def create_app(engine, model: ServedModel, *, api_key: str | list[str] | None = 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        """vLLM's ModelList: every served name, its root the model as the user named it."""
+        """vLLM's ModelList: every served name, its root the model as the user named it; and the
+        weights' version (SGLang's weight_version: update_weights_from_disk sets it)."""
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "l3worker",
              "root": model.root or model.model_dir, "parent": None, "max_model_len": model.max_model_len,
-             "permission": [_permission(created)]} for name in model.names]}
+             "permission": [_permission(created)], "weight_version": client.weight_version} for name in model.names]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -129,6 +131,8 @@ def create_app(engine, model: ServedModel, *, api_key: str | list[str] | None = 
         @app.get("/tokenizer_info")
         async def get_tokenizer_info() -> dict:
             return info
+
+    add_rollout_routes(app, client, sleep=enable_sleep_mode, weight_updates=enable_weight_updates)
 
     return app
 

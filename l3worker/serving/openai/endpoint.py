@@ -3,6 +3,10 @@ disconnect watched until the answer starts, the response envelope, usage, the re
 and SSE framing. An endpoint (completions.py, chat_completions.py) writes only what differs: its
 prompts and sampling parameters, and the shape of a whole choice and of a streamed one.
 
+Every response tells the weights' version (SGLang's weight_version, l3worker/worker/rollout.py) as
+a top-level "weight_version": a whole response once, a stream in each chunk that ends a choice (the
+one with its finish_reason) and in the usage chunk, as the version is when that chunk is written.
+
 Aborts: a client that leaves before the answer starts is noticed here (`unless_disconnected`);
 one that leaves mid-stream, by the framework, which cancels the stream. Either way the engine's
 streams are closed, and closing a stream aborts its request in the engine's own front
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from typing import AsyncIterator, Awaitable, ClassVar, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, ClassVar, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +54,7 @@ class Generation(ABC):
         self.finals: dict[int, RequestOutput] = {}  # by prompt index
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self._finished: set[int] = set()  # choices whose finish_reason was streamed
+        self.weight_version: Callable[[], str] = lambda: "default"  # respond() asks the engine
 
     # -- what an endpoint writes -----------------------------------------------------------------
     @abstractmethod
@@ -95,16 +100,19 @@ class Generation(ABC):
     def whole(self) -> dict:
         choices = [self.choice(i, out, s) for i, out in sorted(self.finals.items())
                    for s in sorted(out.outputs, key=lambda s: s.index)]
-        return {**self.envelope(self.object, choices), "usage": self.usage()}
+        return {**self.envelope(self.object, choices), "usage": self.usage(), "weight_version": self.weight_version()}
 
     def chunk(self, choice: dict) -> str:
         body = self.envelope(self.chunk_object, [choice])
         if self.include_usage:
             body["usage"] = None
+        if choice.get("finish_reason") is not None:
+            body["weight_version"] = self.weight_version()
         return sse(body)
 
     def usage_chunk(self) -> str:
-        return sse({**self.envelope(self.chunk_object, []), "usage": self.usage()})
+        return sse({**self.envelope(self.chunk_object, []), "usage": self.usage(),
+                    "weight_version": self.weight_version()})
 
     def events(self, i: int, out: RequestOutput) -> str:
         """The chunks of one engine output: one per choice with something new."""
@@ -130,6 +138,7 @@ async def respond(request: Request, gen: Generation, client: EngineClient, param
     """Runs `gen`'s prompts in the engine and answers with the whole response or its SSE stream.
     Errors before the first output (the engine's input checks) are answered as errors, not streamed."""
     request.scope["l3worker.log"] = gen.log_line
+    gen.weight_version = lambda: client.weight_version
     rid = gen.request_id
     single = len(gen.prompts) == 1
     outputs = merge([client.generate(p, sp, rid if single else f"{rid}-{i}")

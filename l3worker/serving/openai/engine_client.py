@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import AsyncIterator, TypeVar
 
-from l3worker.errors import EngineBusyError, RequestFailedError, WorkerError
+from l3worker.errors import EngineAsleepError, EngineBusyError, RequestFailedError, WorkerError
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.serving.openai.errors import bad_request, request_failed, unavailable
 
@@ -30,6 +30,23 @@ class EngineClient:
     def healthy(self) -> bool:
         """What /health says: false once the engine stopped and while its children restart."""
         return not self.stopping and bool(self.engine.healthy)
+
+    @property
+    def weight_version(self) -> str:
+        """The weights' version (update_weights_from_disk's weight_version; "default" at start)."""
+        return self.engine.weight_version
+
+    async def control(self, name: str, args: dict) -> dict:
+        """engine.control (a rollout control, l3worker/serving/controls.py), with bad input as a 400
+        (the worker's words, naming the tensor or field) and a stopped engine as a 503."""
+        if self.stopping:
+            raise unavailable("the server is shutting down")
+        try:
+            return await self.engine.control(name, args)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        except WorkerError as e:
+            raise unavailable(f"the engine failed: {e}") from None
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str
                        ) -> AsyncIterator[RequestOutput]:
@@ -54,6 +71,8 @@ class EngineClient:
                     if started:
                         raise
                     raise bad_request(str(e)) from None
+                except EngineAsleepError as e:  # the worker's words: "the engine sleeps: wake_up() first", ...
+                    raise unavailable(str(e), code="engine_asleep") from None
                 except EngineBusyError as e:
                     raise unavailable(str(e), code="server_overloaded") from None
                 except RequestFailedError as e:
