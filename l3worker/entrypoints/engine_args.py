@@ -21,6 +21,7 @@ RENAMED = {
     "enable_prefix_caching": "enable_prefix_caching",
     "enable_expert_parallel": "enable_expert_parallel",
     "speculative_config": "speculative_config",
+    "enable_sleep_mode": "enable_sleep_mode",
 }
 # vLLM arguments accepted at these values only: each either is l3worker's behaviour already or
 # tunes something l3worker does not have, so the value cannot change what comes out.
@@ -45,7 +46,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "enable_chunked_prefill": (None, True),  # long prompts are always prefilled in chunks
     "enable_lora": (False,),
     "enable_prompt_embeds": (False,),
-    "enable_sleep_mode": (False,),
     "logprobs_mode": ("processed_logprobs",),  # the sampled distribution's (see SamplingParams)
     "use_tqdm_on_load": (True, False),
     "runner": ("auto", "generate"),

@@ -154,6 +154,26 @@ class LLM:
             prompts.append(EnginePrompt(self._tokenizer.encode(text, add_special_tokens=False), text))
         return self._run(prompts, sampling_params, use_tqdm)
 
+    # -- RL rollouts (DistributedWorker's, l3worker.worker.rollout) ----------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        """vLLM's: frees the KV cache (level 1) or the KV cache and the weights (level 2); needs
+        LLM(..., enable_sleep_mode=True)."""
+        return self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        return self.worker.wake_up(tags)
+
+    def reset_prefix_cache(self) -> bool:
+        self.worker.reset_prefix_cache()
+        return True
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict:
+        return self.worker.update_weights_from_disk(model_path, weight_version)
+
+    def update_weights_from_tensor(self, named_tensors: Any, weight_version: str | None = None,
+                                   flush: bool = True) -> dict:
+        return self.worker.update_weights_from_tensor(named_tensors, weight_version, flush)
+
     # -- internals ---------------------------------------------------------------------------------
     def _run(self, prompts: list[EnginePrompt], sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
         params = self._params_for(len(prompts), sampling_params)

@@ -233,3 +233,19 @@ def test_seeded_rollouts_give_the_same_tokens_at_batch_1_and_batch_16(pair) -> N
         together = tokens(w.generate(prompts, params))
         alone = [tokens(w.generate([p], q))[0] for p, q in zip(prompts, params)]
     assert together == alone and len({tuple(t) for t in together}) > 1
+
+
+def test_the_offline_llm_sleeps_wakes_and_takes_new_weights_as_vllms_does(pair, hf_model) -> None:
+    from l3worker import LLM
+
+    a, b = pair
+    with guard(), LLM(str(a), enable_sleep_mode=True, max_model_len=128, max_num_seqs=4, device="cpu",
+                      num_threads=1) as llm:
+        before = tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False))
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert llm.reset_prefix_cache()
+        assert tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)) == before
+        llm.update_weights_from_disk(str(b))
+        after = tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False))
+    assert after == [hf_greedy(hf_model(b), p, 12) for p in PROMPTS]
