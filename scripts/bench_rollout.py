@@ -52,7 +52,9 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
-    ckpts = [write_random_qwen3(tmp / f"m{i}", seed=i, **MODEL_58M) for i in range(2)]
+    ckpts = [tmp / f"m{i}" for i in range(2)]
+    for i, path in enumerate(ckpts):
+        write_random_qwen3(path, MODEL_58M, seed=i)
     gb = sum(f.stat().st_size for f in ckpts[0].glob("*.safetensors")) / 1e9
     expected = []
     for path in ckpts:

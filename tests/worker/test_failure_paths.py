@@ -113,10 +113,17 @@ def test_malformed_admits_are_refused(admit, message) -> None:
     (msgpack.packb([protocol.OP_PREFILL, 0, [], b"", [], [1, 2]]), "chunks: expected int32 bytes"),
     (msgpack.packb([protocol.OP_DECODE, -5, [], b""]), "step"),
     (msgpack.packb([protocol.OP_DECODE, 2**63 - 1, [], b""]), "step"),
+    (msgpack.packb([protocol.OP_CONTROL, "format_disk", {}]), "name one of"),
+    (msgpack.packb([protocol.OP_CONTROL, "sleep", [1]]), "a control is"),
 ])
 def test_malformed_commands_are_refused(raw, message) -> None:
     with pytest.raises(protocol.ProtocolError, match=message):
         protocol.decode(raw, LIMITS)
+
+
+def test_controls_round_trip() -> None:
+    cmd = protocol.Control("update_weights", {"dir": "/dev/shm/x", "names": ["model.norm.weight"]})
+    assert protocol.decode(protocol.encode(cmd), LIMITS) == cmd
 
 
 def test_full_state_positions_and_flags_are_checked() -> None:
