@@ -168,8 +168,8 @@ class RolloutControls:
         def run() -> dict:
             pending: list[str] = []
             for bucket in buckets(items, bucket_bytes):
-                folder = tempfile.mkdtemp(prefix="l3worker-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                          else None)
+                folder = tempfile.mkdtemp(prefix=f"l3worker-weights-{os.getpid()}-",
+                                          dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
                 try:
                     save_file({n: t.detach().to("cpu").contiguous() for n, t in bucket},
                               os.path.join(folder, "model.safetensors"))

@@ -134,7 +134,7 @@ def test_a_bucketed_tensor_update_splits_layers_and_needs_no_second_copy_of_the_
         # the child a bucket and a layer, plus, on the cpu, the heap that re-packing oneDNN matrices
         # leaves behind the first time (about 0.6x of the model here; a second update reuses it).
         assert grew[1] < model_bytes / 4 and grew[0] < model_bytes
-        assert not [e for e in os.listdir("/dev/shm") if e.startswith("l3worker-weights-")]
+        assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"l3worker-weights-{os.getpid()}-")]
 
 
 def test_a_layer_split_over_calls_waits_for_its_rest_and_flush_names_what_never_came(pair, hf_model) -> None:
