@@ -30,13 +30,14 @@ from dataclasses import fields
 import msgpack
 
 from l3worker.engine.step_loop import EngineDeadError
-from l3worker.errors import EngineAsleepError, EngineBusyError
+from l3worker.errors import EngineAsleepError, EngineBusyError, WorkerError
 from l3worker.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
 
 # A refusal's or a control's error, by kind; the first class an error is an instance of names it
-# (EngineAsleepError before its base EngineBusyError: the API answers them with different codes).
+# (subclasses first: the API answers an asleep engine, a full queue and a failure apart).
 ERROR_KINDS: dict[str, type[Exception]] = {"asleep": EngineAsleepError, "busy": EngineBusyError,
-                                           "dead": EngineDeadError, "value": ValueError, "type": TypeError}
+                                           "dead": EngineDeadError, "failed": WorkerError, "value": ValueError,
+                                           "type": TypeError}
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
