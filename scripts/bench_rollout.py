@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,11 +48,18 @@ def tokens(w: DistributedWorker) -> list[list[int]]:
 
 
 def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    try:
+        run(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(tmp: Path) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     ckpts = [tmp / f"m{i}" for i in range(2)]
     for i, path in enumerate(ckpts):
         write_random_qwen3(path, MODEL_58M, seed=i)

@@ -56,14 +56,14 @@ def hf_model() -> Callable[[Path], "torch.nn.Module"]:
 
 
 @pytest.fixture
-def served(tmp_path: Path):
+def served():
     """served(*flags) -> a `l3worker serve` subprocess (server_helpers.Served), killed at the end."""
     from server_helpers import Served
 
     started: list[Served] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> Served:
-        s = Served(tmp_path / str(len(started)), *args, env=env)
+        s = Served(*args, env=env)
         started.append(s)
         return s
 

@@ -6,8 +6,10 @@ import json
 import os
 import queue
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -132,11 +134,13 @@ def started_processes(pid: int, module: str) -> list:
 
 
 class Served:
-    """A `l3worker serve` subprocess with a private TMPDIR; its stdout lines go to a queue."""
+    """A `l3worker serve` subprocess with a private TMPDIR; its stdout lines go to a queue. The
+    TMPDIR is short (under /tmp, not the test's own directory, whose path grows with pytest-xdist):
+    socket paths under it fit a Unix socket address, so the server's socket dirs land there, where
+    tests check them."""
 
-    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None):
-        self.tmpdir = tmp_path / "tmp"
-        self.tmpdir.mkdir(parents=True)
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="served-", dir="/tmp"))
         env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT), **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "l3worker", "serve", "--port", "0", *args], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -163,3 +167,4 @@ class Served:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)

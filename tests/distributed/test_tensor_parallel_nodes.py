@@ -5,10 +5,8 @@ a follower exits when its head goes away; nothing is left behind."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -27,15 +25,6 @@ from server_helpers import Served
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 45))]
 WORKER = dict(device="cpu", tensor_parallel_size=2, nnodes=2, max_batch_size=4, max_seq_len=128, page_size=8,
               startup_timeout_s=120)
-
-
-@pytest.fixture
-def head_dir():
-    """A short private directory for the head's TMPDIR: its socket paths then fit a Unix socket
-    address under it, so the test sees (and checks) the socket directories there."""
-    d = Path(tempfile.mkdtemp(prefix="head-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -131,20 +120,20 @@ def test_a_follower_that_comes_back_is_restarted_and_requests_resume(make_checkp
     assert sorted(got.values()) == sorted(expected)
 
 
-def _served_over_two_nodes(make_checkpoint, follower, head_dir: Path, max_restarts: int):
+def _served_over_two_nodes(make_checkpoint, follower, max_restarts: int):
     """(checkpoint, follower process, `l3worker serve` head) of a tensor-parallel pair on the loopback."""
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
     port = free_master_port(2)
     node = follower(path, port)
-    head = Served(head_dir, str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
+    head = Served(str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
                   "--master-port", str(port), "--max-model-len", "128", "--block-size", "8", "--max-restarts",
                   str(max_restarts))
     return path, node, head
 
 
 def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_everything(
-        make_checkpoint, follower, head_dir: Path) -> None:
-    path, node, head = _served_over_two_nodes(make_checkpoint, follower, head_dir, max_restarts=0)
+        make_checkpoint, follower) -> None:
+    path, node, head = _served_over_two_nodes(make_checkpoint, follower, max_restarts=0)
     try:
         url = head.ready().group(1)
         head_tree = tree(head.proc.pid)
@@ -161,14 +150,14 @@ def test_served_across_nodes_a_killed_follower_answers_503_and_sigterm_stops_eve
         head.proc.send_signal(signal.SIGTERM)
         assert head.proc.wait(60) == 0
         assert gone(head_tree + follower_tree)
-        assert not list((head_dir / "tmp").iterdir())  # no socket dir left
+        assert not list(head.tmpdir.iterdir())  # no socket dir left
     finally:
         head.stop()
 
 
 def test_served_while_a_restart_waits_for_a_follower_requests_get_503_at_once_as_health_does(
-        make_checkpoint, follower, head_dir: Path) -> None:
-    path, node, head = _served_over_two_nodes(make_checkpoint, follower, head_dir, max_restarts=1)
+        make_checkpoint, follower) -> None:
+    path, node, head = _served_over_two_nodes(make_checkpoint, follower, max_restarts=1)
     try:
         url = head.ready().group(1)
         body = {"model": str(path), "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}
@@ -183,11 +172,11 @@ def test_served_while_a_restart_waits_for_a_follower_requests_get_503_at_once_as
         head.stop()
 
 
-def test_a_follower_exits_when_its_head_is_killed(make_checkpoint, follower, tmp_path: Path, head_dir: Path) -> None:
+def test_a_follower_exits_when_its_head_is_killed(make_checkpoint, follower, tmp_path: Path) -> None:
     path = make_checkpoint("tp-nodes", num_attention_heads=8, num_key_value_heads=2)
     port = free_master_port(2)
     node = follower(path, port)
-    head = Served(head_dir, str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
+    head = Served(str(path), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
                   "--master-port", str(port), "--max-model-len", "128", "--block-size", "8")
     try:
         head.ready()

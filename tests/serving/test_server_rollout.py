@@ -42,9 +42,9 @@ def checkpoints(make_checkpoint) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def plain(checkpoints, tmp_path_factory):
+def plain(checkpoints):
     """`l3worker serve B` without the flags: the endpoints are 404, and its answers are B's."""
-    s = Served(tmp_path_factory.mktemp("plain"), checkpoints["b"], *SERVE)
+    s = Served(checkpoints["b"], *SERVE)
     try:
         yield s.ready()[1]
     finally:
@@ -52,11 +52,11 @@ def plain(checkpoints, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["engine-core", "in-process"])
-def url(request, checkpoints, tmp_path_factory):
+def url(request, checkpoints):
     """A server on A with both flags and an API key: `l3worker serve` (its engine-core process), or
     a ServerThread over a worker in this process (AsyncEngine)."""
     if request.param == "engine-core":
-        s = Served(tmp_path_factory.mktemp("rollout"), checkpoints["a"], *SERVE, "--api-key", KEY,
+        s = Served(checkpoints["a"], *SERVE, "--api-key", KEY,
                    "--enable-sleep-mode", "--enable-weight-updates")
         try:
             yield s.ready()[1]
@@ -238,10 +238,10 @@ def test_pause_abort_ends_a_running_stream_with_finish_reason_abort(http, url) -
 
 
 def test_data_parallel_engines_all_take_a_control_and_every_api_server_learns_the_version(
-        checkpoints, tmp_path, plain) -> None:
+        checkpoints, plain) -> None:
     """Two engine cores behind two API servers: a control reaches both engines (replies combined),
     and the new weight_version reaches the API server that did not ask too."""
-    s = Served(tmp_path, checkpoints["a"], *SERVE, "--data-parallel-size", "2", "--api-server-count", "2",
+    s = Served(checkpoints["a"], *SERVE, "--data-parallel-size", "2", "--api-server-count", "2",
                "--data-parallel-routing", "round_robin", "--enable-sleep-mode", "--enable-weight-updates")
     try:
         base = s.ready()[1]

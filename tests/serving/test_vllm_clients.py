@@ -28,9 +28,9 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory, model_path):
+def base_url(model_path):
     """`l3worker serve MODEL_PATH` (as `vllm serve MODEL_PATH`), small enough for a test machine."""
-    s = Served(tmp_path_factory.mktemp("serve"), model_path, "--max-model-len", "512", "--block-size", "16",
+    s = Served(model_path, "--max-model-len", "512", "--block-size", "16",
                "--max-num-seqs", "4", "--disable-log-stats")
     try:
         url, name = s.ready().groups()
