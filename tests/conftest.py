@@ -2,10 +2,10 @@
 family is named), and the built-in model."""
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Callable
-
-import os
 
 import pytest
 import torch
@@ -16,6 +16,12 @@ from checkpoints import write_hf_checkpoint
 # torch._dynamo), so it is chosen here, once, for every test module that runs Triton kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A suite started in the background (`cmd &` in a script) inherits SIGINT ignored, and so would
+# every program a test starts, so the Ctrl-C tests could not interrupt them. A handler here is
+# reset to the default in those programs when they start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -249,3 +249,15 @@ def test_the_offline_llm_sleeps_wakes_and_takes_new_weights_as_vllms_does(pair, 
         llm.update_weights_from_disk(str(b))
         after = tokens(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False))
     assert after == [hf_greedy(hf_model(b), p, 12) for p in PROMPTS]
+
+
+def test_tensor_parallel_ranks_load_their_shards_of_the_new_weights(make_checkpoint, hf_model) -> None:
+    a = make_checkpoint("rollout-tp-a", seed=0, num_attention_heads=8, num_key_value_heads=2)
+    b = make_checkpoint("rollout-tp-b", seed=1, num_attention_heads=8, num_key_value_heads=2)
+    want = [hf_greedy(hf_model(b), p, 12) for p in PROMPTS]
+    with guard(), DistributedWorker(str(a), **{**KW, "device_ids": (0, 1)}) as w:
+        assert tokens(w.generate(PROMPTS, GREEDY)) != want
+        w.update_weights_from_disk(str(b))
+        assert tokens(w.generate(PROMPTS, GREEDY)) == want
+        w.update_weights_from_tensor(load_file(str(a / "model.safetensors")))
+        assert tokens(w.generate(PROMPTS, GREEDY)) == [hf_greedy(hf_model(a), p, 12) for p in PROMPTS]
