@@ -138,6 +138,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredSpec | StructuredOutputsParams | dict[str, Any] | None = None
     reasoning_end_token_id: int | None = None  # the constraint applies after this token (None: from the start)
+    # scheduling_policy="priority": lower runs first (vLLM's request priority); must be 0 under "fcfs"
+    priority: int = 0
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -230,6 +232,9 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredSpec):
                 raise TypeError("structured_outputs must be a StructuredSpec or a dict, got "
                                 f"{type(self.structured_outputs).__name__}")
+        _int("priority", self.priority)
+        if not -2**31 <= self.priority < 2**31:
+            raise ValueError(f"priority must be in [-2**31, 2**31), got {self.priority}")
         if self.reasoning_end_token_id is not None:
             _int("reasoning_end_token_id", self.reasoning_end_token_id)
             if not 0 <= self.reasoning_end_token_id < vocab_size:

@@ -135,12 +135,15 @@ class Scheduled:
 class Scheduler:
     def __init__(self, *, max_batch_size: int, page_size: int, max_blocks_per_row: int, num_pages: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool, full_state: bool,
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, priority: bool = False):
         self.page_size = page_size
         self.max_blocks = max_blocks_per_row
         self.budget = max_num_batched_tokens
         self.full_state = full_state  # copy_policy="always"
         self.k = speculative_tokens  # drafts a row verifies per step at most (0: no speculation)
+        # scheduling_policy="priority": waiting kept in (priority, arrival) order, and a waiting
+        # sequence that outranks a running one takes its row and pages (vLLM's priority policy).
+        self.priority = priority
         self._pool_args = (num_pages, page_size, enable_prefix_caching)
         self.pages = self._new_pool()
         self.rows: list[Sequence | None] = [None] * max_batch_size
@@ -151,10 +154,15 @@ class Scheduler:
         self._admissions = itertools.count()
 
     def add(self, seqs: list[Sequence]) -> None:
-        self.waiting.extend(seqs)
+        if not self.priority:
+            self.waiting.extend(seqs)
+        for seq in seqs if self.priority else ():
+            self._wait_in_rank(seq)
 
     def next_command(self) -> Scheduled | None:
         """The next step's command, or None when no row has anything to compute."""
+        if self.priority:
+            self._make_room_for_better()
         self._grow_decoding_rows()
         triples: list[tuple[int, int, int]] = []
         chunks, staging, scoring = [], [], []
@@ -297,8 +305,33 @@ class Scheduler:
         return True
 
     def _preempt_newest(self) -> None:
-        self._preempt(max((s for s in self.rows if s is not None), key=lambda s: s.admit_order))
+        """The victim: the lowest priority, then the newest (all priorities are 0 under fcfs)."""
+        self._preempt(max((s for s in self.rows if s is not None), key=_victim_key))
         self.num_preemptions += 1
+
+    def _make_room_for_better(self) -> None:
+        """While the best waiting sequence lacks a row or pages for its first chunk, the worst
+        running one that it outranks is preempted for it."""
+        while self.waiting:
+            best = self.waiting[0]
+            running = [s for s in self.rows if s is not None]
+            need = self.pages.pages_for(min(best.known, self.budget))
+            if not running or (len(running) < len(self.rows) and self.pages.num_free + self.pages.num_evictable >= need):
+                return
+            worst = max(running, key=_victim_key)
+            if worst.params.priority <= best.params.priority:
+                return
+            self._preempt(worst)
+            self.num_preemptions += 1
+
+    def _wait_in_rank(self, seq: Sequence) -> None:
+        """Into waiting before the first sequence it ranks before: (priority, arrival)."""
+        rank = (seq.params.priority, seq.arrival, seq.seq_id)
+        for i, other in enumerate(self.waiting):
+            if rank < (other.params.priority, other.arrival, other.seq_id):
+                self.waiting.insert(i, seq)
+                return
+        self.waiting.append(seq)
 
     def _preempt(self, victim: Sequence, resumed: bool = True) -> None:
         """Back to the head of the queue; its commands in flight no longer count (epoch), and it
@@ -308,7 +341,10 @@ class Scheduler:
         victim.preemptions += resumed
         victim.fed = victim.inflight = victim.blocks_sent = 0
         victim.scheduled = len(victim.tokens)
-        self.waiting.appendleft(victim)
+        if self.priority:
+            self._wait_in_rank(victim)
+        else:
+            self.waiting.appendleft(victim)
 
     def _new_pool(self) -> PagePool:
         num_pages, page_size, prefix_caching = self._pool_args
@@ -351,8 +387,9 @@ class Scheduler:
         return length + lookahead
 
     def _newest_other(self, seq: Sequence) -> Sequence | None:
-        others = [s for s in self.rows if s is not None and s is not seq and s.admit_order > seq.admit_order]
-        return max(others, key=lambda s: s.admit_order) if others else None
+        """A running sequence that would be preempted before `seq` (lower priority, or newer)."""
+        others = [s for s in self.rows if s is not None and s is not seq and _victim_key(s) > _victim_key(seq)]
+        return max(others, key=_victim_key) if others else None
 
     def _admit(self, used: int, chunks: list, staging: list, scoring: list, triples: list) -> list[Admit]:
         admits = []
@@ -432,3 +469,8 @@ class Scheduler:
         if self.k:
             return FullState.from_rows(None, active, block_table, None, values)
         return FullState.from_rows(positions, active, block_table, slot_mapping, values)
+
+
+def _victim_key(seq: Sequence) -> tuple[int, int]:
+    """Preemption order, greatest first: the lowest priority (the largest number), then the newest."""
+    return seq.params.priority, seq.admit_order

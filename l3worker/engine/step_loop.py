@@ -98,6 +98,7 @@ class Engine:
         self.restarts = RestartBudget(restart_policy)
         self.restarting = False  # fresh children are starting: requests queue meanwhile
         self.restart_waits_on_nodes = False  # a restart waits for follower nodes (set by the worker)
+        self.scheduling_policy = "fcfs"  # or "priority" (set by the worker): see Scheduler.priority
         self.stopping = threading.Event()  # set by request_stop(): waits on children give up
         self.scheduler: Scheduler | None = None
         self.metrics = EngineMetrics(running=self._num_running, waiting=self._num_waiting, kv_usage=self._kv_usage)
@@ -139,7 +140,7 @@ class Engine:
             max_batch_size=cfg.max_batch_size, page_size=cfg.page_size, max_blocks_per_row=cfg.max_blocks_per_row,
             num_pages=cfg.total_pages - 1, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, full_state=cfg.copy_policy == "always",
-            speculative_tokens=self.speculation.k,
+            speculative_tokens=self.speculation.k, priority=self.scheduling_policy == "priority",
         )
         self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
         self._inflight.clear()
@@ -221,6 +222,9 @@ class Engine:
         """A validated request, not queued yet (generate() checks every prompt before queueing any)."""
         if self.error is not None:
             raise self.dead_error()
+        if params is not None and getattr(params, "priority", 0) and self.scheduling_policy != "priority":
+            raise ValueError(f"priority={params.priority}: request priorities need scheduling_policy='priority' "
+                             "(--scheduling-policy priority)")
         return self.input_processor.process(prompt, params, request_id, stream, where, arrival)
 
     def submit(self, state: RequestState) -> None:

@@ -106,15 +106,17 @@ class LLM:
         return self._default_params
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True, lora_request: Any = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One final RequestOutput per prompt, in order. `prompts`: a str, a TextPrompt or
-        TokensPrompt dict, a list of token ids, or a list of those."""
+        TokensPrompt dict, a list of token ids, or a list of those. `priority`: one per prompt
+        (LLM(..., scheduling_policy="priority"); lower runs first)."""
         if lora_request is not None:
             raise ValueError("lora_request is not supported by l3worker")
         if not isinstance(use_tqdm, bool):
             raise TypeError(f"use_tqdm must be a bool, got {type(use_tqdm).__name__}")
         encode = None if self._tokenizer is None else self._tokenizer.encode  # special tokens added, as vLLM does
-        return self._run(engine_prompts(prompts, encode), sampling_params, use_tqdm)
+        return self._run(engine_prompts(prompts, encode), sampling_params, use_tqdm, priority)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None,
@@ -175,8 +177,13 @@ class LLM:
         return self.worker.update_weights_from_tensor(named_tensors, weight_version, flush)
 
     # -- internals ---------------------------------------------------------------------------------
-    def _run(self, prompts: list[EnginePrompt], sampling_params: Any, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[EnginePrompt], sampling_params: Any, use_tqdm: bool,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         params = self._params_for(len(prompts), sampling_params)
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority: {len(priority)} values for {len(prompts)} prompts (give one per prompt)")
+            params = [replace(p, priority=v) for p, v in zip(params, priority)]
         outputs = self.worker.generate([p.ids for p in prompts], params, use_tqdm=use_tqdm)
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt.text  # the worker was given ids

@@ -175,6 +175,9 @@ def _parallel_args(g: argparse._ArgumentGroup) -> None:
 
 def _scheduler_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="batch rows: requests decoded at once")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: arrival order; priority: a request's `priority` (lower first, then arrival), and "
+                        "a waiting request preempts a running one of lower priority")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help=f"tokens per step: decoding rows plus prefill chunks (None: the larger of --max-num-seqs "
                         f"and {SERVE_CPU_BATCHED_TOKENS} on a cpu, {DEFAULT_BATCHED_TOKENS} on an accelerator)")

@@ -8,6 +8,15 @@ from l3worker.params import DEFAULT_BATCHED_TOKENS
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def positive_int(name: str, value: object, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -33,7 +33,7 @@ from chip_child.models.prepack import resolve_cpu_prepack
 from chip_child.spec.config import SpeculativeConfig
 from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.worker.child_process import ChildProcess, child_spec, wait_all_ready
-from l3worker.worker.arg_checks import check_limits, positive_int
+from l3worker.worker.arg_checks import SCHEDULING_POLICIES, check_choice, check_limits, positive_int
 from l3worker.worker.kv_sizing import KvSizing, size_kv_cache
 from l3worker.worker.cpu_placement import CpuPlacement
 from l3worker.worker.shared_buffers import StepBuffers
@@ -74,6 +74,7 @@ class DistributedWorker(RolloutControls):
         pipeline_depth: int = 2,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",  # vLLM's: "priority" runs lower SamplingParams.priority first
         copy_policy: str = "dirty",
         attention_backend: str | None = None,
         decode_graphs: bool | None = None,
@@ -205,6 +206,7 @@ class DistributedWorker(RolloutControls):
         self.engine = Engine(self.model_config, self.runtime_config, self.tokenizer, self.model_dir,
                              pipeline_depth, step_timeout_s, max_num_batched_tokens, enable_prefix_caching,
                              restart_policy, max_waiting_requests)
+        self.engine.scheduling_policy = check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
         self._requests_served = 0
         self._generate_calls = 0
         self._last = GenerateStats()

@@ -74,19 +74,25 @@ def next_token(context: list[int]) -> int:
     return 1 + h % (VOCAB - 1)
 
 
-def make_seqs(prompts: list[list[int]], new_tokens: list[int]) -> list[Sequence]:
-    return [Sequence(i, 0, np.array(p, np.int32), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True), 0,
-                     frozenset(), request_id=str(i)) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+def make_seqs(prompts: list[list[int]], new_tokens: list[int], priorities: list[int] | None = None) -> list[Sequence]:
+    priorities = priorities or [0] * len(prompts)
+    return [Sequence(i, 0, np.array(p, np.int32), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True,
+                                                                 priority=q), 0,
+                     frozenset(), request_id=str(i), arrival=float(i))
+            for i, (p, n, q) in enumerate(zip(prompts, new_tokens, priorities))]
 
 
 def run(prompts, new_tokens, *, rows=4, num_pages=400, budget=10_000, caching=False, depth=1,
-        abort_at: dict[int, int] | None = None, arrivals: dict[int, int] | None = None) -> tuple[dict, Scheduler]:
+        abort_at: dict[int, int] | None = None, arrivals: dict[int, int] | None = None,
+        priorities: list[int] | None = None) -> tuple[dict, Scheduler]:
     """Token ids per sequence; `abort_at` aborts sequence i once it has that many tokens,
-    `arrivals` adds sequence i before step k instead of at the start."""
+    `arrivals` adds sequence i before step k instead of at the start; `priorities` turns the
+    priority policy on."""
     sched = Scheduler(max_batch_size=rows, page_size=PAGE, max_blocks_per_row=64, num_pages=num_pages,
-                      max_num_batched_tokens=budget, enable_prefix_caching=caching, full_state=False)
+                      max_num_batched_tokens=budget, enable_prefix_caching=caching, full_state=False,
+                      priority=priorities is not None)
     dev = SimulatedDevice(rows)
-    seqs = make_seqs(prompts, new_tokens)
+    seqs = make_seqs(prompts, new_tokens, priorities)
     assert all(s.pages_needed(PAGE) <= num_pages for s in seqs)  # the engine refuses larger ones up front
     arrivals = arrivals or {}
     sched.add([s for i, s in enumerate(seqs) if i not in arrivals])
@@ -211,3 +217,54 @@ def test_aborts_mid_prefill_and_mid_decode_leave_the_others_unchanged() -> None:
     got, _ = run(prompts, new, budget=7, depth=2, caching=True, abort_at={0: 0, 3: 5})
     assert {k: v for k, v in got.items() if k not in (0, 3)} == {k: v for k, v in want.items() if k not in (0, 3)}
     assert got[3] == want[3][:len(got[3])]
+
+
+# -- scheduling_policy="priority" --------------------------------------------------------------------
+def test_a_better_priority_arrival_takes_a_row_at_the_next_step() -> None:
+    """A priority-0 request arriving at a full batch of priority-10 rows is admitted by the very
+    next command; the newest of the lowest priority is the one preempted, and resumes later."""
+    sched = Scheduler(max_batch_size=2, page_size=PAGE, max_blocks_per_row=64, num_pages=200,
+                      max_num_batched_tokens=64, enable_prefix_caching=False, full_state=False, priority=True)
+    dev = SimulatedDevice(2)
+    low = make_seqs([[1, 2, 3], [4, 5, 6]], [40, 40], [10, 10])
+    sched.add(low)
+    for step in range(5):
+        s = sched.next_command()
+        sched.on_tokens(s.producers, dev.execute(s.command, _staging(s)), float(step))
+    assert [q.row for q in low] == [0, 1] and not sched.waiting
+    urgent = make_seqs([[9, 9]], [5], [0])[0]
+    urgent.seq_id, urgent.request_id = 2, "2"
+    sched.add([urgent])
+    s = sched.next_command()
+    assert [a.row for a in s.command.admits] == [urgent.row] == [1]  # the newest priority-10 row's
+    assert low[1].row == -1 and low[1].preemptions == 1 and list(sched.waiting) == [low[1]]
+    assert sched.num_preemptions == 1
+
+
+def test_waiting_requests_start_in_priority_then_arrival_order() -> None:
+    sched = Scheduler(max_batch_size=1, page_size=PAGE, max_blocks_per_row=64, num_pages=200,
+                      max_num_batched_tokens=64, enable_prefix_caching=False, full_state=False, priority=True)
+    dev = SimulatedDevice(1)
+    seqs = make_seqs([[i + 1] * 3 for i in range(6)], [3] * 6, [5, 1, 5, 0, 1, 9])
+    sched.add(seqs)
+    started: list[int] = []
+    for step in range(100):
+        s = sched.next_command()
+        if s is None:
+            break
+        started += [sched.rows[a.row].seq_id for a in s.command.admits]
+        sched.on_tokens(s.producers, dev.execute(s.command, _staging(s)), float(step))
+    assert started == [3, 1, 4, 0, 2, 5] and sched.num_preemptions == 0
+
+
+@pytest.mark.parametrize("num_pages", [12, 30, 400])
+def test_priority_preemption_gives_the_same_tokens(num_pages: int) -> None:
+    """Arrivals of mixed priorities over a busy batch: whatever is preempted for whom, and however
+    often, every sequence's tokens equal those of a large fcfs run."""
+    prompts, new = workload(7, n=12)
+    want, _ = run(prompts, new)
+    rng = random.Random(3)
+    priorities = [rng.choice([0, 1, 5, 10]) for _ in prompts]
+    arrivals = {i: 3 * i for i in range(4, 12)}
+    got, sched = run(prompts, new, rows=3, num_pages=num_pages, priorities=priorities, arrivals=arrivals, depth=2)
+    assert got == want and sched.num_preemptions > 0

@@ -81,11 +81,12 @@ def test_bad_arguments_exit_2(served, tmp_path) -> None:
 
 
 def test_scheduling_flags_chunk_long_prompts_and_turn_the_prefix_cache_off(served) -> None:
-    s = served("--max-num-batched-tokens", "8", "--no-enable-prefix-caching", "--max-num-seqs", "4")
+    s = served("--max-num-batched-tokens", "8", "--no-enable-prefix-caching", "--max-num-seqs", "4",
+               "--scheduling-policy", "priority")
     base = s.ready()[1]
     body = {"prompt": "a prompt of many more than eight tokens", "max_tokens": 5, "temperature": 0}
     with httpx.Client(base_url=base, timeout=60) as client:
-        first, second = (client.post("/v1/completions", json=body).json() for _ in range(2))
+        first, second = (client.post("/v1/completions", json={**body, "priority": p}).json() for p in (0, -3))
         metrics = client.get("/metrics").text
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -187,3 +187,10 @@ def test_vllm_bench_serve_request_sequence_all_succeed(base_url, model_path) -> 
     failed = [o for o in outputs if not o["success"]]
     assert not failed, failed
     assert [o["output_tokens"] for o in outputs] == [OUTPUT_LEN] * NUM_PROMPTS  # ignore_eos: every token
+
+
+def test_a_request_priority_without_the_priority_policy_is_vllms_400(client, model_path) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="scheduling_policy='priority'"):
+        client.completions.create(model=model_path, prompt="Hi", max_tokens=2, extra_body={"priority": 1})

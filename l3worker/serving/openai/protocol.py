@@ -51,6 +51,7 @@ class _Sampling(_Body):
     guided_choice: Any = None
     guided_grammar: Any = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"; None: the server's
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority; must be 0 otherwise
 
 
 def _check_prompt(value: Any) -> Any:

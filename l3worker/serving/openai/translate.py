@@ -234,6 +234,7 @@ class ServedModel:
             n=req.n,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            priority=req.priority,
             **(structured or {}),
         )
         try:
