@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable
 from prometheus_client import generate_latest
 
 from l3worker.engine.step_loop import EngineDeadError
+from l3worker.worker.shared_weights import BUCKET_BYTES
 from l3worker.errors import RequestFailedError
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.serving.controls import run_control
@@ -145,6 +146,12 @@ class AsyncEngine:
         if self._thread is None or self._stopping:
             raise EngineDeadError("the engine is not running")
         return await asyncio.get_running_loop().run_in_executor(None, run_control, self.worker, name, args)
+
+    async def update_weights_from_tensor(self, named_tensors, weight_version: str | None = None,
+                                         flush: bool = True, bucket_bytes: int = BUCKET_BYTES) -> dict:
+        """DistributedWorker.update_weights_from_tensor, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.worker.update_weights_from_tensor(named_tensors, weight_version, flush, bucket_bytes))
 
     @property
     def weight_version(self) -> str:

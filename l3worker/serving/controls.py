@@ -5,7 +5,12 @@ they cross the wire as msgpack; every result carries the worker's weight_version
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Awaitable, Mapping
+from typing import Any, Callable
+
+import torch
+
+from l3worker.worker.shared_weights import shared_buckets
 
 CONTROLS: dict[str, Callable[..., dict]] = {
     "sleep": lambda w, a: w.sleep(a.get("level", 1)),
@@ -15,7 +20,26 @@ CONTROLS: dict[str, Callable[..., dict]] = {
     "pause_generation": lambda w, a: {"num_unfinished_requests": w.pause_generation(a.get("mode", "abort"))},
     "continue_generation": lambda w, a: w.continue_generation() or {},
     "reset_prefix_cache": lambda w, a: {"freed_pages": w.reset_prefix_cache()},
+    "update_weights_from_shared": lambda w, a: w.update_weights_from_shared(a["folder"], a["names"],
+                                                                            a.get("weight_version"), a["flush"]),
 }
+
+
+async def push_tensors(control: Callable[[str, dict], Awaitable[dict]], named_tensors: Any,
+                       weight_version: str | None, flush: bool, bucket_bytes: int) -> dict:
+    """update_weights_from_tensor through a driver's `control` (CoreClient's: an engine core in
+    another process): this process writes each bucket to shared memory and the engine core loads
+    it; the last bucket flushes. Names and shapes are checked there, from each bucket's header."""
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"named_tensors: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    result: dict = {}
+    for folder, names, last in shared_buckets(items, bucket_bytes):
+        result = await control("update_weights_from_shared", {"folder": folder, "names": names,
+                                                              "weight_version": weight_version,
+                                                              "flush": flush and last})
+    return result
 
 
 def run_control(worker, name: str, args: dict) -> dict:

@@ -30,7 +30,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from l3worker.serving.controls import combine
+from l3worker.serving.controls import combine, push_tensors
 from l3worker.serving.core_wire import error_from_wire, identity, output_from_wire, pack, params_to_wire, unpack
 from l3worker.engine.metrics import exposition
 from l3worker.serving.async_engine import checked
@@ -38,6 +38,7 @@ from l3worker.engine.step_loop import EngineDeadError
 from l3worker.engine.requests import DEFAULT_PARAMS
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.distributed.router import Router
+from l3worker.worker.shared_weights import BUCKET_BYTES
 
 log = logging.getLogger("l3worker.serving")
 METRICS_TIMEOUT_S = 10.0
@@ -221,6 +222,12 @@ class CoreClient:
         engine = self._engine_of.get(request_id)
         if engine is not None and engine not in self._lost:
             await self._controls[engine].send(pack(["abort", request_id]))
+
+    async def update_weights_from_tensor(self, named_tensors, weight_version: str | None = None,
+                                         flush: bool = True, bucket_bytes: int = BUCKET_BYTES) -> dict:
+        """DistributedWorker.update_weights_from_tensor, for the engine core(s) behind this client:
+        the tensors cross through shared memory, bucket by bucket (controls.push_tensors)."""
+        return await push_tensors(self.control, named_tensors, weight_version, flush, bucket_bytes)
 
     async def control(self, name: str, args: dict) -> dict:
         """Runs rollout control `name` (l3worker/serving/controls.py) on every engine that is not

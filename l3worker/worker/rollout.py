@@ -11,23 +11,19 @@ at a time), never pickled.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from chip_child.models.loader import ModelConfig, expected_tensor_shapes, load_config, unit_of
 from chip_child.protocol import Control, encode
 from l3worker.errors import WorkerError
 from l3worker.hub import resolve_model
+from l3worker.worker.shared_weights import BUCKET_BYTES, check_tensors, header_entries, shared_buckets
 
 PAUSE_MODES = ("abort", "keep")
-BUCKET_BYTES = 256 << 20  # the most tensor bytes in shared memory at once (update_weights_from_tensor)
 # Config fields a weight update must not change: the runtime's buffers and tables are built from them.
 SAME_CONFIG = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings", "qkv_bias", "o_bias",
@@ -53,38 +49,6 @@ def check_checkpoint(path: str, current: ModelConfig, quantization: str | None) 
         if getattr(new, field) != getattr(current, field):
             raise ValueError(f"model_path: {path} has {field}={getattr(new, field)!r}, the running model "
                              f"{getattr(current, field)!r}: another architecture cannot be loaded in place")
-
-
-def check_tensors(items: list[tuple[str, torch.Tensor]], current: ModelConfig) -> None:
-    expected = expected_tensor_shapes(current)
-    seen: set[str] = set()
-    for name, tensor in items:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"named_tensors: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if name not in expected:
-            raise ValueError(f"named_tensors: the running model has no tensor {name!r}")
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"named_tensors: {name!r} has shape {list(tensor.shape)}, the running model's is "
-                             f"{list(expected[name])}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"named_tensors: {name!r} is {tensor.dtype}; weights are floating point")
-        if name in seen:
-            raise ValueError(f"named_tensors: {name!r} is given twice")
-        seen.add(name)
-
-
-def buckets(items: list[tuple[str, torch.Tensor]], limit: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in items:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > limit:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class RolloutControls:
@@ -163,29 +127,39 @@ class RolloutControls:
         through shared memory, `bucket_bytes` at a time. A layer may be split over several calls
         with flush=False; the last call (flush=True) fails naming what no call gave."""
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        check_tensors(items, self.model_config)
+        for name, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"named_tensors: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        check_tensors([(n, t.shape, t.is_floating_point()) for n, t in items], self.model_config)
 
         def run() -> dict:
             pending: list[str] = []
-            for bucket in buckets(items, bucket_bytes):
-                folder = tempfile.mkdtemp(prefix=f"l3worker-weights-{os.getpid()}-",
-                                          dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-                try:
-                    save_file({n: t.detach().to("cpu").contiguous() for n, t in bucket},
-                              os.path.join(folder, "model.safetensors"))
-                    replies = self._control("update_weights", {"dir": folder, "names": [n for n, _ in bucket]})
-                finally:
-                    shutil.rmtree(folder, ignore_errors=True)
-                pending = replies[0]["pending_tensors"]
-            self._weights_from_tensors = True
-            if pending and flush:
-                self._control("drop_pending_weights", {})
-                missing = _missing(self.model_config, pending)
-                raise ValueError(f"named_tensors: incomplete layers, the rest of them never came: missing {missing}")
-            result = self._weights_changed(weight_version) if not pending else {"weight_version": self.weight_version}
-            return {**result, "pending_tensors": pending}
+            for folder, names, _ in shared_buckets(items, bucket_bytes):
+                pending = self._control("update_weights", {"dir": folder, "names": names})[0]["pending_tensors"]
+            return self._after_tensors(pending, flush, weight_version)
 
         return self._between_steps(run)
+
+    def update_weights_from_shared(self, folder: str, names: list[str], weight_version: str | None = None,
+                                   flush: bool = True) -> dict:
+        """One bucket another process wrote with shared_buckets (the engine core's side of
+        CoreClient.update_weights_from_tensor): `names` from the safetensors file in `folder`."""
+        check_tensors(header_entries(folder, names), self.model_config)
+
+        def run() -> dict:
+            pending = self._control("update_weights", {"dir": folder, "names": list(names)})[0]["pending_tensors"]
+            return self._after_tensors(pending, flush, weight_version)
+
+        return self._between_steps(run)
+
+    def _after_tensors(self, pending: list[str], flush: bool, weight_version: str | None) -> dict:
+        self._weights_from_tensors = True
+        if pending and flush:
+            self._control("drop_pending_weights", {})
+            raise ValueError(f"named_tensors: incomplete layers, the rest of them never came: missing "
+                             f"{_missing(self.model_config, pending)}")
+        result = self._weights_changed(weight_version) if not pending else {"weight_version": self.weight_version}
+        return {**result, "pending_tensors": pending}
 
     # -- pause and resume --------------------------------------------------------------------------
     def pause_generation(self, mode: str = "abort") -> int:
