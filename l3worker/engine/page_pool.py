@@ -142,6 +142,9 @@ class PagePool:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.evicted_pages = 0
+        # KV events (l3worker/engine/kv_events.py), when a publisher listens: ("stored", hash,
+        # parent hash or None, ids) / ("removed", hashes) / ("cleared",), taken after each step.
+        self.events: list[tuple] | None = None
 
     # -- accounting --------------------------------------------------------------------------------
     @property
@@ -202,12 +205,16 @@ class PagePool:
             out = free[::-1]
             free.clear()
             lru, table, entry = self._lru, self._table, self._entry
+            removed = []
             for _ in range(short):
                 page, _ = lru.popitem(last=False)
-                del table[entry[page].key]
+                removed.append(entry[page].key)
+                del table[removed[-1]]
                 entry[page] = None
                 out.append(page)
             self.evicted_pages += short
+            if self.events is not None:
+                self.events.append(("removed", removed))
         for page in out:
             ref[page] = 1
         return out
@@ -330,9 +337,13 @@ class PagePool:
                 del table[k]
                 entry[other] = None
                 self._free.append(other)
+                if self.events is not None:
+                    self.events.append(("removed", [k]))
             serial_new = next(self._serials)
             entry[page] = _Entry(k, serial_new, serial, data)
             table[k] = page
+            if self.events is not None:
+                self.events.append(("stored", k, key if last else None, data))
             key, serial, last = k, serial_new, page
             registered += 1
         else:
@@ -345,19 +356,22 @@ class PagePool:
         lose them now and go to the free list when their requests end. Returns how many cached
         pages were dropped."""
         entry, table = self._entry, self._table
+        removed = []
         for page in self._lru:
-            del table[entry[page].key]
+            removed.append(entry[page].key)
+            del table[removed[-1]]
             entry[page] = None
             self._free.append(page)
-        dropped = len(self._lru)
         self._lru.clear()
         if in_use:
             for page, e in enumerate(entry):
                 if e is not None:
+                    removed.append(e.key)
                     del table[e.key]
                     entry[page] = None
-                    dropped += 1
-        return dropped
+        if self.events is not None and removed:
+            self.events.append(("cleared",) if not table else ("removed", removed))
+        return len(removed)
 
     # -- internals ------------------------------------------------------------------------------------
     def _pages_of(self, token_ids: TokenIds, first: int, stop: int) -> Iterator[bytes]:

@@ -25,7 +25,9 @@ from chip_child import protocol
 from chip_child.config import RuntimeConfig
 from chip_child.models.loader import ModelConfig
 from l3worker.worker.child_process import ChildProcess
+from l3worker.engine.between_steps import BetweenSteps
 from l3worker.engine.grammar_gate import GrammarGate, attach_matchers
+from l3worker.engine.kv_events import KVEventPublisher, KVEventsConfig
 from l3worker.worker.doorbell import Doorbell
 from l3worker.errors import ChildFailure, EngineAsleepError, EngineBusyError, WorkerError
 from l3worker.engine.metrics import EngineMetrics
@@ -46,33 +48,6 @@ Relaunch = Callable[[], "tuple[list[ChildProcess], Doorbell]"]
 
 class EngineDeadError(WorkerError):
     """The engine stopped after a failure (a chip-child died, raised or hung); it takes no requests."""
-
-
-class BetweenSteps:
-    """A call the loop thread runs between two steps for another thread, which waits for it."""
-
-    def __init__(self, fn: Callable[[], object]):
-        self.fn = fn
-        self._done = threading.Event()
-        self._value: object = None
-        self._error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._value = self.fn()
-        except BaseException as exc:  # the caller's to raise
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def result(self, gone: Callable[[], BaseException | None]) -> object:
-        """Waits for the call; raises what `gone` returns if the loop stops first."""
-        while not self._done.wait(0.1):
-            if (why := gone()) is not None:
-                raise why
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 @dataclass
@@ -99,6 +74,9 @@ class Engine:
         self.restarting = False  # fresh children are starting: requests queue meanwhile
         self.restart_waits_on_nodes = False  # a restart waits for follower nodes (set by the worker)
         self.scheduling_policy = "fcfs"  # or "priority" (set by the worker): see Scheduler.priority
+        self.kv_events_config: KVEventsConfig | None = None  # set by the worker: publish KV events
+        self.kv_events_rank: int | None = None  # the data-parallel rank the events name
+        self.kv_events: KVEventPublisher | None = None  # made at the first bind
         self.stopping = threading.Event()  # set by request_stop(): waits on children give up
         self.scheduler: Scheduler | None = None
         self.metrics = EngineMetrics(running=self._num_running, waiting=self._num_waiting, kv_usage=self._kv_usage)
@@ -144,6 +122,10 @@ class Engine:
         )
         self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
         self._inflight.clear()
+        if self.kv_events_config is not None:
+            if self.kv_events is None:
+                self.kv_events = KVEventPublisher(self.kv_events_config, cfg.page_size, self.kv_events_rank)
+            self.scheduler.pages.events = []
         # Numpy views of the ring, made once: indexing a tensor every step costs microseconds.
         self._sampled = list(buffers.sampled.numpy())
         self._staging = list(buffers.staging.numpy())
@@ -321,7 +303,20 @@ class Engine:
             self.fail(exc)
             raise
         self._forget_finished(outputs)
+        if self.kv_events is not None:
+            self.publish_kv_events()
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """What the page pool stored and evicted since the last call, as one batch."""
+        pool = self.scheduler.pages
+        records, pool.events = pool.events, []
+        self.kv_events.publish(records)
+
+    def close_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _recover(self, cause: ChildFailure, outputs: list[RequestOutput]) -> None:
         """Replaces the children after `cause` and resumes every live request as a preempted one;
@@ -340,6 +335,8 @@ class Engine:
                 log.error("request %s failed alone: %s", state.request_id, state.error.splitlines()[0])
             self._count_scheduling()
             self.scheduler.requeue([seq for state in self.requests.values() for seq in state.seqs])
+            if self.kv_events is not None:  # the new children's cache is empty
+                self.scheduler.pages.events = [("cleared",)]
             self._counted = (0, 0, self.scheduler.num_preemptions)  # a new pool counts from 0
             while True:
                 if self._relaunch is None or self.stopping.is_set() or not self.restarts.take():

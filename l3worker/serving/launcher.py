@@ -85,6 +85,8 @@ class DataParallel:
     def engine_kwargs(self, worker_kwargs: dict, engine: int) -> dict:
         """Rank `engine`'s worker arguments: its consecutive share of this node's device ids (on a
         cpu, where the engines share one memory, also its share of --gpu-memory-utilization)."""
+        if self.size > 1 and worker_kwargs.get("kv_events_config"):  # its events name it, on its own port
+            worker_kwargs = {**worker_kwargs, "data_parallel_rank": engine}
         if self.local == 1:
             return worker_kwargs
         fraction = worker_kwargs.get("gpu_memory_utilization")

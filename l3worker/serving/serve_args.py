@@ -4,12 +4,14 @@ heavy is imported here: the parser is built on every `l3worker` call."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 
 from chip_child.device import CPU_LAYOUTS, DEVICE_TYPES
 from chip_child.spec.config import SpeculativeConfig
+from l3worker.engine.kv_events import KVEventsConfig
 from l3worker.distributed.dp_link import SILENCE_S
 from l3worker.distributed.router import ROUTINGS
 from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
@@ -34,6 +36,15 @@ def _speculative_config(text: str) -> dict:
         return SpeculativeConfig.of(text).to_dict()
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_events_config(text: str) -> dict | None:
+    """The JSON object of --kv-events-config, checked by key (None when events stay off)."""
+    try:
+        config = KVEventsConfig.of(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return None if config is None else dataclasses.asdict(config)
 
 
 def _human_int(text: str) -> int:
@@ -114,6 +125,9 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\' (None: off)')
+    g.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                   help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, "publisher": '
+                        '"zmq", "endpoint": "tcp://*:5557"}\' (data-parallel rank r: the port plus r)')
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="serve POST /sleep?level=1|2 (free the KV cache; level 2 the weights too), POST /wake_up "
                         "and GET /is_sleeping, for RL trainers that share the device with the engine; while "

@@ -17,6 +17,15 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_speculation_switches(speculative: bool, decode_graphs: bool | None, overlap_steps: bool | None) -> None:
+    if speculative and decode_graphs:
+        raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
+                         "eagerly (leave decode_graphs None)")
+    if speculative and overlap_steps:
+        raise ValueError("speculative_config cannot be combined with overlap_steps=True: a verify step's row "
+                         "lengths come from the step before it (leave overlap_steps None)")
+
+
 def positive_int(name: str, value: object, minimum: int = 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -33,12 +33,14 @@ from chip_child.models.prepack import resolve_cpu_prepack
 from chip_child.spec.config import SpeculativeConfig
 from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.worker.child_process import ChildProcess, child_spec, wait_all_ready
-from l3worker.worker.arg_checks import SCHEDULING_POLICIES, check_choice, check_limits, positive_int
+from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check_limits, check_speculation_switches,
+                                        positive_int)
 from l3worker.worker.kv_sizing import KvSizing, size_kv_cache
 from l3worker.worker.cpu_placement import CpuPlacement
 from l3worker.worker.shared_buffers import StepBuffers
 from l3worker.engine.speculation import check_proposer, speculative_tokens
 from l3worker.worker.doorbell import ORDERED_STORES, Doorbell, make_wake_fd
+from l3worker.engine.kv_events import KVEventsConfig
 from l3worker.engine.step_loop import Engine
 from l3worker.errors import ChildFailure, WorkerError
 from l3worker.hub import resolve_model
@@ -75,6 +77,8 @@ class DistributedWorker(RolloutControls):
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",  # vLLM's: "priority" runs lower SamplingParams.priority first
+        kv_events_config: KVEventsConfig | dict | str | None = None,  # vLLM's (l3worker/engine/kv_events.py)
+        data_parallel_rank: int | None = None,  # an engine core's: it offsets the KV events' ports
         copy_policy: str = "dirty",
         attention_backend: str | None = None,
         decode_graphs: bool | None = None,
@@ -112,12 +116,7 @@ class DistributedWorker(RolloutControls):
         if copy_policy not in COPY_POLICIES:
             raise ValueError(f"copy_policy must be one of {COPY_POLICIES}, got {copy_policy!r}")
         speculative = None if speculative_config is None else SpeculativeConfig.of(speculative_config)
-        if speculative is not None and decode_graphs:
-            raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "
-                             "eagerly (leave decode_graphs None)")
-        if speculative is not None and overlap_steps:
-            raise ValueError("speculative_config cannot be combined with overlap_steps=True: a verify step's row "
-                             "lengths come from the step before it (leave overlap_steps None)")
+        check_speculation_switches(speculative is not None, decode_graphs, overlap_steps)
         # The backend and graph choices hold for the device type whatever its id: refused here,
         # before any child starts, with the choices named.
         kind = device_type(device)
@@ -207,6 +206,7 @@ class DistributedWorker(RolloutControls):
                              pipeline_depth, step_timeout_s, max_num_batched_tokens, enable_prefix_caching,
                              restart_policy, max_waiting_requests)
         self.engine.scheduling_policy = check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
+        self.engine.kv_events_config, self.engine.kv_events_rank = KVEventsConfig.of(kv_events_config), data_parallel_rank
         self._requests_served = 0
         self._generate_calls = 0
         self._last = GenerateStats()
@@ -321,6 +321,7 @@ class DistributedWorker(RolloutControls):
         self.engine.request_stop()  # a restart under way gives up instead of starting children
         self._stop_children(5.0)
         self.engine.input_processor.grammars.close()  # its compile threads end with the worker
+        self.engine.close_kv_events()
         for node in self._nodes:
             node.close()  # the followers see the link close and exit
         self._nodes = []

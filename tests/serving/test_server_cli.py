@@ -2,10 +2,12 @@
 signal while a request streams: exit 0, the request aborted, no child process or socket dir left."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import threading
+import time
 
 import httpx
 import psutil
@@ -106,12 +108,35 @@ def test_serving_keeps_short_steps_on_a_cpu_and_the_worker_default_elsewhere() -
     assert serve_batched_tokens(parse(["serve", "--device", "cpu", "--max-num-batched-tokens", "64"])) == 64
 
 
-def test_the_cpu_layout_flag_reaches_the_worker_and_is_reported(served) -> None:
-    s = served("--device", "cpu", "--cpu-layout", "every_core", "--max-num-seqs", "2", "--max-model-len", "64")
+def test_the_cpu_layout_and_kv_events_flags_reach_the_worker(served) -> None:
+    import socket
+
+    import msgpack
+    import zmq
+
+    with socket.socket() as probe:  # a free port for the events
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"})
+    s = served("--device", "cpu", "--cpu-layout", "every_core", "--max-num-seqs", "2", "--max-model-len", "64",
+               "--block-size", "16", "--kv-events-config", events)
     base = s.ready()
     assert ", cpu layout every_core" in base.string
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.3)  # the subscription reaches the publisher first
+    prompt = list(range(5, 45))
     with httpx.Client(base_url=base[1], timeout=60) as client:
+        assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
         metrics = client.get("/metrics").text
+    assert sub.poll(10_000)
+    _, seq, payload = sub.recv_multipart()
+    ts, batch = msgpack.unpackb(payload)
+    assert int.from_bytes(seq, "big") == 0 and batch[0][0] == "BlockStored"
+    assert batch[0][2] is None and batch[0][3] == prompt[:32] and batch[0][4] == 16 and len(batch[0][1]) == 2
+    ctx.destroy(linger=0)
     assert re.search(r'^l3worker:cpu_layout_info\{engine="0",layout="every_core"\} 1\.0$', metrics, re.M)
     assert 'layout="spare_core"' not in metrics
     s.proc.send_signal(signal.SIGTERM)
