@@ -5,8 +5,9 @@ runtime (a test keeps this module and chip_child.protocol off torch).
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 COPY_POLICIES = ("dirty", "always")
 
@@ -70,3 +71,20 @@ class RuntimeConfig:
     def limits(self) -> Limits:
         return Limits(self.max_batch_size, self.max_blocks_per_row, self.total_pages,
                       self.max_seq_len, self.prefill_capacity, self.page_size)
+
+
+def config_fields(value: object, cls: type, name: str) -> dict:
+    """The keys of a dataclass-shaped config given as a dict or a JSON object's text, checked:
+    ValueError for bad JSON, something other than an object, or a key `cls` does not have."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {unknown}; known: {sorted(known)}")
+    return value

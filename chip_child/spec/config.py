@@ -5,9 +5,10 @@ RuntimeConfig (`speculative`).
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from chip_child.config import config_fields
 
 METHODS = ("ngram", "draft_model", "eagle3")  # the methods this build verifies; others are refused by name
 PLANNED = ("eagle", "mtp")  # vLLM's other method names: refused as not supported yet
@@ -70,17 +71,7 @@ class SpeculativeConfig:
         """From a SpeculativeConfig, a dict, or a JSON object's text; ValueError names the problem."""
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config: not valid JSON ({exc})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        value = config_fields(value, cls, "speculative_config")
         for key in ("method", "num_speculative_tokens"):
             if key not in value:
                 raise ValueError(f"speculative_config: {key!r} is required")

@@ -18,15 +18,16 @@ there, then `[seq, b""]`.
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import zmq
+
+from chip_child.config import config_fields
 
 PUBLISHERS = ("null", "zmq")
 
@@ -49,18 +50,7 @@ class KVEventsConfig:
         """None unless events are on."""
         if value is None or isinstance(value, KVEventsConfig):
             return value if value is None or value.enable_kv_cache_events else None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config: not JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise TypeError(f"kv_events_config must be a dict or a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
-        config = cls(**value)
+        config = cls(**config_fields(value, cls, "kv_events_config"))
         if config.publisher not in PUBLISHERS:
             raise ValueError(f"kv_events_config.publisher must be one of {PUBLISHERS}, got {config.publisher!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):

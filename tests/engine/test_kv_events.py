@@ -101,7 +101,7 @@ def test_a_worker_publishes_every_store_and_eviction_and_replays_them(make_check
 
 def test_the_config_is_checked_by_name() -> None:
     assert KVEventsConfig.of(None) is None and KVEventsConfig.of({"publisher": "zmq"}) is None  # off
-    with pytest.raises(ValueError, match=r"unknown keys \['endpiont'\]"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['endpiont'\]"):
         KVEventsConfig.of({"enable_kv_cache_events": True, "endpiont": "tcp://*:1"})
     with pytest.raises(ValueError, match="publisher must be one of"):
         KVEventsConfig.of('{"enable_kv_cache_events": true, "publisher": "nats"}')
