@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 
 COPY_POLICIES = ("dirty", "always")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3 with a per-tensor scale of 1
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class RuntimeConfig:
     dist_init: str | None = None  # torch.distributed init_method when tp_size > 1
     speculative: dict | None = None  # chip_child.spec.config.SpeculativeConfig's fields; None: off
     enable_sleep_mode: bool = False  # weights in storage sleep can free in place (chip_child.step.sleep)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 pages (torch backend)
 
     @property
     def max_blocks_per_row(self) -> int:

@@ -15,12 +15,13 @@ import importlib.util
 import os
 
 from chip_child.attention.base import (AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan,
-                                       WorkspaceShapes)
+                                       WorkspaceShapes, cache_dtype_of)
 
 BACKEND_NAMES = ("torch", "triton", "npu")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "AttentionSpec", "StepPlan", "WorkspaceShapes", "BACKEND_NAMES",
+           "cache_dtype_of",
            "get_backend", "backend_choices", "default_backend_name", "triton_importable", "triton_interpreted"]
 
 

@@ -55,7 +55,7 @@ Using a backend
 
     Backend = get_backend(device.type, name)          # a class; see chip_child.attention
     attn = Backend(spec, device)                      # validates the spec (ValueError naming the field)
-    cache = pool.get(..., attn.kv_cache_shape, spec.dtype)           # every layer at once
+    cache = pool.get(..., attn.kv_cache_shape, spec.kv_dtype)        # every layer at once
     ws = {n: pool.get(..., s, d) for n, (s, d) in attn.workspace_shapes.items()}
     attn.bind(cache, ws)                              # or attn.allocate(device)
     ...
@@ -85,7 +85,16 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
+from chip_child.config import KV_CACHE_DTYPES
+
 WorkspaceShapes = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def cache_dtype_of(kv_cache_dtype: str) -> torch.dtype | None:
+    """RuntimeConfig.kv_cache_dtype as the cache's dtype; None: the model's."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return None if kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ class AttentionSpec:
     max_seqs: int
     max_blocks: int
     scale: float | None = None
+    cache_dtype: torch.dtype | None = None  # the KV pages' dtype when it is not `dtype` (fp8)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "page_size", "max_tokens",
@@ -116,6 +126,11 @@ class AttentionSpec:
             raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {self.num_pages}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the cache stores: `cache_dtype`, else the compute dtype."""
+        return self.cache_dtype or self.dtype
 
     @property
     def group(self) -> int:
@@ -234,7 +249,7 @@ class AttentionBackend(ABC):
     @property
     @abstractmethod
     def kv_cache_shape(self) -> tuple[int, ...]:
-        """The whole model's cache (every layer, K and V) as one tensor of `spec.dtype`."""
+        """The whole model's cache (every layer, K and V) as one tensor of `spec.kv_dtype`."""
 
     @property
     def workspace_shapes(self) -> WorkspaceShapes:
@@ -243,8 +258,8 @@ class AttentionBackend(ABC):
 
     def bind(self, kv_cache: torch.Tensor, workspace: Mapping[str, torch.Tensor] | None = None) -> "AttentionBackend":
         """Adopts the cache (and workspace) the caller allocated; builds per-layer views."""
-        if tuple(kv_cache.shape) != self.kv_cache_shape or kv_cache.dtype != self.spec.dtype:
-            raise ValueError(f"kv_cache: expected {self.kv_cache_shape} {self.spec.dtype}, got "
+        if tuple(kv_cache.shape) != self.kv_cache_shape or kv_cache.dtype != self.spec.kv_dtype:
+            raise ValueError(f"kv_cache: expected {self.kv_cache_shape} {self.spec.kv_dtype}, got "
                              f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
         if not kv_cache.is_contiguous():
             raise ValueError("kv_cache must be contiguous")
@@ -263,7 +278,7 @@ class AttentionBackend(ABC):
     def allocate(self, device: torch.device | str | None = None) -> "AttentionBackend":
         """Allocates a zeroed cache and workspace and binds them (tests, scripts)."""
         device = self.device if device is None else torch.device(device)
-        cache = torch.zeros(self.kv_cache_shape, dtype=self.spec.dtype, device=device)
+        cache = torch.zeros(self.kv_cache_shape, dtype=self.spec.kv_dtype, device=device)
         ws = {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in self.workspace_shapes.items()}
         return self.bind(cache, ws)
 

@@ -40,6 +40,14 @@ MASK_TABLE_BYTES = 4 << 20  # the largest table of decode masks by length kept (
 MIRROR_CTX_ALIGN = 16  # a mirrored decode step attends over the longest row rounded up to this
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: larger K/V values saturate there
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """K/V values as float8 e4m3 with a per-tensor scale of 1 (a cast would turn overflow into NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
     if scores.dtype == torch.float32:
         return scores.softmax(-1)
@@ -61,6 +69,12 @@ class TorchAttention(AttentionBackend):
         of every row) at the first step that uses it."""
         super().__init__(spec, device)
         s = spec
+        # An fp8 cache: written rounded, and read only through it (no mirror of fresh values), so a
+        # token sees the same K/V however its step was made up (chunks, cache hits, a resume).
+        self._fp8 = s.kv_dtype != s.dtype
+        if self._fp8 and decode_mirror:
+            raise ValueError("decode_mirror cannot be used with an fp8 cache")
+        decode_mirror = False if self._fp8 else decode_mirror
         self._elem = torch.empty((), dtype=s.dtype).element_size()
         self.mirror_min_bytes = mirror_min_bytes
         self._mirror_bytes = s.num_layers * 2 * s.max_seqs * s.num_kv_heads * s.max_context * s.head_dim * self._elem
@@ -98,8 +112,8 @@ class TorchAttention(AttentionBackend):
         self._v_rows = [c[1].transpose(0, 1) for c in self._slots]
         self._views: dict[tuple[int, int], tuple] = {}  # (rows, blocks) -> workspace views, see _gather_views
         self._key_index = torch.arange(self.spec.max_context, dtype=torch.int32, device=cache.device)
-        self._zero = torch.zeros((), dtype=cache.dtype, device=cache.device)
-        self._neg_inf = torch.full((), float("-inf"), dtype=cache.dtype, device=cache.device)
+        self._zero = torch.zeros((), dtype=self.spec.dtype, device=cache.device)
+        self._neg_inf = torch.full((), float("-inf"), dtype=self.spec.dtype, device=cache.device)
         # Row L: the additive decode mask of a sequence of length L (0 on keys 0..L-1, -inf
         # after), so a step's mask is one index_select by the lengths instead of a compare and
         # a where; kept only while small (max_context up to 1024 in fp32).
@@ -121,8 +135,20 @@ class TorchAttention(AttentionBackend):
 
     # ---- writes --------------------------------------------------------------------------
     def _write_cache(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self._fp8:  # index_copy_ has no float8 kernel: the same bytes through uint8 views
+            k, v = _to_fp8(k).view(torch.uint8), _to_fp8(v).view(torch.uint8)
+            self._k_rows[layer].view(torch.uint8).index_copy_(0, slot_mapping, k)
+            self._v_rows[layer].view(torch.uint8).index_copy_(0, slot_mapping, v)
+            return
         self._k_rows[layer].index_copy_(0, slot_mapping, k)
         self._v_rows[layer].index_copy_(0, slot_mapping, v)
+
+    def _gather(self, layer: int, pages: torch.Tensor, target: torch.Tensor) -> None:
+        """Pages of a layer's K and V into the workspace (in the compute dtype)."""
+        if self._fp8:
+            target.copy_(self._layers[layer].index_select(2, pages))
+        else:
+            torch.index_select(self._layers[layer], 2, pages, out=target)
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self._check_bound()
@@ -133,6 +159,7 @@ class TorchAttention(AttentionBackend):
     def read_kv(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_bound()
         kv = self._slots[layer].index_select(2, slots.to(self.device, torch.int64))  # [2, kvh, n, hd]
+        kv = kv.to(self.spec.dtype)
         return kv[0].transpose(0, 1), kv[1].transpose(0, 1)
 
     # ---- per step --------------------------------------------------------------------------
@@ -238,8 +265,7 @@ class TorchAttention(AttentionBackend):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         view = step.extra.get("decode")
         if view is not None:  # pure decode through the gather
-            self._k_rows[layer].index_copy_(0, step.meta.slot_mapping, k)
-            self._v_rows[layer].index_copy_(0, step.meta.slot_mapping, v)
+            self._write_cache(layer, k, v, step.meta.slot_mapping)
             if self.decode_mirror:
                 self.invalidate()
             return self._attend_rows(layer, q, view, out)
@@ -283,7 +309,7 @@ class TorchAttention(AttentionBackend):
         """Pure decode (q's token i is row i's new token): into `out` when given, else the
         result of the last matmul itself (a view of it), with no copy."""
         s = self.spec
-        torch.index_select(self._layers[layer], 2, view["pages"], out=view["target"])
+        self._gather(layer, view["pages"], view["target"])
         rows, kvh, g, hd = view["rows"], s.num_kv_heads, s.group, s.head_dim
         if out is not None:
             out = self._out(q, out)
@@ -305,7 +331,7 @@ class TorchAttention(AttentionBackend):
                        tokens: torch.Tensor | None = None) -> None:
         """One new token per row; `tokens` says which rows of q/out (all, in order, when None)."""
         s = self.spec
-        torch.index_select(self._layers[layer], 2, view["pages"], out=view["target"])
+        self._gather(layer, view["pages"], view["target"])
         rows, kvh, g, hd = view["rows"], s.num_kv_heads, s.group, s.head_dim
         qr = q if tokens is None else q.index_select(0, tokens)
         qg = qr.reshape(rows, kvh, g, hd).transpose(0, 1).reshape(kvh * rows, g, hd)
@@ -343,11 +369,13 @@ class TorchAttention(AttentionBackend):
             if sl == ql and k is not None and v is not None:
                 ks = k[start:start + ql].transpose(0, 1).unsqueeze(0)
                 vs = v[start:start + ql].transpose(0, 1).unsqueeze(0)
+                if self._fp8:  # what a later read of the cache gives
+                    ks, vs = _to_fp8(ks).to(s.dtype), _to_fp8(vs).to(s.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 nb = math.ceil(sl / s.page_size)
                 pages = meta.block_table[seq, :nb].to(torch.int64)
-                kv = self._layers[layer].index_select(2, pages).flatten(2, 3)[:, :, :sl]  # [2, kvh, sl, hd]
+                kv = self._layers[layer].index_select(2, pages).flatten(2, 3)[:, :, :sl].to(s.dtype)  # [2, kvh, sl, hd]
                 # Token i of the chunk sits at position sl - ql + i and sees keys 0..that position.
                 mask = (torch.arange(sl, device=self.device)[None, :]
                         <= torch.arange(sl - ql, sl, device=self.device)[:, None])

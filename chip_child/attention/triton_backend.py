@@ -76,6 +76,9 @@ class TritonAttention(AttentionBackend):
     def validate(cls, spec: AttentionSpec) -> None:
         if spec.dtype not in DTYPES:
             raise ValueError(f"dtype: the triton backend supports {DTYPES}, got {spec.dtype}")
+        if spec.kv_dtype != spec.dtype:
+            raise ValueError(f"kv_cache_dtype: an {spec.kv_dtype} cache is read by the torch attention backend only "
+                             "so far (attention_backend='torch')")
 
     @property
     def kv_cache_shape(self) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from chip_child.attention import AttentionMetadata, AttentionSpec, get_backend
+from chip_child.attention import AttentionMetadata, AttentionSpec, cache_dtype_of, get_backend
 from chip_child.attention.self_check import checked_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.device import DeviceTimer, default_cpu_threads, resolve_device, tensor_parallel_all_reduce
@@ -125,7 +125,8 @@ class ChipRuntime:
         drafts = cfg.speculative["num_speculative_tokens"] if cfg.speculative else 0  # verify: b * (1 + drafts)
         spec = AttentionSpec(num_layers=mc.num_layers, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                              head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size,
-                             dtype=self.dtype, max_tokens=b + max(p, b * drafts), max_seqs=2 * b, max_blocks=mb)
+                             dtype=self.dtype, max_tokens=b + max(p, b * drafts), max_seqs=2 * b, max_blocks=mb,
+                             cache_dtype=cache_dtype_of(cfg.kv_cache_dtype))
         backend = get_backend(self.device.type, cfg.attention_backend)
         backend, attention_check = checked_backend(backend, spec, self.device)
         graphs = resolve_decode_graphs(cfg.decode_graphs, self.device.type, backend.decode_capturable, backend.name,
@@ -140,7 +141,7 @@ class ChipRuntime:
         self.kernel_checks += check_fp8_gemms(self.weights, self.device)
         if attention_check is not None:
             self.kernel_checks.append(KernelVerdict("attention", *attention_check))
-        self.decode_args, self.prefill_args = step_task_args(self.attn, self.dtype, b, mb, v, p)
+        self.decode_args, self.prefill_args = step_task_args(self.attn, spec.kv_dtype, b, mb, v, p)
         self.state = self.pool.resolve("decode", self.decode_args)  # the step's shared tensors, by slot
         self.prefill_state = self.pool.resolve("prefill", self.prefill_args)
         self.attn.bind(self.state["kv_cache"], {name: self.state[f"attn_{name}"] for name in self.attn.workspace_shapes})

@@ -22,6 +22,7 @@ RENAMED = {
     "enable_expert_parallel": "enable_expert_parallel",
     "speculative_config": "speculative_config",
     "enable_sleep_mode": "enable_sleep_mode",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 # vLLM arguments accepted at these values only: each either is l3worker's behaviour already or
 # tunes something l3worker does not have, so the value cannot change what comes out.
@@ -41,7 +42,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "pipeline_parallel_size": (1,),
     "data_parallel_size": (1,),
     "distributed_executor_backend": (None, "mp"),
-    "kv_cache_dtype": ("auto",),
     "load_format": ("auto", "safetensors"),
     "enable_chunked_prefill": (None, True),  # long prompts are always prefilled in chunks
     "enable_lora": (False,),

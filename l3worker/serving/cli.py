@@ -17,7 +17,8 @@ from l3worker.distributed.dp_link import DpLayout
 from l3worker.params import SERVE_CPU_BATCHED_TOKENS
 from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, bind, serve, served_model
-from l3worker.serving.serve_args import KV_CACHE_DTYPES, add_serve_parser, api_key_default
+from chip_child.config import KV_CACHE_DTYPES
+from l3worker.serving.serve_args import add_serve_parser, api_key_default
 from l3worker.serving.vllm_flags import unsupported_flag, vllm_spelling
 
 log = logging.getLogger("l3worker.serving")
@@ -75,8 +76,8 @@ def serve_refusal(args: argparse.Namespace) -> str | None:
     if args.model_flag is not None and args.model_dir not in (None, args.model_flag):
         return f"MODEL {args.model_dir!r} and --model {args.model_flag!r} name different models: give one"
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        return (f"--kv-cache-dtype {args.kv_cache_dtype}: l3worker keeps the KV cache in the model's dtype; only "
-                f"{', '.join(KV_CACHE_DTYPES)} is supported")
+        return (f"--kv-cache-dtype {args.kv_cache_dtype}: l3worker supports {', '.join(KV_CACHE_DTYPES)} "
+                "(fp8_e5m2 and calibrated scales are not implemented)")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         return f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
@@ -287,7 +288,7 @@ def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int,
                 max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
                 max_waiting_requests=args.max_waiting_requests,
                 speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode,
-                kv_events_config=args.kv_events_config,
+                kv_events_config=args.kv_events_config, kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port)

@@ -17,6 +17,13 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_kv_cache_dtype(cache_dtype: object, backend_name: str) -> None:
+    """An fp8 cache with a backend that cannot read one, refused before any child starts."""
+    if cache_dtype is not None and backend_name != "torch":
+        raise ValueError(f"kv_cache_dtype: an fp8 cache is read by the torch attention backend only so far, and "
+                         f"this device's is {backend_name!r} (attention_backend='torch' to use it)")
+
+
 def check_speculation_switches(speculative: bool, decode_graphs: bool | None, overlap_steps: bool | None) -> None:
     if speculative and decode_graphs:
         raise ValueError("speculative_config cannot be combined with decode_graphs=True: the verify step runs "

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import zmq
 from tqdm import tqdm
 
-from chip_child.attention import get_backend
+from chip_child.attention import cache_dtype_of, get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.cpu_layout import step_weight_elements
 from chip_child.device import (DEVICE_TYPES, CorePlan, check_optional_bool, device_type,
@@ -33,8 +33,8 @@ from chip_child.models.prepack import resolve_cpu_prepack
 from chip_child.spec.config import SpeculativeConfig
 from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.worker.child_process import ChildProcess, child_spec, wait_all_ready
-from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check_limits, check_speculation_switches,
-                                        positive_int)
+from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check_kv_cache_dtype, check_limits,
+                                        check_speculation_switches, positive_int)
 from l3worker.worker.kv_sizing import KvSizing, size_kv_cache
 from l3worker.worker.cpu_placement import CpuPlacement
 from l3worker.worker.shared_buffers import StepBuffers
@@ -73,6 +73,7 @@ class DistributedWorker(RolloutControls):
         # None: room for max_seq_len in every row. num_pages, when given, overrides it.
         gpu_memory_utilization: float | None = None,
         dtype: str = "auto",
+        kv_cache_dtype: str = "auto",  # vLLM's: "fp8" / "fp8_e4m3" store the KV pages in float8
         pipeline_depth: int = 2,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
@@ -121,6 +122,7 @@ class DistributedWorker(RolloutControls):
         # before any child starts, with the choices named.
         kind = device_type(device)
         backend = get_backend(kind, attention_backend)
+        check_kv_cache_dtype(cache_dtype_of(kv_cache_dtype), backend.name)
         resolve_decode_graphs(decode_graphs, kind, backend.decode_capturable, backend.name)
         resolve_fused_kernels(fused_kernels, kind)
         device_ids = tuple(device_ids) if device_ids is not None else None
@@ -162,7 +164,7 @@ class DistributedWorker(RolloutControls):
             self.kv_sizing = size_kv_cache(
                 shard, fraction=gpu_memory_utilization, kind=kind, device_id=device_ids[0],
                 itemsize=resolve_dtype(dtype, kind, self.model_config).itemsize, local_ranks=len(device_ids),
-                page_size=page_size, max_seq_len=max_seq_len)
+                page_size=page_size, max_seq_len=max_seq_len, kv_itemsize=1 if cache_dtype_of(kv_cache_dtype) else None)
             num_pages = num_pages if num_pages is not None else self.kv_sizing.num_pages
         if speculative is not None:
             speculative = check_proposer(speculative, self.model_config, layout.tensor_parallel_size)
@@ -174,7 +176,7 @@ class DistributedWorker(RolloutControls):
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
             cpu_prepack=cpu_prepack, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
             speculative=None if speculative is None else speculative.to_dict(), enable_sleep_mode=enable_sleep_mode,
-        )
+            kv_cache_dtype=kv_cache_dtype)
         self.speculative_config = speculative
         self.device_ids = device_ids
         self.layout = layout

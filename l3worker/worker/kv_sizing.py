@@ -127,8 +127,9 @@ def accelerator_memory_bytes(kind: str, device_id: int) -> tuple[int, int]:
 
 def size_kv_cache(cfg: ModelConfig, *, fraction: float, kind: str, device_id: int, itemsize: int,
                   local_ranks: int, page_size: int, max_seq_len: int,
-                  memory: tuple[int, int] | None = None) -> KvSizing:
-    """The pages `fraction` of the memory holds once the weights are in. `cfg` is one rank's view
+                  memory: tuple[int, int] | None = None, kv_itemsize: int | None = None) -> KvSizing:
+    """The pages `fraction` of the memory holds once the weights are in (`itemsize` bytes each;
+    the cache's `kv_itemsize`, default the same: 1 for an fp8 cache). `cfg` is one rank's view
     (shard_config); `local_ranks` of them share a cpu node's memory. `memory`: (total, free)
     instead of reading it (tests). ValueError naming gpu_memory_utilization when out of (0, 1], when
     an accelerator has less free than the fraction asks, or when one row of max_seq_len does not fit."""
@@ -147,7 +148,7 @@ def size_kv_cache(cfg: ModelConfig, *, fraction: float, kind: str, device_id: in
                          f"less than the {_size(requested)} asked for; lower it")
     sharing = local_ranks if on_cpu else 1  # a cpu node's ranks share one memory
     weights = weight_bytes(cfg, itemsize) * sharing
-    page_bytes = kv_bytes_per_token(cfg, itemsize) * page_size * sharing
+    page_bytes = kv_bytes_per_token(cfg, kv_itemsize or itemsize) * page_size * sharing
     # One page more than the usable ones: page 0 is the scratch page idle rows write to.
     num_pages = min(max(requested - weights, 0) // page_bytes - 1, MAX_SLOTS // page_size - 1)
     sizing = KvSizing(fraction, total, weights, page_bytes, max(num_pages, 0), page_size, where)

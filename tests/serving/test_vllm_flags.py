@@ -77,7 +77,7 @@ def test_vllm_spellings_and_values_parse() -> None:
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: l3worker keeps the KV cache in the model's dtype"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2: l3worker supports auto, fp8, fp8_e4m3"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1], got 0.0"),
     (["--max-logprobs", "21"], "--max-logprobs must be in [0, 20]"),
