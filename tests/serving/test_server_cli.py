@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import httpx
 import psutil
@@ -126,15 +125,20 @@ def test_the_cpu_layout_and_kv_events_flags_reach_the_worker(served) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    time.sleep(0.3)  # the subscription reaches the publisher first
     prompt = list(range(5, 45))
     with httpx.Client(base_url=base[1], timeout=60) as client:
+        for i in range(100):  # until the subscription has reached the publisher: a batch arrives
+            assert client.post("/v1/completions", json={"prompt": [200 + i] * 16, "max_tokens": 1}).status_code == 200
+            if sub.poll(100):
+                break
+        while sub.poll(300):
+            sub.recv_multipart()
         assert client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
         metrics = client.get("/metrics").text
     assert sub.poll(10_000)
     _, seq, payload = sub.recv_multipart()
     ts, batch = msgpack.unpackb(payload)
-    assert int.from_bytes(seq, "big") == 0 and batch[0][0] == "BlockStored"
+    assert batch[0][0] == "BlockStored"
     assert batch[0][2] is None and batch[0][3] == prompt[:32] and batch[0][4] == 16 and len(batch[0][1]) == 2
     ctx.destroy(linger=0)
     assert re.search(r'^l3worker:cpu_layout_info\{engine="0",layout="every_core"\} 1\.0$', metrics, re.M)
