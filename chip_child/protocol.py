@@ -23,7 +23,9 @@ from chip_child.config import Limits
 from chip_child.step.row_fields import (BASIC_FIELDS, FULL_STATE_FIELDS, MAX_GRAMMAR_BYTES, ROW_FIELDS, Admit, FullState,
                                    RowField)
 
-OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL = 0, 1, 2, 3
+OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL, OP_COPIES = 0, 1, 2, 3, 4
+# Before a command, the prefix cache's host-tier copies: [4, (kind, page, slot) int32 bytes], kind 0
+# a store (device page -> host slot), 1 a load (host slot -> device page), applied in order.
 # Between steps, with no step in flight: [3, name, {args}] -> {"control": name, ...results}
 # (chip_child.step.controls), or {"control": name, "refused": why} for input it cannot take.
 CONTROLS = ("sleep", "wake_up", "update_weights", "drop_pending_weights")
@@ -81,6 +83,13 @@ class Shutdown:
 
 
 @dataclass
+class Copies:
+    """Page copies between the KV cache and its host tier (l3worker/engine/host_tier.py)."""
+
+    copies: np.ndarray  # (kind, page, slot) int32 rows
+
+
+@dataclass
 class Control:
     """Sleep, wake or new weights: run between steps (the parent sends none meanwhile)."""
 
@@ -88,11 +97,13 @@ class Control:
     args: dict = field(default_factory=dict)
 
 
-def encode(cmd: Command | Shutdown | Control) -> bytes:
+def encode(cmd: Command | Shutdown | Control | Copies) -> bytes:
     if isinstance(cmd, Shutdown):
         return msgpack.packb([OP_SHUTDOWN])
     if isinstance(cmd, Control):
         return msgpack.packb([OP_CONTROL, cmd.name, cmd.args])
+    if isinstance(cmd, Copies):
+        return msgpack.packb([OP_COPIES, np.ascontiguousarray(cmd.copies, np.int32).tobytes()])
     pages = cmd.new_pages.astype(np.int32, copy=False).tobytes()
     if cmd.admits or cmd.chunks:
         admits = [[a.row, *(_to_wire(f, getattr(a, f.name)) for f in ROW_FIELDS)] for a in cmd.admits]
@@ -130,7 +141,7 @@ def _check_pages(pages: np.ndarray, limits: Limits, what: str) -> None:
         raise ProtocolError(f"{what}: page id outside [1, {limits.num_pages})")
 
 
-def decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control:
+def decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control | Copies:
     """Parses and range-checks a command; raises ProtocolError before anything is applied."""
     try:
         return _decode(raw, limits)
@@ -140,7 +151,7 @@ def decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control:
         raise ProtocolError(f"malformed command: {type(exc).__name__}: {exc}") from None
 
 
-def _decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control:
+def _decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control | Copies:
     try:
         msg = msgpack.unpackb(raw)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
@@ -150,10 +161,23 @@ def _decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control:
     if type(msg) is list and len(msg) == 4 and msg[0] == OP_DECODE and msg[2] == [] and msg[3] == b"" \
             and type(msg[1]) is int and 0 <= msg[1] < MAX_STEP:
         return Command(msg[1])
-    if not isinstance(msg, list) or not msg or msg[0] not in (OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL):
+    if not isinstance(msg, list) or not msg or msg[0] not in (OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL, OP_COPIES):
         raise ProtocolError(f"unknown op in command {msg!r:.80}")
     if msg[0] == OP_SHUTDOWN:
         return Shutdown()
+    if msg[0] == OP_COPIES:
+        if len(msg) != 2:
+            raise ProtocolError("copies are [4, (kind, page, slot) int32 bytes]")
+        copies = _int_array(msg[1], "copies")
+        if copies.size % 3 or not limits.host_pages:
+            raise ProtocolError("copies: not (kind, page, slot) triples, or no host tier")
+        copies = copies.reshape(-1, 3)
+        if ((copies[:, 0] < 0) | (copies[:, 0] > 1)).any():
+            raise ProtocolError("copies: kind must be 0 (store) or 1 (load)")
+        _check_pages(copies[:, 1], limits, "copies")
+        if copies[:, 2].min() < 0 or copies[:, 2].max() >= limits.host_pages:
+            raise ProtocolError(f"copies: host slot outside [0, {limits.host_pages})")
+        return Copies(copies)
     if msg[0] == OP_CONTROL:
         if len(msg) != 3 or msg[1] not in CONTROLS or not isinstance(msg[2], dict):
             raise ProtocolError(f"a control is [3, name, {{args}}] with name one of {CONTROLS}")

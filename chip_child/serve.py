@@ -29,6 +29,7 @@ from chip_child.config import RuntimeConfig
 from chip_child.cpu_layout import choose_cpu_layout, read_trial
 from chip_child.device import pin_socket_threads
 from chip_child.step.controls import RuntimeControls
+from chip_child.step.host_kv import HostKV
 from chip_child.step.runtime import ChipRuntime, LaunchedStep, StepOutputs
 from chip_child.child_spec import ChildSpec
 
@@ -199,6 +200,7 @@ class StepLoop:
         self.failed: str | None = None  # why later commands are refused
         self.pending: tuple[int, LaunchedStep] | None = None  # (step, its launch): launched, not yet published
         self.controls: RuntimeControls | None = None  # made at the first control
+        self.host_kv: HostKV | None = None  # the host tier's pages, made at the first copies
 
     def run(self) -> None:
         sock, limits = self.sock, self.rt.limits
@@ -224,7 +226,24 @@ class StepLoop:
                 self.publish()
                 self.control(cmd)
                 continue
+            if isinstance(cmd, protocol.Copies):
+                self.copies(cmd)
+                continue
             self.launch(cmd)
+
+    def copies(self, cmd: protocol.Copies) -> None:
+        """Host-tier page copies, in order before the next command (a failure fails the child)."""
+        if self.failed is not None:
+            return  # the next command is refused anyway
+        if self.host_kv is None:
+            self.host_kv = HostKV(self.rt.state["kv_cache"], self.rt.attn.cache_layout, self.rt.limits.host_pages)
+        self.publish()
+        try:
+            self.host_kv.apply(cmd.copies)
+            self.rt.attn.invalidate()
+        except Exception as exc:
+            self.failed = f"host-tier copies failed ({type(exc).__name__}: {exc})"
+            self.report(None, f"copies: {type(exc).__name__}: {exc}", traceback.format_exc())
 
     def control(self, cmd: protocol.Control) -> None:
         """Runs a control and replies with its results; input it cannot take is refused and the

@@ -54,6 +54,8 @@ from typing import Iterator, NamedTuple, Sequence, Union
 
 import numpy as np
 
+from l3worker.engine.host_tier import HostTier
+
 TokenIds = Union[Sequence[int], np.ndarray]
 
 ROOT_HASH = 0x6C33_776F_726B_6572  # the parent hash of every request's first page
@@ -125,7 +127,7 @@ class PagePool:
     `reset_prefix_cache` (O(evictable pages)) and `check` (tests).
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True, host_pages: int = 0):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages} and {page_size}")
         self.num_pages = num_pages  # usable pages, ids 1..num_pages
@@ -145,6 +147,8 @@ class PagePool:
         # KV events (l3worker/engine/kv_events.py), when a publisher listens: ("stored", hash,
         # parent hash or None, ids) / ("removed", hashes) / ("cleared",), taken after each step.
         self.events: list[tuple] | None = None
+        # The second tier in host memory (l3worker/engine/host_tier.py): evicted entries go there.
+        self.host = HostTier(host_pages) if host_pages and enable_prefix_caching else None
 
     # -- accounting --------------------------------------------------------------------------------
     @property
@@ -208,10 +212,14 @@ class PagePool:
             removed = []
             for _ in range(short):
                 page, _ = lru.popitem(last=False)
-                removed.append(entry[page].key)
-                del table[removed[-1]]
+                e = entry[page]
+                del table[e.key]
                 entry[page] = None
                 out.append(page)
+                if self.host is None:
+                    removed.append(e.key)
+                elif (dropped := self.host.store(e.key, e, page)) is not None:
+                    removed.append(dropped)
             self.evicted_pages += short
             if self.events is not None:
                 self.events.append(("removed", removed))
@@ -256,7 +264,7 @@ class PagePool:
         for data in self._pages_of(token_ids, 0, max(n - 1, 0) // ps):
             k = hash_page(key, data)
             page = table.get(k)
-            if page is None:
+            if page is None and (page := self._from_host(k, serial, data)) is None:
                 break
             e = entry[page]
             if e.parent != serial or e.ids != data:
@@ -270,6 +278,31 @@ class PagePool:
         self.queries_tokens += n
         self.hits_tokens += hit
         return PrefixHit(pages, hit, CacheCursor(len(pages), key, serial, last), n)
+
+    def _from_host(self, k: int, serial: int, data: bytes) -> int | None:
+        """A device page for the host tier's entry `k` (continuing the chain at `serial`), its
+        K/V to be copied back, cached and unused (lookup takes it); None when there is none."""
+        e = self.host.find(k) if self.host is not None else None
+        if e is None or e.parent != serial or e.ids != data:
+            return None
+        slot, _ = self.host.take(k)
+        got = self.allocate(1)  # may push another evicted page to the host
+        if got is None:
+            self.host.put_back(k, slot, e)
+            return None
+        page = got[0]
+        self.host.load(slot, page)
+        self._entry[page], self._table[k] = e, page
+        self._ref[page] = 0
+        self._lru[page] = None  # as a cached page nobody uses: lookup takes its reference
+        return page
+
+    def take_copies(self) -> np.ndarray | None:
+        """The host tier's copies to send before the next command (None: no tier, or none)."""
+        if self.host is None:
+            return None
+        copies = self.host.take_copies()
+        return copies if len(copies) else None
 
     def cancel_lookup(self, hit: PrefixHit) -> None:
         """Undoes a lookup whose request was not admitted after all (no pages for the rest):
@@ -369,6 +402,8 @@ class PagePool:
                     removed.append(e.key)
                     del table[e.key]
                     entry[page] = None
+        if self.host is not None:
+            removed += self.host.clear()
         if self.events is not None and removed:
             self.events.append(("cleared",) if not table else ("removed", removed))
         return len(removed)

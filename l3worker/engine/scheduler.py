@@ -135,7 +135,7 @@ class Scheduled:
 class Scheduler:
     def __init__(self, *, max_batch_size: int, page_size: int, max_blocks_per_row: int, num_pages: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool, full_state: bool,
-                 speculative_tokens: int = 0, priority: bool = False):
+                 speculative_tokens: int = 0, priority: bool = False, host_pages: int = 0):
         self.page_size = page_size
         self.max_blocks = max_blocks_per_row
         self.budget = max_num_batched_tokens
@@ -144,7 +144,7 @@ class Scheduler:
         # scheduling_policy="priority": waiting kept in (priority, arrival) order, and a waiting
         # sequence that outranks a running one takes its row and pages (vLLM's priority policy).
         self.priority = priority
-        self._pool_args = (num_pages, page_size, enable_prefix_caching)
+        self._pool_args = (num_pages, page_size, enable_prefix_caching, host_pages)
         self.pages = self._new_pool()
         self.rows: list[Sequence | None] = [None] * max_batch_size
         self.waiting: deque[Sequence] = deque()
@@ -347,8 +347,8 @@ class Scheduler:
             self.waiting.appendleft(victim)
 
     def _new_pool(self) -> PagePool:
-        num_pages, page_size, prefix_caching = self._pool_args
-        return PagePool(num_pages, page_size, enable_prefix_caching=prefix_caching)
+        num_pages, page_size, prefix_caching, host_pages = self._pool_args
+        return PagePool(num_pages, page_size, enable_prefix_caching=prefix_caching, host_pages=host_pages)
 
     def _schedule_chunk(self, seq: Sequence, room: int, chunks: list, staging: list, scoring: list,
                         triples: list, first_block: int | None = None) -> int:

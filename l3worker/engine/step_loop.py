@@ -119,6 +119,7 @@ class Engine:
             num_pages=cfg.total_pages - 1, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, full_state=cfg.copy_policy == "always",
             speculative_tokens=self.speculation.k, priority=self.scheduling_policy == "priority",
+            host_pages=cfg.host_kv_pages,
         )
         self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
         self._inflight.clear()
@@ -395,7 +396,10 @@ class Engine:
         for offset, ids in s.staging_tokens:
             staging[offset:offset + len(ids)] = ids
         payload = protocol.encode(s.command)
+        copies = self.scheduler.pages.take_copies()  # the host tier's, made while scheduling it
         for child in self._children:
+            if copies is not None:
+                child.send(protocol.encode(protocol.Copies(copies)), self.step_timeout_s, self.stopping)
             child.send(payload, self.step_timeout_s, self.stopping)
         return _InFlight(s, len(payload))
 

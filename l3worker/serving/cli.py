@@ -289,6 +289,7 @@ def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int,
                 max_waiting_requests=args.max_waiting_requests,
                 speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode,
                 kv_events_config=args.kv_events_config, kv_cache_dtype=args.kv_cache_dtype,
+                kv_offloading_size=args.kv_offloading_size,
                 tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port)

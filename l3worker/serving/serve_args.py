@@ -145,6 +145,11 @@ def _cache_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto: the KV cache in the model's dtype; fp8 / fp8_e4m3: in float8 (twice the tokens of "
                         "bf16 in the same memory; the torch attention backend only)")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="GiB of host memory for prefix-cache pages evicted from the device: a later request "
+                        "finding its prefix there gets it copied back instead of recomputed (None: off)")
+    g.add_argument("--kv-offloading-backend", choices=("native",), default="native",
+                   help="native: l3worker's own host tier (the only one)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of prompt prefixes seen before")
 

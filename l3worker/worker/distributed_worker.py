@@ -35,7 +35,7 @@ from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_mod
 from l3worker.worker.child_process import ChildProcess, child_spec, wait_all_ready
 from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check_kv_cache_dtype, check_limits,
                                         check_speculation_switches, positive_int)
-from l3worker.worker.kv_sizing import KvSizing, size_kv_cache
+from l3worker.worker.kv_sizing import KvSizing, host_tier_pages, size_kv_cache
 from l3worker.worker.cpu_placement import CpuPlacement
 from l3worker.worker.shared_buffers import StepBuffers
 from l3worker.engine.speculation import check_proposer, speculative_tokens
@@ -74,6 +74,7 @@ class DistributedWorker(RolloutControls):
         gpu_memory_utilization: float | None = None,
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",  # vLLM's: "fp8" / "fp8_e4m3" store the KV pages in float8
+        kv_offloading_size: float | None = None,  # vLLM's: GiB of host memory for evicted prefix pages
         pipeline_depth: int = 2,
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
@@ -176,10 +177,10 @@ class DistributedWorker(RolloutControls):
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
             cpu_prepack=cpu_prepack, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
             speculative=None if speculative is None else speculative.to_dict(), enable_sleep_mode=enable_sleep_mode,
-            kv_cache_dtype=kv_cache_dtype)
-        self.speculative_config = speculative
-        self.device_ids = device_ids
-        self.layout = layout
+            kv_cache_dtype=kv_cache_dtype, host_kv_pages=host_tier_pages(
+                shard, kv_offloading_size, 1 if cache_dtype_of(kv_cache_dtype) else resolve_dtype(dtype, kind, shard).itemsize,
+                page_size))
+        self.speculative_config, self.device_ids, self.layout = speculative, device_ids, layout
         self._nodes: list[RemoteNode] = []  # one per follower node, made once: their links outlive restarts
         self.pipeline_depth = pipeline_depth
         self.step_timeout_s = step_timeout_s

@@ -158,3 +158,17 @@ def size_kv_cache(cfg: ModelConfig, *, fraction: float, kind: str, device_id: in
                          f"max_seq_len={max_seq_len} needs {row_pages} pages of {page_size} tokens: raise "
                          "gpu_memory_utilization or lower max_seq_len")
     return sizing
+
+
+def host_tier_pages(cfg: ModelConfig, size_gib: float | None, itemsize: int, page_size: int) -> int:
+    """Pages of the prefix cache's host tier in `size_gib` GiB (vLLM's --kv-offloading-size); 0
+    for None. ValueError naming kv_offloading_size when it holds less than one page."""
+    if size_gib is None:
+        return 0
+    if isinstance(size_gib, bool) or not isinstance(size_gib, (int, float)):
+        raise TypeError(f"kv_offloading_size must be a number of GiB, got {size_gib!r}")
+    page_bytes = kv_bytes_per_token(cfg, itemsize) * page_size
+    pages = int(size_gib * 2**30 // page_bytes)
+    if pages < 1:
+        raise ValueError(f"kv_offloading_size={size_gib} GiB holds no page of {page_bytes} bytes")
+    return pages

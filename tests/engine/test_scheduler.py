@@ -25,6 +25,7 @@ PAGE = 4
 class SimulatedDevice:
     def __init__(self, rows: int):
         self.slots: dict[int, int] = {}  # slot -> token id
+        self.host: dict[int, int] = {}  # the host tier's slots, the same way
         self.table = [dict() for _ in range(rows)]  # row -> {block: page}
         self.active = [False] * rows
         self.pos = [0] * rows  # the next input's position
@@ -42,6 +43,17 @@ class SimulatedDevice:
             assert s in self.slots, f"row {row} reads position {p}, never written"
             ids.append(self.slots[s])
         return ids
+
+    def copy(self, copies: np.ndarray | None) -> None:
+        """The host tier's page copies (kind 0: page -> slot, 1: slot -> page), in order."""
+        for kind, page, slot in ([] if copies is None else copies.tolist()):
+            src, dst = (self.slots, self.host) if kind == 0 else (self.host, self.slots)
+            i, j = (page, slot) if kind == 0 else (slot, page)
+            for off in range(PAGE):
+                if i * PAGE + off in src:
+                    dst[j * PAGE + off] = src[i * PAGE + off]
+                else:
+                    dst.pop(j * PAGE + off, None)
 
     def execute(self, cmd: Command, staging: np.ndarray) -> np.ndarray:
         for r in cmd.finished_rows:
@@ -84,13 +96,13 @@ def make_seqs(prompts: list[list[int]], new_tokens: list[int], priorities: list[
 
 def run(prompts, new_tokens, *, rows=4, num_pages=400, budget=10_000, caching=False, depth=1,
         abort_at: dict[int, int] | None = None, arrivals: dict[int, int] | None = None,
-        priorities: list[int] | None = None) -> tuple[dict, Scheduler]:
+        priorities: list[int] | None = None, host_pages: int = 0) -> tuple[dict, Scheduler]:
     """Token ids per sequence; `abort_at` aborts sequence i once it has that many tokens,
     `arrivals` adds sequence i before step k instead of at the start; `priorities` turns the
     priority policy on."""
     sched = Scheduler(max_batch_size=rows, page_size=PAGE, max_blocks_per_row=64, num_pages=num_pages,
                       max_num_batched_tokens=budget, enable_prefix_caching=caching, full_state=False,
-                      priority=priorities is not None)
+                      priority=priorities is not None, host_pages=host_pages)
     dev = SimulatedDevice(rows)
     seqs = make_seqs(prompts, new_tokens, priorities)
     assert all(s.pages_needed(PAGE) <= num_pages for s in seqs)  # the engine refuses larger ones up front
@@ -105,6 +117,7 @@ def run(prompts, new_tokens, *, rows=4, num_pages=400, budget=10_000, caching=Fa
             staging = np.zeros(budget + rows, np.int32)
             for offset, ids in s.staging_tokens:
                 staging[offset:offset + len(ids)] = ids
+            dev.copy(sched.pages.take_copies())  # before the command, as the engine sends them
             inflight.append((s, dev.execute(s.command, staging)))
         if not inflight:
             if all(s.finished for s in seqs) and step > max(arrivals.values(), default=0):
@@ -268,3 +281,20 @@ def test_priority_preemption_gives_the_same_tokens(num_pages: int) -> None:
     arrivals = {i: 3 * i for i in range(4, 12)}
     got, sched = run(prompts, new, rows=3, num_pages=num_pages, priorities=priorities, arrivals=arrivals, depth=2)
     assert got == want and sched.num_preemptions > 0
+
+
+# -- the prefix cache's host tier ----------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("num_pages,host_pages", [(18, 6), (24, 40), (30, 200)])
+def test_a_host_tier_gives_the_same_tokens_and_brings_prefixes_back(depth, num_pages, host_pages) -> None:
+    """Shared and repeated prefixes over a pool too small for them: pages go to the host tier and
+    come back by copy; a wrong copy, one in the wrong order, or one a later store overwrote would
+    change what a row reads."""
+    prompts, new = workload(4, n=16, shared=12)
+    prompts = prompts + prompts[:8]  # a second round of half of them
+    new = new + new[:8]
+    want, _ = run(prompts, new)
+    got, sched = run(prompts, new, rows=3, num_pages=num_pages, caching=True, budget=13, depth=depth,
+                     host_pages=host_pages)
+    assert got == want
+    assert sched.pages.host.stored_pages > 0 and sched.pages.host.loaded_pages > 0
