@@ -26,7 +26,10 @@ def test_launch_offline_poisson_run(tmp_path) -> None:
     served = result["served"]
     assert (served["completed"], served["failed"]) == (6, 0)
     for key in ("ttft", "tpot", "itl", "e2el"):
-        assert {f"mean_{key}_ms", f"median_{key}_ms", f"p99_{key}_ms"} <= set(served) and served[f"median_{key}_ms"] > 0
+        assert {f"mean_{key}_ms", f"median_{key}_ms", f"p99_{key}_ms"} <= set(served)
+        # Chunks that reach the client together (a busy machine) are microseconds apart: an ITL
+        # median may round to 0, the others cannot.
+        assert served[f"median_{key}_ms"] >= 0 if key == "itl" else served[f"median_{key}_ms"] > 0
     assert served["output_throughput"] > 0 and served["request_throughput"] > 0
     assert all(4 <= r["output_tokens"] <= 12 and r["success"] for r in result["per_request"])
     assert result["offline"]["tpot_p50_ms"] > 0 and result["ratios"]["itl_p50_over_offline_tpot_p50_median"] > 0
