@@ -87,7 +87,7 @@ def follower(tmp_path: Path):
     started: list = []
 
     def start(model_dir, master_port: int, *flags: str):
-        started.append(start_follower(model_dir, master_port, *flags, tmpdir=tmp_path / f"n{len(started)}"))
+        started.append(start_follower(model_dir, master_port, *flags, log_dir=tmp_path / f"n{len(started)}"))
         return started[-1]
 
     yield start

@@ -9,13 +9,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 import httpx
+
+from node_helpers import private_tmpdir
 
 SSE_DONE = b"data: [DONE]\n\n"
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,7 +141,7 @@ class Served:
     tests check them."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.tmpdir = Path(tempfile.mkdtemp(prefix="served-", dir="/tmp"))
+        self.tmpdir = private_tmpdir("served-")
         env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT), **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "l3worker", "serve", "--port", "0", *args], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
