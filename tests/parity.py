@@ -5,6 +5,15 @@ from __future__ import annotations
 import torch
 
 
+def hf_greedy(model, prompt: list[int], n: int, ignore_eos: bool = True) -> list[int]:
+    """transformers' greedy tokens after `prompt`: n of them, or up to an EOS with ignore_eos=False."""
+    ids = torch.tensor([prompt])
+    extra = {"min_new_tokens": n, "eos_token_id": None} if ignore_eos else {}
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         **extra)
+    return out[0, len(prompt):].tolist()
+
+
 def assert_matches_transformers(model, prompts: list[list[int]], token_ids: list[list[int]],
                                 logits: list[list[torch.Tensor]], new_tokens: int, rel_tol: float = 1e-4) -> None:
     for prompt, tokens, steps in zip(prompts, token_ids, logits):

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from chip_child.models.loader import ModelConfig, expected_tensor_shapes, load_weights, unit_of
 from chip_child.models.prepack import PackedLinear
@@ -24,16 +23,6 @@ def units(cfg: ModelConfig) -> dict[str, set[str]]:
     for name in expected_tensor_shapes(cfg):
         out.setdefault(unit_of(name), set()).add(name)
     return out
-
-
-def safetensors_names(model_dir: str | Path) -> list[str]:
-    """The tensor names stored under `model_dir` (one file or an index), read from the headers."""
-    model_dir = Path(model_dir)
-    names: list[str] = []
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            names.extend(f.keys())
-    return names
 
 
 class WeightUpdater:

@@ -15,6 +15,7 @@ stay); level 2 drops them, and the weights must be updated before the next reque
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -36,46 +37,45 @@ def device_bytes(device: torch.device) -> int:
     return int(getattr(torch, device.type).memory_allocated(device))
 
 
+def weight_fields(obj: object) -> Iterator[tuple[object, str | int, torch.Tensor | PackedLinear]]:
+    """(owner, attribute or list index, value) of every tensor and prepacked matrix under `obj`
+    (the weights), through nested objects and lists, the norm constants left out."""
+    items = enumerate(obj) if isinstance(obj, (list, tuple)) else vars(obj).items()
+    for key, value in items:
+        if key in CONSTANTS or value is None:
+            continue
+        if isinstance(value, (torch.Tensor, PackedLinear)):
+            yield obj, key, value
+        elif isinstance(value, (list, tuple)) or hasattr(value, "__dict__") and not isinstance(
+                value, (type, torch.dtype)):
+            yield from weight_fields(value)
+
+
 def weight_leaves(weights: Qwen3Weights) -> tuple[list[torch.UntypedStorage], list[PackedLinear]]:
     """The distinct storages under the weights, and the prepacked matrices (which have none)."""
     storages: dict[int, torch.UntypedStorage] = {}
     packed: list[PackedLinear] = []
-
-    def walk(obj: object) -> None:
-        if obj is None:
-            return
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
+    for _, _, value in weight_fields(weights):
+        if isinstance(value, PackedLinear):
+            packed.append(value)
+        else:
+            storage = value.untyped_storage()
             storages.setdefault(storage.data_ptr(), storage)
-        elif isinstance(obj, PackedLinear):
-            packed.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                walk(item)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.dtype)):
-            for key, value in vars(obj).items():
-                if key not in CONSTANTS:
-                    walk(value)
-
-    walk(weights)
     return list(storages.values()), packed
 
 
 def owned_storage(weights: Qwen3Weights) -> None:
     """Makes every weight's storage resizable (tensors read from safetensors are not), so sleep
     can free them in place: with sleep mode on, once at load."""
-    def fix(obj: object) -> None:
-        for key, value in list(vars(obj).items()):
-            if isinstance(value, torch.Tensor) and not value.untyped_storage().resizable():
-                setattr(obj, key, value.clone(memory_format=torch.preserve_format))
-            elif hasattr(value, "__dict__") and not isinstance(value, (type, torch.dtype, torch.Tensor, PackedLinear)):
-                fix(value)
-
-    for lw in weights.layers:
-        fix(lw)
-    fix(weights)
+    for owner, key, value in list(weight_fields(weights)):
+        if isinstance(value, torch.Tensor) and not value.untyped_storage().resizable():
+            copy = value.clone(memory_format=torch.preserve_format)
+            if isinstance(owner, list):
+                owner[key] = copy
+            else:
+                setattr(owner, key, copy)
     if weights.tied and isinstance(weights.lm_head, torch.Tensor):
-        weights.lm_head = weights.embed.t()
+        weights.lm_head = weights.embed.t()  # a view of the embedding again
 
 
 @dataclass

@@ -156,7 +156,8 @@ class Scheduler:
     def add(self, seqs: list[Sequence]) -> None:
         if not self.priority:
             self.waiting.extend(seqs)
-        for seq in seqs if self.priority else ():
+            return
+        for seq in seqs:
             self._wait_in_rank(seq)
 
     def next_command(self) -> Scheduled | None:

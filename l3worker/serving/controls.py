@@ -5,12 +5,10 @@ they cross the wire as msgpack; every result carries the worker's weight_version
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from typing import Any, Callable
 
-import torch
-
-from l3worker.worker.shared_weights import shared_buckets
+from l3worker.worker.shared_weights import named_items, shared_buckets
 
 CONTROLS: dict[str, Callable[..., dict]] = {
     "sleep": lambda w, a: w.sleep(a.get("level", 1)),
@@ -30,12 +28,8 @@ async def push_tensors(control: Callable[[str, dict], Awaitable[dict]], named_te
     """update_weights_from_tensor through a driver's `control` (CoreClient's: an engine core in
     another process): this process writes each bucket to shared memory and the engine core loads
     it; the last bucket flushes. Names and shapes are checked there, from each bucket's header."""
-    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-    for name, tensor in items:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"named_tensors: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
     result: dict = {}
-    for folder, names, last in shared_buckets(items, bucket_bytes):
+    for folder, names, last in shared_buckets(named_items(named_tensors), bucket_bytes):
         result = await control("update_weights_from_shared", {"folder": folder, "names": names,
                                                               "weight_version": weight_version,
                                                               "flush": flush and last})

@@ -151,8 +151,8 @@ class DistributedWorker(RolloutControls):
         self.model_dir = resolve_model(model_dir, revision, download_dir, "model_dir") if model_dir is not None \
             else str(ensure_tiny_model())
         self.model_config = load_config(self.model_dir, quantization)
-        resolve_dtype(dtype, "cpu", self.model_config)  # rejects unknown names before any child starts
-        resolve_cpu_prepack(cpu_prepack, kind, resolve_dtype(dtype, kind, self.model_config))
+        run_dtype = resolve_dtype(dtype, kind, self.model_config)  # rejects unknown names before any child starts
+        resolve_cpu_prepack(cpu_prepack, kind, run_dtype)
         if max_seq_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{self.model_config.max_position_embeddings}")
@@ -160,12 +160,13 @@ class DistributedWorker(RolloutControls):
             raise TypeError(f"enable_expert_parallel must be a bool, got {type(enable_expert_parallel).__name__}")
         # tensor parallelism must divide heads and MLP (expert parallelism: the experts)
         shard = shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
+        kv_itemsize = 1 if cache_dtype_of(kv_cache_dtype) else run_dtype.itemsize  # an fp8 cache: a byte a value
         self.kv_sizing: KvSizing | None = None
         if gpu_memory_utilization is not None:
             self.kv_sizing = size_kv_cache(
                 shard, fraction=gpu_memory_utilization, kind=kind, device_id=device_ids[0],
-                itemsize=resolve_dtype(dtype, kind, self.model_config).itemsize, local_ranks=len(device_ids),
-                page_size=page_size, max_seq_len=max_seq_len, kv_itemsize=1 if cache_dtype_of(kv_cache_dtype) else None)
+                itemsize=run_dtype.itemsize, local_ranks=len(device_ids), page_size=page_size, max_seq_len=max_seq_len,
+                kv_itemsize=kv_itemsize)
             num_pages = num_pages if num_pages is not None else self.kv_sizing.num_pages
         if speculative is not None:
             speculative = check_proposer(speculative, self.model_config, layout.tensor_parallel_size)
@@ -177,9 +178,8 @@ class DistributedWorker(RolloutControls):
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
             cpu_prepack=cpu_prepack, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
             speculative=None if speculative is None else speculative.to_dict(), enable_sleep_mode=enable_sleep_mode,
-            kv_cache_dtype=kv_cache_dtype, host_kv_pages=host_tier_pages(
-                shard, kv_offloading_size, 1 if cache_dtype_of(kv_cache_dtype) else resolve_dtype(dtype, kind, shard).itemsize,
-                page_size))
+            kv_cache_dtype=kv_cache_dtype,
+            host_kv_pages=host_tier_pages(shard, kv_offloading_size, kv_itemsize, page_size))
         self.speculative_config, self.device_ids, self.layout = speculative, device_ids, layout
         self._nodes: list[RemoteNode] = []  # one per follower node, made once: their links outlive restarts
         self.pipeline_depth = pipeline_depth

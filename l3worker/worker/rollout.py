@@ -12,16 +12,15 @@ at a time), never pickled.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from chip_child.models.loader import ModelConfig, expected_tensor_shapes, load_config, unit_of
 from chip_child.protocol import Control, encode
 from l3worker.errors import WorkerError
 from l3worker.hub import resolve_model
-from l3worker.worker.shared_weights import BUCKET_BYTES, check_tensors, header_entries, shared_buckets
+from l3worker.worker.shared_weights import (BUCKET_BYTES, check_tensors, header_entries, header_shapes, named_items,
+                                             shared_buckets)
 
 PAUSE_MODES = ("abort", "keep")
 # Config fields a weight update must not change: the runtime's buffers and tables are built from them.
@@ -35,10 +34,7 @@ def check_checkpoint(path: str, current: ModelConfig, quantization: str | None) 
     cannot take in place."""
     new = load_config(path, quantization)
     expected = expected_tensor_shapes(current)
-    found: dict[str, tuple[int, ...]] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            found.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    found = {name: shape for name, (shape, _) in header_shapes(path).items()}
     for name, shape in expected.items():
         if name not in found:
             raise ValueError(f"model_path: {path} has no tensor {name!r}, which the running model has")
@@ -126,10 +122,7 @@ class RolloutControls:
         """Copies named tensors (HF names, any float dtype, any device) into the running model
         through shared memory, `bucket_bytes` at a time. A layer may be split over several calls
         with flush=False; the last call (flush=True) fails naming what no call gave."""
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        for name, tensor in items:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"named_tensors: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        items = named_items(named_tensors)
         check_tensors([(n, t.shape, t.is_floating_point()) for n, t in items], self.model_config)
 
         def run() -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -38,17 +38,35 @@ def check_tensors(entries: list[tuple[str, object, bool]], current: ModelConfig)
         seen.add(name)
 
 
+def named_items(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+                ) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a mapping or an iterable of pairs; TypeError naming a non-tensor."""
+    items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"named_tensors: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    return items
+
+
+def header_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Every tensor stored in the safetensors files of `folder`: (shape, is floating point), from
+    the headers alone."""
+    found: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                info = f.get_slice(name)
+                found[name] = (tuple(info.get_shape()), info.get_dtype() in _FLOAT_STORAGE)
+    return found
+
+
 def header_entries(folder: str, names: list[str]) -> list[tuple[str, tuple[int, ...], bool]]:
     """check_tensors' entries for `names` in the bucket at `folder`, from its header alone."""
-    path = Path(folder) / "model.safetensors"
-    if not path.is_file():
-        raise ValueError(f"folder: no model.safetensors in {folder}")
-    with safe_open(str(path), framework="pt") as f:
-        stored = set(f.keys())
-        missing = [n for n in names if n not in stored]
-        if missing:
-            raise ValueError(f"names: {missing} are not in {path}")
-        return [(n, tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype() in _FLOAT_STORAGE) for n in names]
+    stored = header_shapes(folder)
+    missing = [n for n in names if n not in stored]
+    if missing:
+        raise ValueError(f"names: {missing} are not in the safetensors of {folder}")
+    return [(n, *stored[n]) for n in names]
 
 
 def shared_buckets(items: list[tuple[str, torch.Tensor]], limit: int = BUCKET_BYTES

@@ -12,15 +12,10 @@ from safetensors.torch import load_file
 
 from l3worker import SamplingParams
 from l3worker.serving.launcher import launch_core
+from parity import hf_greedy
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [200, 17, 9]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 def test_tensors_reach_an_engine_core_in_another_process_through_shared_memory(make_checkpoint, hf_model) -> None:

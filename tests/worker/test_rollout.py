@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from fault_helpers import guard
+from parity import hf_greedy
 from l3worker import DistributedWorker, SamplingParams, WorkerError
 from l3worker.errors import EngineAsleepError
 
@@ -23,12 +24,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 def rss(pid: int) -> int:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fault_helpers import shm_entries
+from parity import hf_greedy
 from l3worker import ChildDiedError, ChildError, DistributedWorker, SamplingParams, WorkerError
 
 MAX_NEW = 32
@@ -27,13 +28,6 @@ QUEUE_PROMPTS = [_rng.integers(0, 300, n).tolist() for n in (3, 9, 17, 1, 6, 25,
 QUEUE_NEW = [32, 5, 20, 1, 32, 8, 16]
 QUEUE_PAGES = 7  # a 5-page request and a 1-2 page one at most: admission waits for pages as well as rows
 SMALL = ([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=2))
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:
@@ -56,7 +50,7 @@ def ref(ckpt: Path, hf_model) -> dict[tuple[int, ...], list[int]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: more threads only contend with the chip-children
     try:
-        return {tuple(p): hf_greedy(model, p, MAX_NEW) for p in [*PROMPTS, *QUEUE_PROMPTS, SMALL[0]]}
+        return {tuple(p): hf_greedy(model, p, MAX_NEW, ignore_eos=False) for p in [*PROMPTS, *QUEUE_PROMPTS, SMALL[0]]}
     finally:
         torch.set_num_threads(threads)
 
