@@ -21,6 +21,7 @@ two logits are close; random weights make that common, so it is a figure, not a 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from bench_common import random_prompts  # noqa: E402  (scripts/, next to this f
 from bench_gpu import SHAPES, Floor, free_device, write_checkpoint  # noqa: E402
 
 from chip_child.step import runtime as runtime_module  # noqa: E402
-from chip_child.models.fp8_linear import Fp8Linear  # noqa: E402
+from chip_child.models.fp8_linear import W8A8_ENV, Fp8Linear  # noqa: E402
 
 VARIANTS = ("bf16", "fp8", "fp8_dequant")
 
@@ -52,6 +53,7 @@ def make_floor(variant: str, model_dir: str, args, max_batch: int) -> Floor:
             return Floor(model_dir, args, max_batch, quantization="fp8")
         finally:
             runtime_module.keeps_fp8_on = keep
+    os.environ[W8A8_ENV] = "1"  # the W8A8 path is opt-in (chip_child.models.fp8_linear)
     return Floor(model_dir, args, max_batch, quantization=None if variant == "bf16" else "fp8")
 
 

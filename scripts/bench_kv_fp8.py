@@ -8,7 +8,7 @@ positions before the two caches' greedy outputs part. Capacity: KV pages for the
 `--gpu-memory-utilization` at bf16 and at fp8. Speed: decode ms per token at batch 8, median of
 --repeats, the two caches alternated.
 
-    PYTHONPATH=. python scripts/bench_kv_fp8.py [--repeats 3]
+    PYTHONPATH=. python scripts/bench_kv_fp8.py [--repeats 3] [--device cuda]
 """
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def decode_ms(model: str, kv: str, new: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the attention is the triton backend)")
     args = ap.parse_args()
+    WORKER["device"] = args.device
     tmp = Path(tempfile.mkdtemp(prefix="bench-kv-fp8-"))
     try:
         run(tmp / "random", args.repeats)
@@ -87,7 +89,8 @@ def run(random_dir: Path, repeats: int) -> None:
         for kv in ("auto", "fp8"):
             times[kv].append(decode_ms(str(random_dir), kv, 64))
     auto, fp8 = (statistics.median(times[k]) for k in ("auto", "fp8"))
-    print(f"decode, batch 8, random model, fp32 compute: {auto:.2f} ms/token with the fp32 cache, {fp8:.2f} with fp8 "
+    print(f"decode, batch 8, random model, fp32 compute, {WORKER['device']}: {auto:.2f} ms/token with the fp32 "
+          f"cache, {fp8:.2f} with fp8 "
           f"({fp8 / auto:.2f}x), median of {repeats}")
 
 

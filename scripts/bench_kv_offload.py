@@ -7,7 +7,7 @@ prefixes come back by copy from host memory. Prints the second round's median TT
 their ratio, the cached tokens per request and the pages the tier stored and loaded, median of
 --repeats runs with the two variants alternated; tokens are checked equal.
 
-    PYTHONPATH=. python scripts/bench_kv_offload.py [--repeats 3]
+    PYTHONPATH=. python scripts/bench_kv_offload.py [--repeats 3] [--device cuda]
 """
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def second_round(model: str, offload: float | None, prompts: list[list[int]]) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on cuda the attention is the triton backend)")
     args = ap.parse_args()
+    WORKER["device"] = args.device
     tmp = Path(tempfile.mkdtemp(prefix="bench-kv-offload-"))
     try:
         write_random_qwen3(tmp / "m", MODEL, seed=0)
@@ -61,7 +63,8 @@ def main() -> None:
             ttft["recompute"].append(statistics.median(base))
             ttft["host tier"].append(statistics.median(tier))
         r, t = statistics.median(ttft["recompute"]), statistics.median(ttft["host tier"])
-        print(f"second-round TTFT, median over 8 prompts of {PROMPT} tokens, median of {args.repeats} runs:")
+        print(f"second-round TTFT on {args.device}, median over 8 prompts of {PROMPT} tokens, "
+              f"median of {args.repeats} runs:")
         print(f"  recompute {r * 1e3:.1f} ms; host tier {t * 1e3:.1f} ms ({t / r:.3f}x)")
         print(f"  cached tokens per request: recompute {[o.num_cached_tokens for o in base_outs]}, "
               f"host tier {[o.num_cached_tokens for o in tier_outs]}; tier pages {books}")

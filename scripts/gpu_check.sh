@@ -4,6 +4,7 @@
 # $OUT/gpu_check/summary.md (a temporary directory when OUT is unset).
 #   bash scripts/gpu_check.sh               # on a CUDA machine
 #   bash scripts/gpu_check.sh --cpu-smoke   # the same pipeline on the cpu at tiny shapes: checks the script
+#   GPU_CHECK_STEPS="tests serve" bash scripts/gpu_check.sh   # only the steps named (the rest: "not run")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$(mktemp -d)}/gpu_check"
@@ -19,6 +20,9 @@ fi
 run() {  # run NAME LIMIT_S CMD...: output to $out/NAME.log, exit status to $out/NAME.rc
   local name=$1 limit=$2
   shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+    return
+  fi
   echo "== $name (at most ${limit}s): $*"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   echo $? > "$out/$name.rc"
@@ -35,14 +39,17 @@ if [ $smoke = 1 ]; then
     --random-input-len 16 --random-output-len 8 --result-file "$out/serve.json"
 else
   # CUDA: the GPU test file, and every test whose kernels run on the GPU instead of Triton's interpreter
-  run tests 200 $py -m pytest -q --junitxml "$out/tests.xml" tests/gpu tests/models/test_fused.py \
+  # four pytest-xdist workers: most of the time is Triton compiling kernels, on the CPU
+  run tests 200 $py -m pytest -q -n 4 --junitxml "$out/tests.xml" tests/gpu tests/models/test_fused.py \
     tests/models/test_moe_triton.py tests/models/test_fp8_linear.py tests/models/test_fp8_moe.py tests/attention \
     tests/step/test_decode_graphs.py
-  run decode 150 $py scripts/bench_gpu.py --models 0.6b --batches 1,64 --repeats 2 --variants floor,l3,l3_eager,hf_static \
+  run decode 200 $py scripts/bench_gpu.py --models 0.6b --batches 1,64 --repeats 2 --variants floor,l3,l3_eager,hf_static \
     --json "$out/decode.json"
   run fp8 60 $py scripts/bench_fp8.py --models 0.6b --batches 1,64 --repeats 1
   run spec 60 $py scripts/bench_spec.py --models story compute --methods ngram --batches 1 8 --repeats 1
   run serve 90 $py scripts/bench_serve.py --launch --offline --num-prompts 64 --max-concurrency 16 \
     --result-file "$out/serve.json"
+  run kv_offload 90 $py scripts/bench_kv_offload.py --device cuda --repeats 2
+  run kv_fp8 90 $py scripts/bench_kv_fp8.py --device cuda --repeats 2
 fi
 $py scripts/gpu_summary.py "$out" | tee "$out/summary.md"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The summary table of scripts/gpu_check.sh: reads what each of its steps left in one folder
-(pytest's JUnit XML, bench_gpu's and bench_serve's JSON, the fp8 and speculation tables as
-printed) and prints one Markdown table, a row per figure, with the step's exit status.
+(pytest's JUnit XML, bench_gpu's and bench_serve's JSON, the fp8, speculation and KV-cache
+figures as printed) and prints one Markdown table, a row per figure, with the step's exit status.
 
     python scripts/gpu_summary.py OUT/gpu_check
 """
@@ -85,6 +85,10 @@ def main(folder: Path) -> int:
         ("spec", printed_rows(folder, "spec", r"^\S+\s+(ngram|draft_self|eagle_random)\s", "speculation (model, "
                               "method, workload, batch, plain tok/s, spec tok/s, ratio, accept, mean len)")),
         ("serve", serve_rows(folder)),
+        ("kv_offload", printed_rows(folder, "kv_offload", r"recompute .* host tier", "second-round TTFT, host tier "
+                                    "against recompute")),
+        ("kv_fp8", printed_rows(folder, "kv_fp8", r"top-1|capacity|^decode", "fp8 KV cache against the model "
+                                "dtype's")),
     ]
     print("| step | status | figure | value |\n| --- | --- | --- | --- |")
     for name, rows in sections:

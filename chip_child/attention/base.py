@@ -97,6 +97,15 @@ def cache_dtype_of(kv_cache_dtype: str) -> torch.dtype | None:
     return None if kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: larger K/V values saturate there
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """K/V values as float8 e4m3 with a per-tensor scale of 1 (a cast would turn overflow into
+    NaN). Every backend that writes an fp8 cache rounds through this one function."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The model's attention geometry and the cache's capacity. Fixed for a runtime's life.

@@ -60,8 +60,8 @@ class NpuAttention(AttentionBackend):
         if spec.dtype not in DTYPES:
             raise ValueError(f"dtype: torch_npu's fused attention takes {DTYPES}, got {spec.dtype}")
         if spec.kv_dtype != spec.dtype:
-            raise ValueError(f"kv_cache_dtype: an {spec.kv_dtype} cache is read by the torch attention backend only "
-                             "so far (attention_backend='torch')")
+            raise ValueError(f"kv_cache_dtype: an {spec.kv_dtype} cache is read by the torch and triton attention "
+                             "backends only so far")
         if spec.page_size % 16:
             raise ValueError(f"page_size={spec.page_size}: torch_npu's paged attention needs a multiple of 16")
         if spec.head_dim % 16:

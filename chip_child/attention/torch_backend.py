@@ -32,20 +32,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chip_child.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan, WorkspaceShapes
+from chip_child.attention.base import (AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan, WorkspaceShapes,
+                                       to_fp8)
 
 MIRROR_BUDGET_BYTES = 1 << 30  # the largest mirror turned on by default
 MIRROR_MIN_BYTES = 4 << 20  # the least a decode step must gather for the mirror to be used
 MASK_TABLE_BYTES = 4 << 20  # the largest table of decode masks by length kept (see _bind_views)
 MIRROR_CTX_ALIGN = 16  # a mirrored decode step attends over the longest row rounded up to this
-
-
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: larger K/V values saturate there
-
-
-def _to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """K/V values as float8 e4m3 with a per-tensor scale of 1 (a cast would turn overflow into NaN)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -136,7 +129,7 @@ class TorchAttention(AttentionBackend):
     # ---- writes --------------------------------------------------------------------------
     def _write_cache(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self._fp8:  # index_copy_ has no float8 kernel: the same bytes through uint8 views
-            k, v = _to_fp8(k).view(torch.uint8), _to_fp8(v).view(torch.uint8)
+            k, v = to_fp8(k).view(torch.uint8), to_fp8(v).view(torch.uint8)
             self._k_rows[layer].view(torch.uint8).index_copy_(0, slot_mapping, k)
             self._v_rows[layer].view(torch.uint8).index_copy_(0, slot_mapping, v)
             return
@@ -370,7 +363,7 @@ class TorchAttention(AttentionBackend):
                 ks = k[start:start + ql].transpose(0, 1).unsqueeze(0)
                 vs = v[start:start + ql].transpose(0, 1).unsqueeze(0)
                 if self._fp8:  # what a later read of the cache gives
-                    ks, vs = _to_fp8(ks).to(s.dtype), _to_fp8(vs).to(s.dtype)
+                    ks, vs = to_fp8(ks).to(s.dtype), to_fp8(vs).to(s.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 nb = math.ceil(sl / s.page_size)

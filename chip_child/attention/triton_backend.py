@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from chip_child.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan, WorkspaceShapes
+from chip_child.attention.base import (AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan, WorkspaceShapes,
+                                       to_fp8)
 
 LOG2E = 1.4426950408889634
 
@@ -60,6 +61,9 @@ class TritonAttention(AttentionBackend):
         self._block_d = max(16, triton_kernels.next_power_of_2(spec.head_dim))
         self._block_c = triton_kernels.next_power_of_2(spec.num_kv_heads * spec.head_dim)
         self._sm_count = None
+        # An fp8 cache is bound as uint8 views: the write kernel copies bytes rounded by `to_fp8`,
+        # the attention kernel decodes them (KV_FP8).
+        self._fp8 = spec.kv_dtype != spec.dtype
         self._interpreted = self.device.type == "cpu"  # Triton's interpreter (TRITON_INTERPRET=1)
         # Programs of the write and merge kernels: small on a GPU; under the interpreter, whose
         # cost is per program, as large as the work allows.
@@ -76,9 +80,9 @@ class TritonAttention(AttentionBackend):
     def validate(cls, spec: AttentionSpec) -> None:
         if spec.dtype not in DTYPES:
             raise ValueError(f"dtype: the triton backend supports {DTYPES}, got {spec.dtype}")
-        if spec.kv_dtype != spec.dtype:
-            raise ValueError(f"kv_cache_dtype: an {spec.kv_dtype} cache is read by the torch attention backend only "
-                             "so far (attention_backend='torch')")
+        if spec.kv_dtype not in (spec.dtype, torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache_dtype: the triton backend reads a cache of the model's dtype or float8_e4m3fn, "
+                             f"got {spec.kv_dtype}")
 
     @property
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -94,8 +98,9 @@ class TritonAttention(AttentionBackend):
                 "split_lse": ((s.max_seqs, s.num_heads, self.max_kv_splits), torch.float32)}
 
     def _bind_views(self) -> None:
-        self._k = [self.kv_cache[i, 0] for i in range(self.spec.num_layers)]  # [pages, page, kvh, hd]
-        self._v = [self.kv_cache[i, 1] for i in range(self.spec.num_layers)]
+        cache = self.kv_cache.view(torch.uint8) if self._fp8 else self.kv_cache
+        self._k = [cache[i, 0] for i in range(self.spec.num_layers)]  # [pages, page, kvh, hd]
+        self._v = [cache[i, 1] for i in range(self.spec.num_layers)]
 
     # ---- writes --------------------------------------------------------------------------
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -103,6 +108,8 @@ class TritonAttention(AttentionBackend):
         t = k.shape[0]
         if t == 0:
             return
+        if self._fp8:
+            k, v = to_fp8(k).view(torch.uint8), to_fp8(v).view(torch.uint8)
         k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
         s = self.spec
         block_t = min(self._write_block_t, self._kernels.next_power_of_2(t))
@@ -115,8 +122,10 @@ class TritonAttention(AttentionBackend):
         self._check_bound()
         s = self.spec
         idx = slots.to(self.device, torch.int64)
-        return (self._k[layer].view(-1, s.num_kv_heads, s.head_dim).index_select(0, idx),
-                self._v[layer].view(-1, s.num_kv_heads, s.head_dim).index_select(0, idx))
+        k, v = (x[layer].view(-1, s.num_kv_heads, s.head_dim).index_select(0, idx) for x in (self._k, self._v))
+        if self._fp8:
+            return k.view(s.kv_dtype).to(s.dtype), v.view(s.kv_dtype).to(s.dtype)
+        return k, v
 
     # ---- per step --------------------------------------------------------------------------
     def num_splits(self, meta: AttentionMetadata) -> int:
@@ -184,7 +193,7 @@ class TritonAttention(AttentionBackend):
             NUM_KV_HEADS=s.num_kv_heads, GROUP=s.group, HEAD_DIM=s.head_dim, BLOCK_D=self._block_d,
             PAGE_SIZE=s.page_size, BLOCK_M=x["block_m"], BLOCK_Q=x["block_q"], BLOCK_N=x["block_n"],
             NUM_SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-            DOT_FP32=self._interpreted and q.dtype == torch.bfloat16,
+            DOT_FP32=self._interpreted and q.dtype == torch.bfloat16, KV_FP8=self._fp8,
             num_warps=x["num_warps"], num_stages=x["num_stages"])
         if splits > 1:
             t = step.meta.num_tokens

@@ -17,6 +17,10 @@ the row ``s * kv_heads * head_dim`` of a [slots, kv_heads * head_dim] matrix.
   ranges computed from its own length on the device; each program writes its normalised
   partial output and log-sum-exp, and `merge_splits_kernel` combines them per token, for
   BLOCK_H of its heads at a time.
+- KV_FP8: the cache holds float8 e4m3 bytes (passed as uint8 views; the backend rounds K/V
+  into them before the write kernel copies the bytes). Tiles are decoded to the query's dtype
+  with integer ops (`e4m3_to_float`), exact, and the same on a GPU and under the interpreter,
+  which has no float8 type.
 - DOT_FP32 makes the matmuls take fp32 operands. Only Triton's interpreter needs it: its dot
   gives wrong results for bfloat16 operands (numpy has no bfloat16), so the backend sets it for
   bfloat16 caches on the cpu; on a GPU the dots take the cache dtype with fp32 accumulation.
@@ -46,6 +50,20 @@ def write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens
 
 
 @triton.jit
+def e4m3_to_float(bits):
+    """float8 e4m3fn bytes (uint8) as float32, exactly: normal values move their exponent and
+    mantissa into a float32's bit fields; subnormals are mantissa * 2^-9. The cache never holds
+    NaN (writes saturate at 448)."""
+    b = bits.to(tl.int32)
+    exponent = (b >> 3) & 15
+    mantissa = b & 7
+    normal = (((b >> 7) << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125
+    subnormal = tl.where((b >> 7) != 0, -subnormal, subnormal)
+    return tl.where(exponent == 0, subnormal, normal)
+
+
+@triton.jit
 def paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -54,7 +72,7 @@ def paged_attention_kernel(
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, KV_FP8: tl.constexpr):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) % NUM_KV_HEADS
@@ -103,7 +121,10 @@ def paged_attention_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + key_pos % PAGE_SIZE
         offs = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + d[None, :]
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = e4m3_to_float(tl.load(k_cache_ptr + offs, mask=kv_mask, other=0)).to(q.dtype)
+        else:
+            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -113,7 +134,10 @@ def paged_attention_kernel(
         p = tl.exp2(s - base[:, None])
         alpha = tl.exp2(m_i - base)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = e4m3_to_float(tl.load(v_cache_ptr + offs, mask=kv_mask, other=0)).to(q.dtype)
+        else:
+            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
         if DOT_FP32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

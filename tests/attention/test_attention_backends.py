@@ -398,6 +398,58 @@ def test_triton_split_kv_matches_torch():
     assert step.extra["splits"] == 3
 
 
+if HAS_TRITON:  # a kernel's globals are its module's, so the test kernel lives here
+    import triton
+    import triton.language as tl
+
+    from chip_child.attention.triton_kernels import e4m3_to_float
+
+    @triton.jit
+    def decode_e4m3(src, dst, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(dst + i, e4m3_to_float(tl.load(src + i)))
+
+
+@needs_triton
+def test_triton_decodes_every_finite_e4m3_byte_exactly():
+    fp8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = torch.isfinite(fp8.float())  # 0x7f and 0xff are NaN: a write saturates before them
+    got = torch.empty(256, device=TRITON_DEVICE)
+    decode_e4m3[(1,)](fp8.view(torch.uint8).to(TRITON_DEVICE), got, N=256)
+    assert torch.equal(got.cpu()[finite], fp8.float()[finite])
+
+
+FP8_RUNS = {"decode_g4_hd64_p16": (CASES["decode_g4_hd64_p16"], None, torch.float32),
+            "mixed_g2_hd128_p32_bf16": (CASES["mixed_g2_hd128_p32"], None, torch.bfloat16),
+            "mixed_g4_hd80_p128_split": (dict(q_lens=[1, 1, 2], s_lens=[700, 5, 300], page=128, heads=8, kv_heads=2,
+                                              head_dim=80), 3, torch.float32)}
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(FP8_RUNS))
+def test_triton_reads_an_fp8_cache_as_the_torch_backend_does(name):
+    """kv_cache_dtype='fp8': both backends round K/V once into float8 pages; the triton kernel
+    decodes them in its tiles, so its output is the torch backend's on the same fp8 cache (and
+    its cache bytes equal the torch backend's rounding)."""
+    from chip_child.attention.triton_backend import TritonAttention
+
+    case, splits, dtype = FP8_RUNS[name]
+    sc = make_scenario(**case, dtype=dtype, seed=3)
+    spec = sc.spec(2, cache_dtype=torch.float8_e4m3fn)
+    ref, _ = run_step(TorchAttention(spec, "cpu").allocate(), sc, layer=1)
+    tri = TritonAttention(spec, TRITON_DEVICE, num_kv_splits=splits).allocate()
+    out, step = run_step(tri, sc, device=TRITON_DEVICE, layer=1, use_out=True)
+    assert tri.kv_cache.dtype == torch.float8_e4m3fn and step.extra["splits"] == (splits or 1)
+    atol = 1e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
+    full, _ = run_step(TorchAttention(sc.spec(2), "cpu").allocate(), sc, layer=1)
+    assert (out.float() - full.float()).abs().max() > 0  # the fp8 rounding is really in the path
+    slots = sc.meta().slot_mapping[:sum(sc.q_lens)]
+    k, _ = tri.read_kv(1, slots)
+    new_k, _ = sc.new_kv()
+    assert k.dtype == dtype and torch.equal(k.cpu(), new_k[:len(slots)].to(torch.float8_e4m3fn).to(dtype))
+
+
 @needs_triton
 def test_triton_write_kernel_is_exact():
     from chip_child.attention.triton_backend import TritonAttention

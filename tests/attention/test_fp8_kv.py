@@ -5,9 +5,11 @@ that cannot read it refused by name."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fault_helpers import guard
 from l3worker import DistributedWorker, SamplingParams
+from l3worker.worker.arg_checks import check_kv_cache_dtype
 
 KW = {"device": "cpu", "max_seq_len": 256, "page_size": 8, "num_threads": 1}
 PROMPTS = [list(range(3, 40)), list(range(50, 61)), list(range(3, 30)) + [7, 7, 7]]
@@ -50,9 +52,24 @@ def test_fp8_log_probabilities_stay_close_to_the_model_dtypes(make_checkpoint) -
     assert 0 < max(diffs) < 0.1  # rounded (not the same cache), and close
 
 
+def test_the_triton_backend_passes_its_self_check_on_fp8_and_gives_the_torch_backends_tokens(make_checkpoint) -> None:
+    path = str(make_checkpoint())
+    prompts = [p[:12] for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = {}
+    kw = {**KW, "device": "cuda" if torch.cuda.is_available() else "cpu"}  # triton interpreted on the cpu
+    for backend in ("torch", "triton"):
+        with guard(), DistributedWorker(path, kv_cache_dtype="fp8", attention_backend=backend, max_batch_size=3,
+                                        **kw) as w:
+            got[backend] = tokens(w.generate(prompts, params))
+            assert w.stats()["attention_backend"] == backend  # triton passed its self-check on an fp8 cache
+    assert got["triton"] == got["torch"]
+
+
 def test_backends_that_cannot_read_fp8_and_unknown_dtypes_are_refused_by_name(make_checkpoint) -> None:
     path = str(make_checkpoint())
-    with pytest.raises(ValueError, match="kv_cache_dtype: an fp8 cache is read by the torch attention backend only"):
-        DistributedWorker(path, attention_backend="triton", kv_cache_dtype="fp8", **KW)  # triton interpreted here
+    with pytest.raises(ValueError, match="kv_cache_dtype: an fp8 cache is read by the torch and triton attention "
+                                         "backends only so far, and this device's is 'npu'"):
+        check_kv_cache_dtype(torch.float8_e4m3fn, "npu")
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\)"):
         DistributedWorker(path, kv_cache_dtype="fp8_e5m2", **KW)

@@ -109,7 +109,8 @@ def test_runtime_with_fused_kernels_gives_the_reference_tokens_and_logits(make_c
                                        page_size=8, fused_kernels=setting, decode_graphs=False))
         assert rt.ops.name == ("triton" if setting else "torch")
         # each kernel passed its self-check at start-up, and runs
-        assert [(v.kernel, v.used) for v in rt.kernel_checks] == \
+        # (on cuda the attention backend, triton, checks itself too: not this test's subject)
+        assert [(v.kernel, v.used) for v in rt.kernel_checks if v.kernel != "attention"] == \
             ([("add_rms_norm", True), ("qk_norm_rope", True), ("silu_mul", True)] if setting else [])
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (1, 9, 20)]
