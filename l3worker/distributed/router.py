@@ -13,15 +13,20 @@
 
 The set is an approximation: an engine may have evicted a page the router still lists (a miss
 costs a prefill, never a wrong answer: the pool checks token ids), and each API server keeps its
-own router, seeing only its own requests.
+own router, seeing only its own requests. When the engines publish KV events
+(`--kv-events-config`, every rank on this node), each router also follows them
+(l3worker/distributed/kv_event_feed.py): pages an engine stored for any API server's requests are
+added, pages it evicted are dropped. The events carry the engine's hashes, which differ from this
+process's, so the router hashes each stored page's token ids itself and maps one to the other.
 """
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from l3worker.engine.page_pool import chain_hashes
+from l3worker.engine.page_pool import ROOT_HASH, chain_hashes, hash_page
 
 ROUTINGS = ("cache_aware", "least_loaded", "round_robin")
 
@@ -33,6 +38,7 @@ class RouterConfig:
     capacity_pages: int  # per engine: its KV pool's pages
     policy: str = "cache_aware"
     load_margin: int = 4  # requests in flight the best-matching engine may have over the least loaded
+    events_endpoints: tuple[str, ...] = ()  # per engine, where its KV events are published; (): none
 
     def __post_init__(self) -> None:
         if self.policy not in ROUTINGS:
@@ -48,6 +54,8 @@ class Router:
         self.pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(config.num_engines)]
         self.down: set[int] = set()  # engines lost (a remote node gone): never chosen again
         self._turn = 0
+        # From KV events: per engine, its hash of each page it stores -> this process's hash.
+        self._ours: list[dict[int, int]] = [{} for _ in range(config.num_engines)]
 
     def choose(self, prompt: Sequence[int]) -> int:
         """The engine for a request with these prompt ids, among those not down (the caller stops
@@ -96,6 +104,38 @@ class Router:
             held.move_to_end(h)
         while len(held) > self.config.capacity_pages:
             held.popitem(last=False)
+
+    # -- KV events (what the engines really hold) --------------------------------------------------
+    def stored(self, engine: int, parent: int | None, block_hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+        """A BlockStored event: full pages chained after `parent` (the engine's hash; None: the
+        first page). A chain whose parent this router never saw stored is skipped."""
+        ours = self._ours[engine]
+        key = ROOT_HASH if parent is None else ours.get(parent)
+        if key is None:
+            return
+        size = self.config.page_size
+        pack = struct.Struct(f"={size}i").pack
+        pages = []
+        for i, block in enumerate(block_hashes):
+            ids = token_ids[i * size:(i + 1) * size]
+            if len(ids) < size:
+                break
+            key = ours[block] = hash_page(key, pack(*ids))
+            pages.append(key)
+        self._remember(engine, pages)
+
+    def removed(self, engine: int, block_hashes: Sequence[int]) -> None:
+        """A BlockRemoved event: the engine evicted these pages."""
+        ours, held = self._ours[engine], self.pages[engine]
+        for block in block_hashes:
+            key = ours.pop(block, None)
+            if key is not None:
+                held.pop(key, None)
+
+    def cleared(self, engine: int) -> None:
+        """AllBlocksCleared: the engine's prefix cache was reset."""
+        self._ours[engine].clear()
+        self.pages[engine].clear()
 
     def _next_turn(self, candidates: Sequence[int]) -> int:
         """The first candidate at or after the rotating turn."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from chip_child.step.row_fields import MAX_LOGPROBS
 from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.distributed.dp_link import DpLayout
+from l3worker.engine.kv_events import KVEventsConfig
 from l3worker.params import SERVE_CPU_BATCHED_TOKENS
 from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, bind, serve, served_model
@@ -165,7 +166,8 @@ def serve_command(args: argparse.Namespace) -> int:
         # Checks every argument and reads the model here, before any process starts; each engine
         # core makes (and prepares) its own worker from the same arguments.
         worker = DistributedWorker(**dp.engine_kwargs(worker_kwargs, 0))
-        router = dp.router(args.block_size, worker.runtime_config.total_pages - 1, args.max_num_seqs)
+        router = dp.router(args.block_size, worker.runtime_config.total_pages - 1, args.max_num_seqs,
+                           KVEventsConfig.of(args.kv_events_config))
         options = serve_options(args)
         # Served as typed, path or Hub id (vLLM's name), though the worker reads the resolved directory.
         info = ModelInfo.of(worker)
@@ -193,6 +195,8 @@ def serve_command(args: argparse.Namespace) -> int:
     if model.defaults.overrides():
         log.info("%s", model.defaults.describe())
 
+    routed_by = ", following their KV events" if router and router.events_endpoints else ""
+
     def on_ready(running) -> None:
         if stop.requested:
             return
@@ -207,7 +211,7 @@ def serve_command(args: argparse.Namespace) -> int:
               f"{f', cpu layout {client.cpu_layout}' if client.cpu_layout else ''}"
               f"{', API key required' if options.api_key else ''}"
               f"{f', {args.api_server_count} API servers' if args.api_server_count > 1 else ''}"
-              f"{f', {dp.size} engines ({dp.routing})' if dp.size > 1 else ''})", flush=True)
+              f"{f', {dp.size} engines ({dp.routing}{routed_by})' if dp.size > 1 else ''})", flush=True)
 
     launch = None
     try:

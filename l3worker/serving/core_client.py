@@ -37,6 +37,7 @@ from l3worker.serving.async_engine import checked
 from l3worker.engine.step_loop import EngineDeadError
 from l3worker.engine.requests import DEFAULT_PARAMS
 from l3worker.params import RequestOutput, SamplingParams
+from l3worker.distributed.kv_event_feed import KVEventFeed
 from l3worker.distributed.router import Router
 from l3worker.worker.shared_weights import BUCKET_BYTES
 
@@ -90,6 +91,7 @@ class CoreClient:
     def __init__(self, index: int, controls: list[str], outputs: str, core_pids: list[int],
                  router: Router | None = None,
                  on_shutdown: Callable[["CoreClient"], Awaitable[None]] | None = None):
+        self.index = index  # this API server's
         self.core_pids = core_pids
         self.router = router  # None: one engine core
         self.error: BaseException | None = None
@@ -122,6 +124,8 @@ class CoreClient:
         self._pidfds: list[int] = []
         self._gone: list[asyncio.Future] = []
         self._tasks: list[asyncio.Task] = []
+        # The engines' KV events, when they publish them: the router follows what they hold.
+        self.kv_feed = KVEventFeed(self._ctx, router) if router and router.config.events_endpoints else None
 
     @property
     def dead(self) -> bool:
@@ -185,7 +189,8 @@ class CoreClient:
         # Data-parallel engines on a cpu each run their own layout: one word when they agree.
         self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
         self._tasks = [*(asyncio.ensure_future(self._read_control(e)) for e in range(len(self._controls))),
-                       asyncio.ensure_future(self._read_outputs())]
+                       asyncio.ensure_future(self._read_outputs()),
+                       *(self.kv_feed.tasks() if self.kv_feed else ())]
 
     async def generate(self, prompt: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -266,7 +271,8 @@ class CoreClient:
         try:
             for e in engines:
                 await self._controls[e].send(pack(["metrics", seq]))
-            return exposition(await asyncio.wait_for(asyncio.gather(*futures), METRICS_TIMEOUT_S))
+            text = exposition(await asyncio.wait_for(asyncio.gather(*futures), METRICS_TIMEOUT_S))
+            return text + self.kv_feed.exposition(self.index) if self.kv_feed else text
         finally:
             for e in engines:
                 self._scrapes.pop((e, seq), None)

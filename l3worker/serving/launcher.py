@@ -31,7 +31,9 @@ from chip_child.device import allowed_cores, device_type
 from l3worker.serving.engine_core import CoreConfig
 from l3worker.serving.core_client import CoreClient
 from l3worker.distributed.dp_remote import RemoteConfig
+from l3worker.distributed.kv_event_feed import subscriber_endpoints
 from l3worker.distributed.router import Router, RouterConfig
+from l3worker.engine.kv_events import KVEventsConfig
 from l3worker.serving.runner import ModelInfo, ServeOptions
 from l3worker.worker.socket_dir import make_socket_dir
 
@@ -111,11 +113,18 @@ class DataParallel:
         per, i = len(cores) // self.local, engine - self.start_rank
         return cores[i * per:(i + 1) * per]
 
-    def router(self, page_size: int, num_pages: int, max_num_seqs: int) -> RouterConfig | None:
-        """The margin: half a batch's rows; beyond it the request would wait for a row anyway."""
+    def router(self, page_size: int, num_pages: int, max_num_seqs: int,
+               kv_events: KVEventsConfig | None = None) -> RouterConfig | None:
+        """The margin: half a batch's rows; beyond it the request would wait for a row anyway.
+        With KV events published over ZeroMQ by every rank on this node, a cache-aware router
+        follows them."""
         if self.size == 1:
             return None
-        return RouterConfig(self.size, page_size, num_pages, self.routing, max(1, max_num_seqs // 2))
+        follow = (kv_events is not None and kv_events.publisher == "zmq" and self.routing == "cache_aware"
+                  and self.local == self.size)
+        endpoints = subscriber_endpoints(kv_events.endpoint, self.size) if follow else ()
+        return RouterConfig(self.size, page_size, num_pages, self.routing, max(1, max_num_seqs // 2),
+                            events_endpoints=endpoints)
 
 
 def spawn(module: str, config_json: str, **popen) -> subprocess.Popen:

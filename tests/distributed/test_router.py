@@ -99,3 +99,42 @@ def test_an_engine_that_is_down_is_never_chosen(policy: str) -> None:
     r.down.add(first)  # lost with the pages it held, however long a prefix of this prompt they are
     chosen = [r.choose(held if k % 2 else prompt(10 + k, 1)) for k in range(6)]
     assert first not in chosen and set(chosen) == {0, 1, 2} - {first}
+
+
+# -- following the engines' KV events ------------------------------------------------------------------
+def other_process_hashes(n: int, base: int) -> list[int]:
+    """An engine's block hashes: its own process's values, unrelated to this one's."""
+    return [base + k for k in range(n)]
+
+
+def test_stored_pages_are_hashed_here_and_mapped_from_the_engines_hashes() -> None:
+    r = router()
+    ids = prompt(5, 3)
+    engine_hashes = other_process_hashes(3, 900)
+    r.stored(1, None, engine_hashes[:2], ids[:2 * PS])  # a chain in two events, as a step may send it
+    r.stored(1, engine_hashes[1], engine_hashes[2:], ids[2 * PS:3 * PS])
+    assert r.matched_pages(1, chain_hashes(ids, PS)) == 3 and r.matched_pages(0, chain_hashes(ids, PS)) == 0
+    # a prefix stored for another API server's requests: this router never sent it, yet routes to it
+    assert r.choose(ids) == 1
+    r.removed(1, [engine_hashes[1]])  # evicted there (its child goes with it in a real pool)
+    assert r.matched_pages(1, chain_hashes(ids, PS)) == 1
+    r.stored(0, 12345, other_process_hashes(1, 50), ids[:PS])  # a parent never seen stored: skipped
+    assert r.matched_pages(0, chain_hashes(ids, PS)) == 0
+    r.cleared(1)
+    assert r.matched_pages(1, chain_hashes(ids, PS)) == 0 and not r._ours[1]
+
+
+def test_an_eviction_event_corrects_the_guess() -> None:
+    """Without events the router believes engine 0 still holds a prefix it sent there; the event of
+    its eviction sends the next request to the least loaded engine instead."""
+    r = router(margin=4)
+    ids = prompt(6, 2)
+    assert r.choose(ids) == 0
+    r.choose(prompt(7, 1))  # engine 1 now has one in flight, engine 0 one too
+    r.finished(1)  # engine 0: 1 in flight, engine 1: 0
+    engine_hashes = other_process_hashes(2, 700)
+    r.stored(0, None, engine_hashes, ids[:2 * PS])
+    assert r.choose(ids) == 0  # the match wins within the margin
+    r.finished(0)
+    r.removed(0, engine_hashes)
+    assert r.choose(ids) == 1  # no engine holds it any more: the least loaded

@@ -76,6 +76,32 @@ def test_cache_aware_routing_keeps_prefix_hits_that_round_robin_loses(served) ->
     assert aware > rr, (aware, rr)
 
 
+def test_with_kv_events_the_router_follows_what_the_engines_store(served) -> None:
+    """--kv-events-config: each engine publishes on its rank's port, and the API server's router
+    applies their batches (its own /metrics series); routing keeps the cache-aware hits."""
+    import json
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # ranks publish on port and port + 1
+    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"})
+    s = served(*SMALL, "--data-parallel-size", "2", "--num-gpu-blocks-override", "6", "--kv-events-config", events)
+    ready = s.ready()
+    assert "2 engines (cache_aware, following their KV events)" in ready.string
+    order = [0, 1, 2, 3, 1, 0, 3, 2]
+    for n, k in enumerate(order):
+        prompt = [(11 * k + j) % 300 + 1 for j in range(2 * BLOCK)] + [301 + n, 2, 3, 4]
+        assert _post(ready[1], {"prompt": prompt, "max_tokens": 2, "temperature": 0}).status_code == 200
+    with httpx.Client(base_url=ready[1], timeout=60) as http:
+        # one BlockStored per prefix (its two pages in one event); the later requests store nothing
+        wait_until(lambda: metric(http, "l3worker:router_kv_events_total") >= 4)
+        assert metric(http, "l3worker:router_kv_event_batches_lost_total") == 0
+        assert metric(http, "l3worker:prefix_cache_hits_total") == (len(order) - 4) * 2 * BLOCK
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, s.stderr[-20:]
+
+
 def test_a_killed_engine_core_is_503_at_once_and_sigterm_leaves_nothing(served) -> None:
     shm_before = shm_entries()
     s = served(*SMALL, "--data-parallel-size", "2")

@@ -1,0 +1,85 @@
+"""The built-in router following the engines' KV events: one SUB socket per engine on the API
+server's event loop, each batch applied to its Router as it comes (l3worker/engine/kv_events.py
+says what an engine publishes; l3worker/distributed/router.py what the router does with it).
+
+A batch lost on the way (a sequence number skipped) is counted and logged once: the router then
+keeps its own guess for what that batch said, as it does without events.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from l3worker.distributed.router import Router
+from l3worker.engine.kv_events import offset_port
+
+log = logging.getLogger("l3worker.router")
+
+
+def subscriber_endpoints(endpoint: str, num_engines: int) -> tuple[str, ...]:
+    """Where a process on this node reaches each rank's publisher: rank r binds `endpoint` with
+    its port offset by r (as vLLM offsets them); a wildcard host is this machine."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):
+        if endpoint.startswith(wildcard):
+            endpoint = "tcp://127.0.0.1:" + endpoint[len(wildcard):]
+    return tuple(offset_port(endpoint, rank) for rank in range(num_engines))
+
+
+def apply_batch(router: Router, engine: int, payload: bytes) -> int:
+    """One published batch, `[ts, events(, rank)]`, applied to the router; returns its event count."""
+    events = msgpack.unpackb(payload)[1]
+    for event in events:
+        kind = event[0]
+        if kind == "BlockStored":
+            router.stored(engine, event[2], event[1], event[3])
+        elif kind == "BlockRemoved":
+            router.removed(engine, event[1])
+        elif kind == "AllBlocksCleared":
+            router.cleared(engine)
+    return len(events)
+
+
+class KVEventFeed:
+    def __init__(self, ctx: zmq.asyncio.Context, router: Router, topic: str = ""):
+        self.router = router
+        self.events = 0  # applied
+        self.missed_batches = 0  # sequence numbers skipped: the router guessed for those
+        self._next_seq: list[int | None] = [None] * router.config.num_engines
+        self._subs = []
+        for endpoint in router.config.events_endpoints:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            sub.connect(endpoint)  # before the engines serve: their first batch is not lost
+            self._subs.append(sub)
+
+    def exposition(self, api_server: int) -> bytes:
+        """This API server's router series, in Prometheus' text format."""
+        label = f'{{api_server="{api_server}"}}'
+        return (f"# HELP l3worker:router_kv_events_total KV events the data-parallel router applied.\n"
+                f"# TYPE l3worker:router_kv_events_total counter\n"
+                f"l3worker:router_kv_events_total{label} {float(self.events)}\n"
+                f"# HELP l3worker:router_kv_event_batches_lost_total KV event batches lost on the way.\n"
+                f"# TYPE l3worker:router_kv_event_batches_lost_total counter\n"
+                f"l3worker:router_kv_event_batches_lost_total{label} {float(self.missed_batches)}\n").encode()
+
+    def tasks(self) -> list[asyncio.Task]:
+        return [asyncio.ensure_future(self._follow(engine, sub)) for engine, sub in enumerate(self._subs)]
+
+    async def _follow(self, engine: int, sub) -> None:
+        while True:
+            _topic, seq_bytes, payload = await sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            expected = self._next_seq[engine]
+            if expected is not None and seq > expected:
+                if not self.missed_batches:
+                    log.warning("router: %d KV event batches of engine %d were lost; it guesses for them",
+                                seq - expected, engine)
+                self.missed_batches += seq - expected
+            self._next_seq[engine] = seq + 1
+            self.events += apply_batch(self.router, engine, payload)

@@ -1,0 +1,66 @@
+"""The router following KV events over ZeroMQ (l3worker/distributed/kv_event_feed.py): batches a
+real publisher sends from a page pool's records reach the router, which then holds exactly the
+pool's cached prefixes; a lost batch is counted."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import zmq.asyncio
+
+from l3worker.distributed.kv_event_feed import KVEventFeed, subscriber_endpoints
+from l3worker.distributed.router import Router, RouterConfig
+from l3worker.engine.kv_events import KVEventPublisher, KVEventsConfig
+from l3worker.engine.page_pool import PagePool, chain_hashes
+
+PS = 4
+
+
+def test_subscribers_reach_each_ranks_port_on_this_machine() -> None:
+    assert subscriber_endpoints("tcp://*:5557", 3) == ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558",
+                                                       "tcp://127.0.0.1:5559")
+    assert subscriber_endpoints("tcp://10.0.0.2:6000", 2) == ("tcp://10.0.0.2:6000", "tcp://10.0.0.2:6001")
+
+
+def commit(pool: PagePool, ids: np.ndarray) -> None:
+    hit = pool.lookup(ids)
+    pages = pool.allocate(len(ids) // PS - len(hit.pages))
+    pool.commit(hit.cursor, hit.pages + pages, ids, len(ids))
+    pool.free(hit.pages + pages)
+
+
+def test_the_router_holds_what_the_publishing_pool_holds(tmp_path) -> None:
+    async def run() -> None:
+        publisher = KVEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:0"), PS)
+        ctx = zmq.asyncio.Context()
+        silent = f"ipc://{tmp_path}/engine-0"  # engine 0 publishes nothing
+        router = Router(RouterConfig(2, PS, 100, events_endpoints=(silent, publisher.endpoint)))
+        feed = KVEventFeed(ctx, router)
+        tasks = feed.tasks()
+        try:
+            pool = PagePool(6, PS)
+            pool.events = []
+            rng = np.random.default_rng(0)
+            prompts = [rng.integers(0, 50, PS * 2).astype(np.int32) for _ in range(6)]
+            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            for k, ids in enumerate(prompts):
+                commit(pool, ids)
+                if k == 3:
+                    publisher._seq += 1  # a batch lost on the way
+                publisher.publish(pool.events)
+                pool.events = []
+            for _ in range(100):
+                if feed.events >= 1 and router.pages[1] and feed._next_seq[1] == publisher._seq:
+                    break
+                await asyncio.sleep(0.02)
+            held = {k for k, ids in enumerate(prompts) if router.matched_pages(1, chain_hashes(ids.tolist(), PS)) == 2}
+            in_pool = {k for k, ids in enumerate(prompts) if pool.lookup(ids).pages}
+            assert pool.evicted_pages > 0 and held == in_pool and not router.pages[0]
+            assert feed.missed_batches == 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            ctx.destroy(linger=0)
+            publisher.close()
+
+    asyncio.run(run())
