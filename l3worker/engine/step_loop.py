@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from chip_child import protocol
 from chip_child.config import RuntimeConfig
 from chip_child.models.loader import ModelConfig
