@@ -23,6 +23,7 @@ class Limits:
     page_size: int
     vocab_size: int = 0  # 0: unknown, token ids are only checked to be non-negative
     host_pages: int = 0  # slots of the host tier of the prefix cache (0: none)
+    max_loras: int = 0  # LoRA adapter slots (0: none)
 
 
 @dataclass
@@ -51,6 +52,8 @@ class RuntimeConfig:
     enable_sleep_mode: bool = False  # weights in storage sleep can free in place (chip_child.step.sleep)
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 pages (torch backend)
     host_kv_pages: int = 0  # the prefix cache's host tier, in pages (--kv-offloading-size); 0: none
+    max_loras: int = 0  # LoRA adapter slots, each of rank up to max_lora_rank (chip_child.models.lora); 0: none
+    max_lora_rank: int = 16
 
     @property
     def max_blocks_per_row(self) -> int:
@@ -74,7 +77,8 @@ class RuntimeConfig:
 
     def limits(self) -> Limits:
         return Limits(self.max_batch_size, self.max_blocks_per_row, self.total_pages,
-                      self.max_seq_len, self.prefill_capacity, self.page_size, host_pages=self.host_kv_pages)
+                      self.max_seq_len, self.prefill_capacity, self.page_size, host_pages=self.host_kv_pages,
+                      max_loras=self.max_loras)
 
 
 def config_fields(value: object, cls: type, name: str) -> dict:

@@ -23,7 +23,7 @@ from chip_child.config import Limits
 from chip_child.step.row_fields import (BASIC_FIELDS, FULL_STATE_FIELDS, MAX_GRAMMAR_BYTES, ROW_FIELDS, Admit, FullState,
                                    RowField)
 
-OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL, OP_COPIES = 0, 1, 2, 3, 4
+OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL, OP_COPIES, OP_LORA = 0, 1, 2, 3, 4, 5
 # Before a command, the prefix cache's host-tier copies: [4, (kind, page, slot) int32 bytes], kind 0
 # a store (device page -> host slot), 1 a load (host slot -> device page), applied in order.
 # Between steps, with no step in flight: [3, name, {args}] -> {"control": name, ...results}
@@ -90,6 +90,15 @@ class Copies:
 
 
 @dataclass
+class LoraLoad:
+    """Before a command whose rows use it: adapter slot `slot` takes the adapter in the file `path`
+    (written by l3worker.lora.registry in shared memory)."""
+
+    slot: int
+    path: str
+
+
+@dataclass
 class Control:
     """Sleep, wake or new weights: run between steps (the parent sends none meanwhile)."""
 
@@ -97,13 +106,15 @@ class Control:
     args: dict = field(default_factory=dict)
 
 
-def encode(cmd: Command | Shutdown | Control | Copies) -> bytes:
+def encode(cmd: Command | Shutdown | Control | Copies | LoraLoad) -> bytes:
     if isinstance(cmd, Shutdown):
         return msgpack.packb([OP_SHUTDOWN])
     if isinstance(cmd, Control):
         return msgpack.packb([OP_CONTROL, cmd.name, cmd.args])
     if isinstance(cmd, Copies):
         return msgpack.packb([OP_COPIES, np.ascontiguousarray(cmd.copies, np.int32).tobytes()])
+    if isinstance(cmd, LoraLoad):
+        return msgpack.packb([OP_LORA, cmd.slot, cmd.path])
     pages = cmd.new_pages.astype(np.int32, copy=False).tobytes()
     if cmd.admits or cmd.chunks:
         admits = [[a.row, *(_to_wire(f, getattr(a, f.name)) for f in ROW_FIELDS)] for a in cmd.admits]
@@ -141,7 +152,7 @@ def _check_pages(pages: np.ndarray, limits: Limits, what: str) -> None:
         raise ProtocolError(f"{what}: page id outside [1, {limits.num_pages})")
 
 
-def decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control | Copies:
+def decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control | Copies | LoraLoad:
     """Parses and range-checks a command; raises ProtocolError before anything is applied."""
     try:
         return _decode(raw, limits)
@@ -161,7 +172,8 @@ def _decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control | Copies
     if type(msg) is list and len(msg) == 4 and msg[0] == OP_DECODE and msg[2] == [] and msg[3] == b"" \
             and type(msg[1]) is int and 0 <= msg[1] < MAX_STEP:
         return Command(msg[1])
-    if not isinstance(msg, list) or not msg or msg[0] not in (OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL, OP_COPIES):
+    if not isinstance(msg, list) or not msg or msg[0] not in (OP_DECODE, OP_PREFILL, OP_SHUTDOWN, OP_CONTROL, OP_COPIES,
+                                                               OP_LORA):
         raise ProtocolError(f"unknown op in command {msg!r:.80}")
     if msg[0] == OP_SHUTDOWN:
         return Shutdown()
@@ -178,6 +190,11 @@ def _decode(raw: bytes, limits: Limits) -> Command | Shutdown | Control | Copies
         if copies[:, 2].min() < 0 or copies[:, 2].max() >= limits.host_pages:
             raise ProtocolError(f"copies: host slot outside [0, {limits.host_pages})")
         return Copies(copies)
+    if msg[0] == OP_LORA:
+        if len(msg) != 3 or not isinstance(msg[1], int) or not 0 <= msg[1] < limits.max_loras \
+                or not isinstance(msg[2], str):
+            raise ProtocolError(f"a LoRA load is [5, slot in [0, {limits.max_loras}), path]")
+        return LoraLoad(msg[1], msg[2])
     if msg[0] == OP_CONTROL:
         if len(msg) != 3 or msg[1] not in CONTROLS or not isinstance(msg[2], dict):
             raise ProtocolError(f"a control is [3, name, {{args}}] with name one of {CONTROLS}")

@@ -229,6 +229,9 @@ class StepLoop:
             if isinstance(cmd, protocol.Copies):
                 self.copies(cmd)
                 continue
+            if isinstance(cmd, protocol.LoraLoad):
+                self.lora_load(cmd)
+                continue
             self.launch(cmd)
 
     def copies(self, cmd: protocol.Copies) -> None:
@@ -244,6 +247,19 @@ class StepLoop:
         except Exception as exc:
             self.failed = f"host-tier copies failed ({type(exc).__name__}: {exc})"
             self.report(None, f"copies: {type(exc).__name__}: {exc}", traceback.format_exc())
+
+    def lora_load(self, cmd: protocol.LoraLoad) -> None:
+        """An adapter into its slot before the next command (a failure fails the child)."""
+        if self.failed is not None:
+            return
+        self.publish()
+        try:
+            if self.rt.lora is None:
+                raise ValueError("this runtime has no LoRA slots (max_loras=0)")
+            self.rt.lora.load(cmd.slot, cmd.path)
+        except Exception as exc:
+            self.failed = f"LoRA load failed ({type(exc).__name__}: {exc})"
+            self.report(None, f"lora: {type(exc).__name__}: {exc}", traceback.format_exc())
 
     def control(self, cmd: protocol.Control) -> None:
         """Runs a control and replies with its results; input it cannot take is refused and the

@@ -14,7 +14,7 @@ at load (chip_child.models.prepack); on cuda block-FP8 projections stay fp8 (chi
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,9 @@ from chip_child.models.loader import ModelConfig
 from chip_child.models.moe import MoeImpl, MoeWeights, torch_moe
 from chip_child.models.prepack import PackedLinear, prepacked
 from chip_child.models.rope import inv_freq
+
+if TYPE_CHECKING:
+    from chip_child.models.lora import LoraStep
 
 Weight = torch.Tensor | PackedLinear | Fp8Linear  # a plain [in, out] view, prepacked, or block fp8 (cuda)
 
@@ -271,19 +274,27 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 TORCH_OPS = LayerOps("torch", _add_rms_norm, _rope_rows, _qk_norm_rope, _silu_mul)
 
 
-def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, rows, ops: LayerOps):
+def _lora(y: torch.Tensor, x: torch.Tensor, lora: "LoraStep | None", layer: int, name: str) -> torch.Tensor:
+    return y if lora is None else lora.add(y, x, layer, name)
+
+
+def _qkv(cfg: ModelConfig, w: Qwen3Weights, lw: LayerWeights, x: torch.Tensor, rows, ops: LayerOps,
+         lora: "LoraStep | None" = None, layer: int = 0):
     """q [T, heads, hd], k and v [T, kv_heads, hd]. q and k are normed and rotated together:
     one op sequence instead of two."""
     nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qk, v = linear(x, lw.qkv, lw.qkv_bias).view(-1, nh + 2 * nkv, hd).split_with_sizes((nh + nkv, nkv), 1)
+    qkv = _lora(linear(x, lw.qkv, lw.qkv_bias), x, lora, layer, "qkv")
+    qk, v = qkv.view(-1, nh + 2 * nkv, hd).split_with_sizes((nh + nkv, nkv), 1)
     q, k = ops.qk_norm_rope(qk, lw.qk_norm, rows, w).split_with_sizes((nh, nkv), 1)
     return q, k, v
 
 
-def _mlp(lw: LayerWeights, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+def _mlp(lw: LayerWeights, x: torch.Tensor, ops: LayerOps, lora: "LoraStep | None" = None,
+         layer: int = 0) -> torch.Tensor:
     if lw.moe is not None:
         return ops.moe(x, lw.moe)
-    return linear(ops.silu_mul(linear(x, lw.gate_up)), lw.down)
+    act = ops.silu_mul(_lora(linear(x, lw.gate_up), x, lora, layer, "gate_up"))
+    return _lora(linear(act, lw.down), act, lora, layer, "down")
 
 
 def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None,
@@ -298,21 +309,23 @@ def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = No
 
 def forward(cfg: ModelConfig, w: Qwen3Weights, attn: AttentionBackend, step: StepPlan, rope: torch.Tensor,
             tokens: torch.Tensor, positions: torch.Tensor, all_reduce: AllReduce = _no_reduce,
-            ops: LayerOps = TORCH_OPS, aux: tuple[tuple[int, ...], dict] | None = None) -> torch.Tensor:
+            ops: LayerOps = TORCH_OPS, aux: tuple[tuple[int, ...], dict] | None = None,
+            lora: "LoraStep | None" = None) -> torch.Tensor:
     """Every layer over the packed tokens [T] at `positions` [T]; `step` is the attention plan of
     this step's sequences (made once, shared by the layers). Leaves each token's K/V in the cache
     and returns the last layer's hidden states [T, hidden] (see final_logits). Each residual add
     is taken with the norm that follows it (one fused kernel under chip_child.models.fused). `aux`
     (layer ids, dict): the input of each of those layers is put in the dict under its id (what an
-    EAGLE-3 head reads)."""
+    EAGLE-3 head reads). `lora`: each token's adapter delta on every projection (chip_child.models.lora)."""
     rows = ops.rope_rows(rope, positions)
     h, delta = F.embedding(tokens, w.embed), None
     for i, lw in enumerate(w.layers):
         h, x = ops.add_rms_norm(h, delta, lw.input_norm, w)
         if aux is not None and i in aux[0]:
             aux[1][i] = h
-        q, k, v = _qkv(cfg, w, lw, x, rows, ops)
-        o = attn.forward(i, q, k, v, step)
-        h, x = ops.add_rms_norm(h, all_reduce(linear(o.flatten(1), lw.o_proj, lw.o_bias)), lw.post_norm, w)
-        delta = all_reduce(_mlp(lw, x, ops))
+        q, k, v = _qkv(cfg, w, lw, x, rows, ops, lora, i)
+        o = attn.forward(i, q, k, v, step).flatten(1)
+        h, x = ops.add_rms_norm(h, all_reduce(_lora(linear(o, lw.o_proj, lw.o_bias), o, lora, i, "o_proj")),
+                                lw.post_norm, w)
+        delta = all_reduce(_mlp(lw, x, ops, lora, i))
     return h + delta

@@ -46,6 +46,8 @@ from chip_child.step.graphs import Capturer, DecodeGraphs, DeviceGraphs, bucket_
 from chip_child.models.fp8_linear import keeps_fp8_on
 from chip_child.models.loader import ModelConfig, load_config, load_weights, resolve_dtype
 from chip_child.models.fused import resolve_fused_kernels, triton_layer_ops
+from chip_child.models.lora import LoraSlots
+from chip_child.sampling.prompt_logprobs import prompt_logprobs
 from chip_child.models.kernel_checks import KernelVerdict, check_fp8_gemms, checked_ops
 from chip_child.models.moe_npu import npu_moe
 from chip_child.models.qwen3 import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
@@ -61,8 +63,6 @@ from chip_child.spec.speculation import Speculation
 from chip_child.spec.config import SpeculativeConfig
 from chip_child.step.results import LaunchedStep, StepOutputs, StepResult
 from chip_child.step.warmup import time_steps, warm_up
-
-PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [rows, vocab] logits exist at once
 
 
 class ChipRuntime:
@@ -99,6 +99,8 @@ class ChipRuntime:
         if cfg.enable_sleep_mode:  # sleep frees the weights in place: they need storage of their own
             owned_storage(self.weights)
         mc = self.model_cfg
+        self.lora = LoraSlots(full_cfg, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device, cfg.tp_rank,
+                              cfg.tp_size) if cfg.max_loras else None  # adapter slots beside the weights
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
         self.ops = triton_layer_ops() if resolve_fused_kernels(cfg.fused_kernels, self.device.type) else TORCH_OPS
         if self.device.type == "npu":
@@ -403,7 +405,8 @@ class ChipRuntime:
         meta = AttentionMetadata(v["lane_starts"], v["lane_seq_lens"], v["block_table"], v["slot_mapping"], 1,
                                  max_seq_len, seq_lens_host=seq_lens_host)
         hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
-                         v["positions"], self.all_reduce, self.ops, self.spec and self.spec.aux())
+                         v["positions"], self.all_reduce, self.ops, self.spec and self.spec.aux(),
+                         self.lora and self.lora.step(v["lora_slot"]))
         final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
@@ -441,8 +444,9 @@ class ChipRuntime:
                                  block_table.index_select(0, ints.seq_rows)[:, :width], token_slots[:total],
                                  max(plan.max_query_len, 1), max_len, query_lens_host=plan.query_lens,
                                  seq_lens_host=plan.seq_lens)
+        lora = self.lora and self.lora.step(torch.cat([v["lora_slot"], self.state["lora_slot"][ints.rows.long()]]))
         return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:total],
-                       token_positions[:total], self.all_reduce, self.ops, self.spec and self.spec.aux())
+                       token_positions[:total], self.all_reduce, self.ops, self.spec and self.spec.aux(), lora)
 
     def _chunk_side_effects(self, plan: ChunkPlan, lanes: int, hidden, tokens, targets, output_counts, prompt_seen,
                             prompt_lp_values, prompt_lp_ids) -> None:
@@ -457,23 +461,9 @@ class ChipRuntime:
                                                                               device=ids.device))
         taken = 0
         for first, count, _, top in plan.prompt_asks:
-            self._prompt_logprobs(hidden[lanes + first:lanes + first + count], targets[taken:taken + count], first,
-                                  top, prompt_lp_values, prompt_lp_ids)
+            prompt_logprobs(self.weights, self.ops, hidden[lanes + first:lanes + first + count],
+                            targets[taken:taken + count], first, top, prompt_lp_values, prompt_lp_ids)
             taken += count
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, first: int, top: int,
-                         values: torch.Tensor, top_ids: torch.Tensor) -> None:
-        """Log-probabilities of the raw logits at `hidden`'s positions, of each next prompt token
-        (`targets`) and the `top` most likely, into rows first.. of `values` / `top_ids`,
-        PROMPT_LOGPROB_ROWS positions at a time."""
-        for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-            z = min(a + PROMPT_LOGPROB_ROWS, len(targets))
-            logprobs = final_logits(self.weights, hidden[a:z], ops=self.ops).log_softmax(dim=-1)
-            values[first + a:first + z, 0] = logprobs.gather(1, targets[a:z, None]).squeeze(1)
-            if top:
-                best = logprobs.topk(top, dim=-1)
-                values[first + a:first + z, 1:1 + top] = best.values
-                top_ids[first + a:first + z, :top] = best.indices
 
     @torch.inference_mode()
     def time_steps(self, prefill_tokens: int, steps: int, budget_s: float) -> tuple[float, float]:

@@ -245,7 +245,7 @@ class PagePool:
                     self._lru[page] = None
 
     # -- prefix cache -------------------------------------------------------------------------------
-    def lookup(self, token_ids: TokenIds) -> PrefixHit:
+    def lookup(self, token_ids: TokenIds, root: int = ROOT_HASH) -> PrefixHit:
         """The longest run of cached full pages that start `token_ids`, one reference taken on
         each (so none is evicted while the request uses it), and the tokens they cover.
 
@@ -253,14 +253,15 @@ class PagePool:
         token, whose logits it needs, so a prompt of exactly k full pages gets at most k - 1.
         `token_ids` is a 1-D int32 (fastest) or other integer ndarray, or a sequence of ints.
         Counts `len(token_ids)` queried tokens and the covered tokens as hits. With prefix
-        caching off, returns no pages and counts nothing."""
+        caching off, returns no pages and counts nothing. `root`: the chain's first parent hash
+        (a LoRA adapter's own, so that its pages and the base model's never match)."""
         if not self.enable_prefix_caching:
             return PrefixHit([], 0)
         n = len(token_ids)
         ps = self.page_size
         table, entry, ref, lru = self._table, self._entry, self._ref, self._lru
         pages: list[int] = []
-        key, serial, last = ROOT_HASH, 0, 0
+        key, serial, last = root, 0, 0
         for data in self._pages_of(token_ids, 0, max(n - 1, 0) // ps):
             k = hash_page(key, data)
             page = table.get(k)

@@ -77,7 +77,7 @@ class InputProcessor:
         self.grammars = ParentGrammars(model_dir, model_config.vocab_size, model_config.eos_token_ids)
 
     def process(self, prompt, params: SamplingParams | None, request_id: str | None, stream: bool,
-                where: str, arrival: float | None = None) -> RequestState:
+                where: str, arrival: float | None = None, lora=None) -> RequestState:
         """A validated request. Raises ValueError/TypeError naming the field (`where` names the prompt)."""
         params = DEFAULT_PARAMS if params is None else params
         if not isinstance(params, SamplingParams):
@@ -112,7 +112,7 @@ class InputProcessor:
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), i, ids, params, (base_seed + i) % 2**63, stop_ids, arrival=now,
-                           want_prompt_logprobs=i == 0 and params.prompt_logprobs is not None)
+                           want_prompt_logprobs=i == 0 and params.prompt_logprobs is not None, lora=lora)
             if seq.pages_needed(cfg.page_size) > cfg.total_pages - 1:
                 raise ValueError(f"{where} needs {seq.pages_needed(cfg.page_size)} KV pages, more than "
                                  f"num_pages={cfg.total_pages - 1}")

@@ -23,102 +23,16 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from chip_child.protocol import Admit, Chunk, Command, FullState
-from chip_child.step.row_fields import row_values
-from l3worker.engine.page_pool import CacheCursor, PagePool, PrefixHit
-from l3worker.structured.request_grammars import SampleGrammar
-from l3worker.params import SamplingParams
+from l3worker.engine.page_pool import ROOT_HASH, PagePool, PrefixHit
+from l3worker.engine.sequence import Sequence
 
-
-@dataclass(eq=False)  # compared by identity: a field-wise == would compare id arrays
-class Sequence:
-    """One sample of a request: it occupies one batch row while it runs."""
-
-    seq_id: int
-    index: int  # which of the request's n samples
-    prompt_ids: np.ndarray  # int32
-    params: SamplingParams
-    seed: int
-    stop_ids: frozenset[int]
-    arrival: float = field(default_factory=time.perf_counter)
-    want_prompt_logprobs: bool = False  # sample 0 of a request that asked for them
-    request_id: str = ""
-    row: int = -1
-    pages: list[int] = field(default_factory=list)
-    cursor: CacheCursor | None = None
-    fed: int = 0  # positions whose K/V the sent commands write (speculating: at most)
-    prefill_end: int = 0  # positions to prefill since admission: the prompt, plus tokens on a resume
-    scheduled: int = 0  # tokens the sent commands sample (a scoring prefill's counts, though dropped)
-    epoch: int = 0  # bumped by preemption: tokens of commands sent before it are dropped
-    admit_order: int = -1  # for choosing the preemption victim: the newest goes first
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
-    preemptions: int = 0
-    inflight: int = 0  # speculating: commands sent that give it tokens, not yet read
-    blocks_sent: int = 0  # speculating: blocks whose page triple was sent since admission
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    grammar: SampleGrammar | None = None  # structured outputs: follows the tokens received
-    # Running at a chip-child failure, it is a suspect until it has this many tokens (-1: never was);
-    # an uncleared suspect is resumed alone among suspects (l3worker.engine.recovery).
-    suspect_until: int = -1
-    admitted_at: float = 0.0
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    prev_token_at: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.prompt_len = len(self.prompt_ids)  # an attribute, not a property: read for every token
-        # Prompt and generated ids in one buffer: the prefix cache reads them, a resume prefills them.
-        self.ids = np.zeros(self.prompt_len + self.steps_needed, np.int32)
-        self.ids[:self.prompt_len] = self.prompt_ids
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def steps_needed(self) -> int:
-        """Tokens to sample: a scoring request (max_new_tokens 0) still runs its prefill."""
-        return max(self.params.max_new_tokens, 1)
-
-    @property
-    def known(self) -> int:
-        """Ids known so far: the prompt and the tokens received."""
-        return self.prompt_len + len(self.tokens)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.fed < self.prefill_end
-
-    @property
-    def suspect(self) -> bool:
-        return len(self.tokens) < self.suspect_until and not self.finished
-
-    def row_values(self) -> dict[str, Any]:
-        """Its per-row fields, as its admit and a full state carry them."""
-        scores = self.want_prompt_logprobs and self.preemptions == 0
-        spec = self.params.structured_outputs
-        constrained = spec is not None
-        return row_values(self.params, prompt_len=self.prompt_len, seed=self.seed, stop_ids=sorted(self.stop_ids),
-                          prompt_logprobs=self.params.prompt_logprobs if scores else None,
-                          grammar=spec.grammar_text if constrained else None,
-                          grammar_after=self.params.reasoning_end_token_id if constrained else None,
-                          # a resumed sample's matcher in the child replays the tokens it already produced
-                          grammar_replay=self.tokens if constrained and self.preemptions else None,
-                          cached_ids=None)  # set at admission, where a prefix-cache hit is known
-
-    @property
-    def kv_end(self) -> int:
-        """Positions whose K/V it ever writes: the last sampled token is never fed back."""
-        return self.prompt_len + self.steps_needed - 1
-
-    def pages_needed(self, page_size: int) -> int:
-        return -(-self.kv_end // page_size)
+if TYPE_CHECKING:
+    from l3worker.lora.registry import LoraRegistry
 
 
 @dataclass
@@ -135,7 +49,8 @@ class Scheduled:
 class Scheduler:
     def __init__(self, *, max_batch_size: int, page_size: int, max_blocks_per_row: int, num_pages: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool, full_state: bool,
-                 speculative_tokens: int = 0, priority: bool = False, host_pages: int = 0):
+                 speculative_tokens: int = 0, priority: bool = False, host_pages: int = 0,
+                 loras: LoraRegistry | None = None):
         self.page_size = page_size
         self.max_blocks = max_blocks_per_row
         self.budget = max_num_batched_tokens
@@ -144,6 +59,8 @@ class Scheduler:
         # scheduling_policy="priority": waiting kept in (priority, arrival) order, and a waiting
         # sequence that outranks a running one takes its row and pages (vLLM's priority policy).
         self.priority = priority
+        self.loras = loras
+        self.lora_loads: list[tuple[int, str]] = []  # (slot, adapter file) to send before the next command
         self._pool_args = (num_pages, page_size, enable_prefix_caching, host_pages)
         self.pages = self._new_pool()
         self.rows: list[Sequence | None] = [None] * max_batch_size
@@ -251,6 +168,7 @@ class Scheduler:
         if seq.row < 0 and seq in self.waiting:  # waiting, not released after its last command
             self.waiting.remove(seq)
         self._release(seq)
+        self._drop_lora(seq)
 
     def forget_cache(self) -> int:
         """New weights: no page written before may be found again, in use or not, and running
@@ -271,6 +189,11 @@ class Scheduler:
             self._preempt(seq, resumed=bool(seq.tokens))
         self.pages = self._new_pool()
         self.pending_finish = []
+        if self.loras is not None:  # the children's adapter slots are empty too
+            self.loras.reset_slots()
+            self.lora_loads = []
+            for seq in seqs:
+                seq.lora_slot = -1
 
     @property
     def idle(self) -> bool:
@@ -399,10 +322,18 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.suspect and self._other_suspect_running(seq):
                 break  # one suspect of a failure at a time, so that the next failure names its cause
+            if seq.lora is not None and seq.lora_slot < 0:
+                held = self.loras.acquire(seq.lora.request.lora_int_id)
+                if held is None:
+                    break  # every adapter slot is held by running rows of other adapters
+                seq.lora_slot, load = held
+                if load is not None:
+                    self.lora_loads.append((seq.lora_slot, load))
             # No cache hit where every position must be computed: prompt log-probabilities need the
             # logits of each, and penalties count the ids of each chunk.
             computes_all = (seq.want_prompt_logprobs and seq.preemptions == 0) or seq.params.uses_penalties
-            hit = PrefixHit([], 0) if computes_all else self.pages.lookup(seq.ids[:seq.known])
+            root = seq.lora.root if seq.lora is not None else ROOT_HASH  # adapters never share pages
+            hit = PrefixHit([], 0) if computes_all else self.pages.lookup(seq.ids[:seq.known], root)
             first_end = min(seq.known, hit.num_tokens + self.budget - used)
             missing = self.pages.pages_for(first_end) - len(hit.pages)
             new = self.pages.allocate(missing) if missing > 0 else []
@@ -447,6 +378,12 @@ class Scheduler:
         self.pending_finish.append(seq.row)
         self.pages.free(seq.pages)
         seq.pages, seq.cursor, seq.row = [], None, -1
+        self._drop_lora(seq)
+
+    def _drop_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.loras.release(seq.lora_slot)
+        seq.lora_slot = -1
 
     def _take_finished(self) -> list[int]:
         rows, self.pending_finish = self.pending_finish, []

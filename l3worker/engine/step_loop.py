@@ -30,6 +30,7 @@ from l3worker.worker.child_process import ChildProcess
 from l3worker.engine.between_steps import BetweenSteps
 from l3worker.engine.grammar_gate import GrammarGate, attach_matchers
 from l3worker.engine.kv_events import KVEventPublisher, KVEventsConfig
+from l3worker.lora.registry import LoraRegistry, registration
 from l3worker.worker.doorbell import Doorbell
 from l3worker.errors import ChildFailure, EngineAsleepError, EngineBusyError, WorkerError
 from l3worker.engine.metrics import EngineMetrics
@@ -79,6 +80,7 @@ class Engine:
         self.kv_events_config: KVEventsConfig | None = None  # set by the worker: publish KV events
         self.kv_events_rank: int | None = None  # the data-parallel rank the events name
         self.kv_events: KVEventPublisher | None = None  # made at the first bind
+        self.loras: LoraRegistry | None = None  # set by the worker with enable_lora
         self.stopping = threading.Event()  # set by request_stop(): waits on children give up
         self.scheduler: Scheduler | None = None
         self.metrics = EngineMetrics(running=self._num_running, waiting=self._num_waiting, kv_usage=self._kv_usage)
@@ -121,7 +123,7 @@ class Engine:
             num_pages=cfg.total_pages - 1, max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching, full_state=cfg.copy_policy == "always",
             speculative_tokens=self.speculation.k, priority=self.scheduling_policy == "priority",
-            host_pages=cfg.host_kv_pages,
+            host_pages=cfg.host_kv_pages, loras=self.loras,
         )
         self._counted = (0, 0, 0)  # prefix cache queries and hits, preemptions: already in the metrics
         self._inflight.clear()
@@ -203,14 +205,15 @@ class Engine:
         return state
 
     def make_request(self, prompt, params: SamplingParams | None, request_id: str | None, stream: bool,
-                     where: str, arrival: float | None = None) -> RequestState:
+                     where: str, arrival: float | None = None, lora_request=None) -> RequestState:
         """A validated request, not queued yet (generate() checks every prompt before queueing any)."""
         if self.error is not None:
             raise self.dead_error()
         if params is not None and getattr(params, "priority", 0) and self.scheduling_policy != "priority":
             raise ValueError(f"priority={params.priority}: request priorities need scheduling_policy='priority' "
                              "(--scheduling-policy priority)")
-        return self.input_processor.process(prompt, params, request_id, stream, where, arrival)
+        lora = registration(self.loras, lora_request)  # ValueError: LoRA off, or the adapter is refused
+        return self.input_processor.process(prompt, params, request_id, stream, where, arrival, lora)
 
     def submit(self, state: RequestState) -> None:
         """Queues a request made by make_request. Raises if its id is taken by a live request."""
@@ -399,7 +402,10 @@ class Engine:
             staging[offset:offset + len(ids)] = ids
         payload = protocol.encode(s.command)
         copies = self.scheduler.pages.take_copies()  # the host tier's, made while scheduling it
+        loads, self.scheduler.lora_loads = self.scheduler.lora_loads, []  # adapters its admits need in their slots
         for child in self._children:
+            for slot, path in loads:
+                child.send(protocol.encode(protocol.LoraLoad(slot, path)), self.step_timeout_s, self.stopping)
             if copies is not None:
                 child.send(protocol.encode(protocol.Copies(copies)), self.step_timeout_s, self.stopping)
             child.send(payload, self.step_timeout_s, self.stopping)

@@ -33,6 +33,8 @@ from chip_child.models.prepack import resolve_cpu_prepack
 from chip_child.spec.config import SpeculativeConfig
 from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.worker.child_process import ChildProcess, child_spec, wait_all_ready
+from l3worker.worker.worker_stats import worker_stats
+from l3worker.worker.lora_controls import LoraControls, lora_registry
 from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check_kv_cache_dtype, check_limits,
                                         check_speculation_switches, positive_int)
 from l3worker.worker.kv_sizing import KvSizing, host_tier_pages, size_kv_cache
@@ -56,7 +58,7 @@ from l3worker.worker.socket_dir import make_socket_dir
 RESTART_GRACE_S = 2.0  # how long a failed generation's live children may take to exit before a kill
 
 
-class DistributedWorker(RolloutControls):
+class DistributedWorker(RolloutControls, LoraControls):
     def __init__(
         self,
         model_dir: str | os.PathLike | None = None,
@@ -89,6 +91,11 @@ class DistributedWorker(RolloutControls):
         quantization: str | None = None,
         enable_expert_parallel: bool = False,
         enable_sleep_mode: bool = False,  # vLLM's: sleep() may free the weights and the KV cache (rollout.py)
+        # vLLM's: LoRA adapters (lora_controls.py): max_loras in one batch, of rank up to max_lora_rank
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         overlap_steps: bool | None = None,
         step_timeout_s: float | None = 300.0,
         startup_timeout_s: float | None = 600.0,
@@ -171,6 +178,8 @@ class DistributedWorker(RolloutControls):
         if speculative is not None:
             speculative = check_proposer(speculative, self.model_config, layout.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.loras = lora_registry(enable_lora, max_loras, max_lora_rank, max_cpu_loras, self.model_config,
+                                   speculative is not None, layout.nnodes)
         self.runtime_config = RuntimeConfig(
             model_dir=self.model_dir, device=device, device_id=device_ids[0], dtype=dtype,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, page_size=page_size, num_pages=num_pages,
@@ -178,7 +187,7 @@ class DistributedWorker(RolloutControls):
             attention_backend=attention_backend, decode_graphs=decode_graphs, fused_kernels=fused_kernels,
             cpu_prepack=cpu_prepack, quantization=quantization, enable_expert_parallel=enable_expert_parallel,
             speculative=None if speculative is None else speculative.to_dict(), enable_sleep_mode=enable_sleep_mode,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, max_loras=max_loras if self.loras else 0, max_lora_rank=max_lora_rank,
             host_kv_pages=host_tier_pages(shard, kv_offloading_size, kv_itemsize, page_size))
         self.speculative_config, self.device_ids, self.layout = speculative, device_ids, layout
         self._nodes: list[RemoteNode] = []  # one per follower node, made once: their links outlive restarts
@@ -208,6 +217,7 @@ class DistributedWorker(RolloutControls):
         self.engine = Engine(self.model_config, self.runtime_config, self.tokenizer, self.model_dir,
                              pipeline_depth, step_timeout_s, max_num_batched_tokens, enable_prefix_caching,
                              restart_policy, max_waiting_requests)
+        self.engine.loras = self.loras
         self.engine.scheduling_policy = check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
         self.engine.kv_events_config, self.engine.kv_events_rank = KVEventsConfig.of(kv_events_config), data_parallel_rank
         self._requests_served = 0
@@ -325,6 +335,8 @@ class DistributedWorker(RolloutControls):
         self._stop_children(5.0)
         self.engine.input_processor.grammars.close()  # its compile threads end with the worker
         self.engine.close_kv_events()
+        if self.loras is not None:
+            self.loras.close()  # the adapters' host copies in shared memory
         for node in self._nodes:
             node.close()  # the followers see the link close and exit
         self._nodes = []
@@ -370,13 +382,13 @@ class DistributedWorker(RolloutControls):
     # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, lora_request=None) -> list[RequestOutput]:
         """Generates for every prompt and returns one final output per prompt, in order; more
         prompts than rows queue and enter as rows free up. Bad input raises before anything
         reaches a child and leaves the worker usable. `use_tqdm`: a progress bar (default: only
-        when stderr is a terminal)."""
+        when stderr is a terminal). `lora_request`: a LoRARequest, or one per prompt (None: the base)."""
         t0 = time.perf_counter()
-        states = self._start(prompts, params, stream=False, t0=t0)
+        states = self._start(prompts, params, stream=False, t0=t0, lora_request=lora_request)
         bar = None
         if use_tqdm if use_tqdm is not None else sys.stderr.isatty():
             bar = tqdm(total=len(states), desc="Processed prompts", unit="req", dynamic_ncols=True)
@@ -393,13 +405,14 @@ class DistributedWorker(RolloutControls):
         return [finals[s.request_id] for s in states]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
-               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+               params: SamplingParams | Sequence[SamplingParams] | None = None,
+               lora_request=None) -> Iterator[RequestOutput]:
         """Yields outputs as tokens arrive: deltas (new tokens and text) while a request runs, then
         its final output (`finished`). Leaving the loop early aborts the requests still running."""
-        states = self._start(prompts, params, stream=True, t0=time.perf_counter())
+        states = self._start(prompts, params, stream=True, t0=time.perf_counter(), lora_request=lora_request)
         yield from self._drive(states)
 
-    def _start(self, prompts, params, stream: bool, t0: float) -> list[RequestState]:
+    def _start(self, prompts, params, stream: bool, t0: float, lora_request=None) -> list[RequestState]:
         if self._state == "closed":
             raise WorkerError("this worker was closed; make a new DistributedWorker")
         if self.engine.driven_by_loop_thread:
@@ -414,9 +427,12 @@ class DistributedWorker(RolloutControls):
         for i, p in enumerate(params_list):
             if p is not None and not isinstance(p, SamplingParams):
                 raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_request: {len(loras)} LoRARequests for {len(prompt_list)} prompts")
         # Every prompt is checked before any is queued: bad input leaves nothing behind.
-        states = [self.engine.make_request(prompt, p, None, stream, f"prompts[{i}]", arrival=t0)
-                  for i, (prompt, p) in enumerate(zip(prompt_list, params_list))]
+        states = [self.engine.make_request(prompt, p, None, stream, f"prompts[{i}]", arrival=t0, lora_request=lora)
+                  for i, (prompt, p, lora) in enumerate(zip(prompt_list, params_list, loras))]
         self.prepare()
         self._last = GenerateStats(started_at=t0, setup_s=time.perf_counter() - t0, requests=len(states))
         self._generate_calls += 1
@@ -453,37 +469,8 @@ class DistributedWorker(RolloutControls):
 
     # -- figures -------------------------------------------------------------------------------
     def stats(self) -> dict:
-        info = self._children[0].info if self._children else {}
-        return {
-            "state": self._state,
-            "device": info.get("device"),
-            "dtype": info.get("dtype"),
-            "child_pids": self.child_pids,
-            "child_setup_s": info.get("setup_s"),
-            "child_threads": info.get("threads"),
-            "child_cores": info.get("cores"),
-            "cpu_layout": self.cpu_layout_in_use,  # what the cpu children run with; None off the cpu
-            "cpu_layout_preferred": info.get("layout_preferred"),  # auto's timing-free rule; None: no trial
-            "cpu_layout_step_s": info.get("layout_step_s"),  # the trial's prefill and decode steps under each
-            "cpu_layout_other_cores": info.get("layout_other_cores"),  # cores other processes kept busy then
-            "cpu_layout_trial_s": info.get("layout_trial_s"),  # how long that took
-            "prepare_s": self._prepare_s,
-            "tensor_parallel_size": self.layout.tensor_parallel_size,
-            "nnodes": self.layout.nnodes,
-            "pipeline_depth": self.pipeline_depth,
-            "copy_policy": self.runtime_config.copy_policy,
-            "attention_backend": info.get("attention_backend"),
-            "decode_graphs": info.get("decode_graphs"),  # the lane buckets captured; [] when off
-            "fused_kernels": info.get("fused_kernels"),  # "triton" or "torch" (chip_child.models.fused)
-            "cpu_prepack": info.get("cpu_prepack"),  # linear layers prepacked for oneDNN (chip_child.models.prepack)
-            "moe_experts": info.get("moe_experts"),  # [first, count] held by rank 0; None: not a MoE model
-            "kv_pages_total": self.runtime_config.total_pages - 1,
-            "kv_pages_free": self.engine.scheduler.pages.num_free if self.engine.scheduler else None,
-            "generate_calls": self._generate_calls,
-            "requests_served": self._requests_served,
-            "last_generate": self._last.summary(),
-            "speculative": self.engine.speculation.summary() if self.speculative_config else None,
-        }
+        """The worker's state, its children's start-up report and the engine's counters."""
+        return worker_stats(self)
 
     def step_records(self) -> list[dict]:
         """Every step of the last generate() call, for --profile."""

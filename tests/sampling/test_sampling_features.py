@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import chip_child.sampling.prompt_logprobs as prompt_logprobs_module
 import chip_child.step.runtime as runtime_module
 from chip_child.step import row_fields
 from chip_child.config import RuntimeConfig
@@ -114,7 +115,7 @@ def assert_logprobs_close(got, want_row: torch.Tensor, chosen: int, n: int, what
 
 def test_logprobs_and_prompt_logprobs_match_transformers(rt, model, monkeypatch) -> None:
     # Prompt log-probabilities are computed a few positions at a time: cross several chunk boundaries.
-    monkeypatch.setattr(runtime_module, "PROMPT_LOGPROB_ROWS", 4)
+    monkeypatch.setattr(prompt_logprobs_module, "PROMPT_LOGPROB_ROWS", 4)
     p = prompts(9, 14, 1, 6, seed=1)
     reqs = [
         LocalRequest(p[0], 10, logprobs=5, prompt_logprobs=3),

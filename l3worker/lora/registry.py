@@ -1,0 +1,177 @@
+"""The parent's book of adapters: the ones registered (by LoRARequest), their host copies (the
+checked adapter written to a file in shared memory, at most `max_cpu_loras` kept, least recently
+used first out and written again when needed), and which adapter each of the children's
+`max_loras` device slots holds.
+
+A sequence with an adapter takes a slot when it is admitted (`acquire`): the slot already holding
+its adapter, else a free one, else the least recently used one that no running sequence holds;
+none of those, and it waits. A new slot means one load (slot, file) sent to the children before
+the command that admits it. Each registration has its own prefix-cache root (`root`), so pages
+are never shared between adapters, or between an adapter and the base model.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from chip_child.models.loader import ModelConfig
+from l3worker.engine.page_pool import ROOT_HASH, hash_page
+from l3worker.lora.peft_adapter import read_adapter, write_adapter
+from l3worker.lora.request import LoRARequest
+
+
+@dataclass
+class Registered:
+    request: LoRARequest
+    rank: int
+    root: int  # the prefix cache's chain root of this registration
+
+
+class LoraRegistry:
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None):
+        self.cfg = cfg
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
+        if self.max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras must be >= max_loras={max_loras}, got {self.max_cpu_loras}")
+        self.adapters: dict[int, Registered] = {}
+        self.slots: list[int | None] = [None] * max_loras  # adapter id per device slot
+        self.users = [0] * max_loras  # running sequences per slot
+        self._slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))
+        self._host: OrderedDict[int, Path] = OrderedDict()  # adapter id -> its host copy
+        self._generation = 0
+        self._lock = threading.Lock()  # add/remove come from callers' threads, acquire from the loop's
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.folder = Path(tempfile.mkdtemp(prefix=f"l3worker-lora-{os.getpid()}-", dir=base))
+        self.loads = 0  # adapter loads into device slots
+
+    # -- registration (any thread) -------------------------------------------------------------------
+    def add(self, request: LoRARequest) -> bool:
+        """Registers the adapter (read and checked now); False when its id is registered already."""
+        with self._lock:
+            known = self.adapters.get(request.lora_int_id)
+            if known is not None:
+                if known.request.lora_path != request.lora_path and request.lora_path:
+                    raise ValueError(f"lora_int_id {request.lora_int_id} is registered already as "
+                                     f"{known.request.lora_name!r} from {known.request.lora_path}")
+                return False
+        adapter = read_adapter(request.lora_path, self.cfg, self.max_lora_rank)
+        with self._lock:
+            self._generation += 1
+            root = hash_page(ROOT_HASH, struct.pack("=qq", request.lora_int_id, self._generation))
+            self.adapters[request.lora_int_id] = Registered(request, adapter.rank, root)
+            self._store(request.lora_int_id, adapter)
+        return True
+
+    def remove(self, adapter_id: int) -> bool:
+        """Unregisters it; rows running with it finish with it. False when it is not registered."""
+        with self._lock:
+            if self.adapters.pop(adapter_id, None) is None:
+                return False
+            path = self._host.pop(adapter_id, None)
+            if path is not None:
+                path.unlink(missing_ok=True)
+            for s, held in enumerate(self.slots):
+                if held == adapter_id and not self.users[s]:
+                    self.slots[s] = None
+            return True
+
+    def ids(self) -> list[int]:
+        with self._lock:
+            return sorted(self.adapters)
+
+    def get(self, adapter_id: int) -> Registered | None:
+        with self._lock:
+            return self.adapters.get(adapter_id)
+
+    def by_name(self, name: str) -> Registered | None:
+        with self._lock:
+            return next((r for r in self.adapters.values() if r.request.lora_name == name), None)
+
+    # -- device slots (the step loop) ---------------------------------------------------------------
+    def acquire(self, adapter_id: int) -> tuple[int, str | None] | None:
+        """(slot, the host copy to load into it, None when it holds the adapter already), one user
+        counted on it; None when every slot is held by running sequences of other adapters."""
+        with self._lock:
+            if adapter_id in self.slots:
+                slot = self.slots.index(adapter_id)
+                load = None
+            else:
+                slot = next((s for s in self._slot_lru if self.slots[s] is None), None)
+                if slot is None:
+                    slot = next((s for s in self._slot_lru if not self.users[s]), None)
+                if slot is None:
+                    return None
+                self.slots[slot] = adapter_id
+                load = str(self._host_copy(adapter_id))
+                self.loads += 1
+            self.users[slot] += 1
+            self._slot_lru.move_to_end(slot)
+            return slot, load
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self.users[slot] -= 1
+            if not self.users[slot] and self.slots[slot] not in self.adapters:
+                self.slots[slot] = None  # removed while it ran
+
+    def reset_slots(self) -> None:
+        """The children restarted: their slots are empty (users are counted again at re-admission)."""
+        with self._lock:
+            self.slots = [None] * self.max_loras
+            self.users = [0] * self.max_loras
+
+    def running(self) -> list[str]:
+        with self._lock:
+            return [self.adapters[a].request.lora_name for s, a in enumerate(self.slots)
+                    if a in self.adapters and self.users[s]]
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    # -- host copies (under the lock) -----------------------------------------------------------------
+    def _store(self, adapter_id: int, adapter) -> Path:
+        path = self.folder / f"{adapter_id}-{self._generation}.safetensors"
+        write_adapter(adapter, path)
+        old = self._host.pop(adapter_id, None)
+        if old is not None and old != path:
+            old.unlink(missing_ok=True)
+        self._host[adapter_id] = path
+        # The least recently used go first, never one a slot holds (a child may still be loading it).
+        for held in [a for a in self._host if a not in self.slots][:max(0, len(self._host) - self.max_cpu_loras)]:
+            self._host.pop(held).unlink(missing_ok=True)
+        return path
+
+    def _host_copy(self, adapter_id: int) -> Path:
+        path = self._host.get(adapter_id)
+        if path is not None and path.exists():
+            self._host.move_to_end(adapter_id)
+            return path
+        registered = self.adapters[adapter_id]
+        return self._store(adapter_id, read_adapter(registered.request.lora_path, self.cfg, self.max_lora_rank))
+
+
+def as_request(value: object) -> LoRARequest:
+    if not isinstance(value, LoRARequest):
+        raise TypeError(f"lora_request must be a LoRARequest, got {type(value).__name__}")
+    return value
+
+
+def registration(loras: LoraRegistry | None, lora_request: object) -> Registered | None:
+    """The registration a request runs with (registered now if it is new); None: the base model."""
+    if lora_request is None:
+        return None
+    request = as_request(lora_request)
+    if loras is None:
+        raise ValueError("lora_request: LoRA adapters need enable_lora=True (--enable-lora)")
+    known = loras.get(request.lora_int_id)
+    if known is None:
+        loras.add(request)
+        known = loras.get(request.lora_int_id)
+    return known

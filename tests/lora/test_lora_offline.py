@@ -1,0 +1,129 @@
+"""LoRA adapters offline (l3worker.lora, chip_child.models.lora): greedy tokens per adapter equal
+transformers with peft's adapter applied, and logits agree in fp32; a batch mixing the base model
+and three adapters gives each what it gives alone; the prefix cache never serves one adapter's
+pages to another or to the base; more adapters than slots take turns; bad adapters are refused by
+name and leave the worker usable."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fault_helpers import guard
+from l3worker import DistributedWorker, SamplingParams
+from l3worker.lora import LoRARequest
+from lora_adapters import peft_model, write_adapter
+from parity import hf_greedy
+
+KW = {"device": "cpu", "max_seq_len": 128, "page_size": 8, "num_threads": 1, "max_batch_size": 4}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = [list(range(3, 30)), list(range(40, 52)), [5, 9, 2, 7] * 6]
+
+
+@pytest.fixture(scope="module")
+def base(make_checkpoint):
+    return make_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "all": write_adapter(base, root / "all", seed=1, r=4),
+        "attn": write_adapter(base, root / "attn", seed=2, r=8, alpha=4, targets=["q_proj", "v_proj"]),
+        "rslora": write_adapter(base, root / "rslora", seed=3, r=2, alpha=16, use_rslora=True,
+                                targets=["o_proj", "down_proj", "gate_proj"]),
+    }
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_tokens_per_adapter_equal_transformers_with_peft(base, adapters) -> None:
+    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, **KW) as w:
+        for i, (name, path) in enumerate(adapters.items()):
+            got = tokens(w.generate(PROMPTS, GREEDY, lora_request=LoRARequest(name, i + 1, str(path))))
+            model = peft_model(base, path)
+            assert got == [hf_greedy(model, p, 10) for p in PROMPTS], name
+        plain = tokens(w.generate(PROMPTS, GREEDY))
+    assert plain != got  # the adapters change the model
+
+
+def test_logprobs_with_an_adapter_match_peft_in_fp32(base, adapters) -> None:
+    import torch
+
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    with guard(), DistributedWorker(str(base), enable_lora=True, **KW) as w:
+        out = w.generate([prompt], params, lora_request=LoRARequest("all", 1, str(adapters["all"])))[0]
+    model = peft_model(base, adapters["all"])
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+    ref = [want[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
+
+
+def test_a_batch_mixing_the_base_and_three_adapters_equals_each_alone(base, adapters) -> None:
+    requests = [None] + [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(4)]
+    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, **KW) as w:
+        alone = [tokens(w.generate([p], GREEDY, lora_request=r))[0] for p, r in zip(prompts, requests)]
+        w.engine.scheduler.pages.reset_prefix_cache()
+        mixed = tokens(w.generate(prompts, GREEDY, lora_request=requests))
+        assert w.loras.loads >= 3
+    assert mixed == alone
+
+
+def test_more_adapters_than_slots_take_turns_with_identical_tokens(base, adapters) -> None:
+    requests = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())] * 2
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(requests))]
+    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, **KW) as w:
+        want = tokens(w.generate(prompts, GREEDY, lora_request=requests))
+    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1,
+                                    **KW) as w:
+        got = tokens(w.generate(prompts, GREEDY, lora_request=requests))
+        assert w.loras.loads >= 3  # one slot: each adapter loaded in turn, written again from its checkpoint
+    assert got == want
+
+
+def test_the_prefix_cache_is_never_shared_across_adapters_or_with_the_base(base, adapters) -> None:
+    prompt = list(range(3, 40))
+    a, b = LoRARequest("all", 1, str(adapters["all"])), LoRARequest("attn", 2, str(adapters["attn"]))
+    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, **KW) as w:
+        cached = []
+        for lora in (None, a, b, a, None):
+            out = w.generate([prompt], GREEDY, lora_request=lora)[0]
+            cached.append(out.num_cached_tokens)
+    assert cached[:3] == [0, 0, 0]  # the base, then each adapter: nothing another wrote
+    assert cached[3] == cached[4] == 32  # the same adapter again, the base again: their own pages
+
+
+def test_bad_adapters_are_refused_by_name_and_the_worker_stays_usable(base, adapters, tmp_path) -> None:
+    with guard(), DistributedWorker(str(base), enable_lora=True, max_lora_rank=4, **KW) as w:
+        with pytest.raises(ValueError, match="rank r=8 exceeds max_lora_rank=4"):
+            w.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("attn", 2, str(adapters["attn"])))
+        for key, value, message in [("use_dora", True, "DoRA"), ("modules_to_save", ["lm_head"], "modules_to_save"),
+                                    ("target_modules", ["embed_tokens"], "embedding and lm_head"),
+                                    ("peft_type", "IA3", "is not LORA")]:
+            bad = tmp_path / key
+            bad.mkdir()
+            config = json.loads((adapters["all"] / "adapter_config.json").read_text())
+            config[key] = value
+            (bad / "adapter_config.json").write_text(json.dumps(config))
+            (bad / "adapter_model.safetensors").write_bytes((adapters["all"] / "adapter_model.safetensors").read_bytes())
+            with pytest.raises(ValueError, match=message):
+                w.add_lora(LoRARequest(key, 9, str(bad)))
+        with pytest.raises(ValueError, match="no adapter_config.json"):
+            w.add_lora(LoRARequest("missing", 9, str(tmp_path / "nowhere")))
+        assert w.add_lora(LoRARequest("all", 1, str(adapters["all"]))) and w.list_loras() == {1}
+        assert not w.add_lora(LoRARequest("all", 1, str(adapters["all"])))
+        assert tokens(w.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("all", 1, str(adapters["all"]))))
+        assert w.remove_lora(1) and not w.remove_lora(1) and w.list_loras() == set()
+    with guard(), DistributedWorker(str(base), **KW) as w:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            w.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("all", 1, str(adapters["all"])))
+    with pytest.raises(ValueError, match="enable_lora cannot be combined with speculative_config"):
+        DistributedWorker(str(base), enable_lora=True, speculative_config={"method": "ngram",
+                                                                           "num_speculative_tokens": 2}, **KW)
