@@ -47,8 +47,7 @@ class LoraRegistry:
         self._host: OrderedDict[int, Path] = OrderedDict()  # adapter id -> its host copy
         self._generation = 0
         self._lock = threading.Lock()  # add/remove come from callers' threads, acquire from the loop's
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.folder = Path(tempfile.mkdtemp(prefix=f"l3worker-lora-{os.getpid()}-", dir=base))
+        self._folder: Path | None = None  # made at the first host copy, removed by close()
         self.loads = 0  # adapter loads into device slots
 
     # -- registration (any thread) -------------------------------------------------------------------
@@ -133,7 +132,19 @@ class LoraRegistry:
                     if a in self.adapters and self.users[s]]
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        with self._lock:
+            if self._folder is not None:
+                shutil.rmtree(self._folder, ignore_errors=True)
+                self._folder = None
+            self._host.clear()
+
+    @property
+    def folder(self) -> Path:
+        """Where the host copies are: shared memory where there is some."""
+        if self._folder is None:
+            base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._folder = Path(tempfile.mkdtemp(prefix=f"l3worker-lora-{os.getpid()}-", dir=base))
+        return self._folder
 
     # -- host copies (under the lock) -----------------------------------------------------------------
     def _store(self, adapter_id: int, adapter) -> Path:

@@ -114,13 +114,13 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they arrive: deltas, then the final one. Bad input raises
         ValueError/TypeError before anything is yielded; a dead engine raises EngineDeadError, a full
         queue EngineBusyError, and a request the engine gave up on RequestFailedError."""
         if self._thread is None or self._stopping:
             raise EngineDeadError("the engine is not running")
-        state = self.engine.make_request(prompt, params, request_id, True, "prompt")
+        state = self.engine.make_request(prompt, params, request_id, True, "prompt", lora_request=lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[state.request_id] = queue
         finished = False

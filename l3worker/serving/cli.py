@@ -169,6 +169,7 @@ def serve_command(args: argparse.Namespace) -> int:
         router = dp.router(args.block_size, worker.runtime_config.total_pages - 1, args.max_num_seqs,
                            KVEventsConfig.of(args.kv_events_config))
         options = serve_options(args)
+        check_lora_serving(args, options, worker)
         # Served as typed, path or Hub id (vLLM's name), though the worker reads the resolved directory.
         info = ModelInfo.of(worker)
         if not builtin:
@@ -252,6 +253,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint, seed=args.seed,
         enable_sleep_mode=args.enable_sleep_mode, enable_weight_updates=args.enable_weight_updates,
+        lora_modules=tuple(args.lora_modules or ()), allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         max_logprobs=args.max_logprobs, response_role=args.response_role,
         enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats,
         root_path=args.root_path or "", allowed_origins=tuple(args.allowed_origins),
@@ -277,6 +279,27 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, int, bool]:
 _VLLM_DTYPES = {"float": "float32"}  # vLLM's other spelling
 
 
+def check_lora_serving(args: argparse.Namespace, options: ServeOptions, worker) -> None:
+    """--lora-modules read and checked now (a bad adapter stops the start, named); the flags'
+    combinations vLLM would refuse, refused."""
+    from l3worker.serving.openai.adapters import ServedAdapters, runtime_updating_allowed
+
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if runtime_updating_allowed(args.allow_runtime_lora_updating) and args.api_server_count > 1:
+        raise ValueError("runtime LoRA updating needs --api-server-count 1: each API server keeps its own adapter "
+                         "names, so an adapter loaded through one would be unknown to the others")
+    adapters = ServedAdapters.of(options.lora_modules)
+    if len(adapters.by_name) != len(options.lora_modules):
+        raise ValueError("--lora-modules: two adapters have the same name")
+    for request in adapters.by_name.values():
+        try:
+            worker.add_lora(request)
+        except ValueError as e:
+            worker.close()  # its adapter copies go with it
+            raise ValueError(f"--lora-modules {request.lora_name}: {e}") from None
+
+
 def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int, builtin: bool) -> dict:
     """Every engine core's DistributedWorker arguments (before its share of the devices)."""
     return dict(model_dir=None if builtin else model_dir, device=args.device,
@@ -293,7 +316,8 @@ def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int,
                 max_waiting_requests=args.max_waiting_requests,
                 speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode,
                 kv_events_config=args.kv_events_config, kv_cache_dtype=args.kv_cache_dtype,
-                kv_offloading_size=args.kv_offloading_size,
+                kv_offloading_size=args.kv_offloading_size, enable_lora=args.enable_lora, max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                 tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Callable
 
+from l3worker.lora import LoRARequest
 from l3worker.worker.shared_weights import named_items, shared_buckets
 
 CONTROLS: dict[str, Callable[..., dict]] = {
@@ -20,6 +21,9 @@ CONTROLS: dict[str, Callable[..., dict]] = {
     "reset_prefix_cache": lambda w, a: {"freed_pages": w.reset_prefix_cache()},
     "update_weights_from_shared": lambda w, a: w.update_weights_from_shared(a["folder"], a["names"],
                                                                             a.get("weight_version"), a["flush"]),
+    # LoRA adapters (l3worker/worker/lora_controls.py): read and checked when added
+    "add_lora": lambda w, a: {"added": w.add_lora(LoRARequest(a["lora_name"], a["lora_int_id"], a["lora_path"]))},
+    "remove_lora": lambda w, a: {"removed": w.remove_lora(a["lora_int_id"])},
 }
 
 

@@ -193,7 +193,7 @@ class CoreClient:
                        *(self.kv_feed.tasks() if self.kv_feed else ())]
 
     async def generate(self, prompt: list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate. The core checks the request; a refusal is raised before any output."""
         if self._stopping or not self._gone:
             raise EngineDeadError("the engine is not running")
@@ -208,8 +208,10 @@ class CoreClient:
         engine = self._engine_of[request_id] = self.router.choose(prompt) if self.router else 0
         finished = False
         try:
+            lora = None if lora_request is None else [lora_request.lora_name, lora_request.lora_int_id,
+                                                      lora_request.lora_path]
             await self._controls[engine].send(pack(["add", request_id, self._prompts[request_id],
-                                                    params_to_wire(params)]))
+                                                    params_to_wire(params), lora]))
             while not finished:
                 item = checked(await queue.get())
                 finished = item.finished

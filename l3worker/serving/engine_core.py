@@ -34,6 +34,7 @@ from l3worker.serving.async_engine import run_step_loop
 from l3worker.serving.controls import run_control
 from l3worker.serving.core_wire import error_kind, identity, output_to_wire, pack, params_from_wire, unpack
 from l3worker.engine.step_loop import EngineDeadError
+from l3worker.lora import LoRARequest
 from l3worker.errors import EngineBusyError
 from l3worker.engine.metrics import families_to_wire
 from l3worker.params import RequestOutput
@@ -153,12 +154,13 @@ class EngineCore:
         else:
             log.error("unknown control message %r", kind)
 
-    def _add(self, who: bytes, request_id: str, prompt: list[int], params: list) -> None:
+    def _add(self, who: bytes, request_id: str, prompt: list[int], params: list, lora: list | None = None) -> None:
         previous = self.owner.get(request_id)
         # Owned before it is queued: the loop thread may finish it before submit returns.
         self.owner[request_id] = int(who.decode().removeprefix("api-"))
         try:
-            state = self.engine.make_request(prompt, params_from_wire(params), request_id, True, "prompt")
+            state = self.engine.make_request(prompt, params_from_wire(params), request_id, True, "prompt",
+                                             lora_request=None if lora is None else LoRARequest(*lora))
             self.engine.submit(state)
         except (ValueError, TypeError, EngineBusyError, EngineDeadError) as e:
             if previous is None:

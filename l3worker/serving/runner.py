@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 import uvicorn
 
 from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME
+from l3worker.serving.openai.adapters import ServedAdapters, runtime_updating_allowed
 from l3worker.serving.openai.app import Cors, create_app
 from l3worker.serving.openai.chat import ChatTemplate
 from l3worker.serving.openai.chat_reply import ChatParsing
@@ -51,6 +52,8 @@ class ServeOptions:
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
     enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (the worker needs it too)
     enable_weight_updates: bool = False  # POST /update_weights_from_disk, /pause_generation, ...
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()  # --lora-modules: (name, path, base_model_name)
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     seed: int | None = None  # --seed: seeds the requests that give none (generation_config.RequestSeeds)
     max_logprobs: int = MAX_TOP_LOGPROBS  # --max-logprobs
     response_role: str = "assistant"  # --response-role
@@ -108,7 +111,8 @@ def model_for(info: ModelInfo, tokenizer, options: ServeOptions) -> ServedModel:
         parsing=ChatParsing(options.reasoning_parser, options.tool_call_parser, options.enable_auto_tool_choice),
         return_tokens_as_token_ids=options.return_tokens_as_token_ids, root=info.root or info.model_name,
         max_logprobs=options.max_logprobs, response_role=options.response_role,
-        seeds=RequestSeeds(options.seed), log_requests=options.enable_log_requests)
+        seeds=RequestSeeds(options.seed), log_requests=options.enable_log_requests,
+        adapters=ServedAdapters.of(tuple(tuple(m) for m in options.lora_modules)))
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -184,7 +188,8 @@ async def serve(engine, model: ServedModel, options: ServeOptions, sock: socket.
         app = create_app(engine, model, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
                          enable_tokenizer_info=options.enable_tokenizer_info_endpoint, cors=options.cors,
                          enable_sleep_mode=options.enable_sleep_mode,
-                         enable_weight_updates=options.enable_weight_updates)
+                         enable_weight_updates=options.enable_weight_updates,
+                         enable_lora_updates=runtime_updating_allowed(options.allow_runtime_lora_updating))
         config = uvicorn.Config(app, log_config=None, log_level=options.uvicorn_log_level, access_log=False,
                                 lifespan="off", http="auto", ws="none",
                                 timeout_graceful_shutdown=options.graceful_timeout_s, root_path=options.root_path,

@@ -82,10 +82,43 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
     _cache_args(p.add_argument_group("Cache", "the KV cache (vLLM's CacheConfig)"))
     _parallel_args(p.add_argument_group("Parallel", "tensor and data parallelism (vLLM's ParallelConfig)"))
     _scheduler_args(p.add_argument_group("Scheduler", "batching (vLLM's SchedulerConfig)"))
+    _lora_args(p.add_argument_group("LoRA", "LoRA adapters served beside the model (vLLM's LoRAConfig)"))
     _device_args(p.add_argument_group("Device", "where the chip-children run (l3worker)"))
     _frontend_args(p.add_argument_group("Frontend", "the HTTP server (vLLM's FrontendArgs)"))
     _logging_args(p.add_argument_group("Logging", "what the server logs (vLLM's engine logging flags)"))
     return p
+
+
+def _lora_module(text: str) -> tuple[str, str, str | None]:
+    """vLLM's --lora-modules item: name=path, or a JSON object with name, path and base_model_name."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {text!r}") from None
+        unknown = set(value) - {"name", "path", "base_model_name"} if isinstance(value, dict) else set()
+        if not isinstance(value, dict) or unknown or not value.get("name") or not value.get("path"):
+            raise argparse.ArgumentTypeError(f"expected {{\"name\": ..., \"path\": ..., \"base_model_name\": ...}}, "
+                                             f"got {text!r}")
+        return value["name"], value["path"], value.get("base_model_name")
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path, None
+
+
+def _lora_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT checkpoints)")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help='adapters served from the start, each name=path or \'{"name": ..., "path": ..., '
+                        '"base_model_name": ...}\'; a request picks one with "model": NAME')
+    g.add_argument("--max-loras", type=int, default=1, metavar="N", help="adapters in one batch (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, metavar="R", help="the highest adapter rank taken")
+    g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="adapters kept checked in host memory (None: --max-loras)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which also enables them)")
 
 
 def _model_args(g: argparse._ArgumentGroup) -> None:

@@ -20,6 +20,7 @@ from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES, APIKey, B
 from l3worker.serving.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                       error_body)
 from l3worker.serving.openai.responses import new_id, now
+from l3worker.serving.openai.lora_routes import add_lora_routes
 from l3worker.serving.openai.rollout_routes import add_rollout_routes
 from l3worker.serving.openai.tokenization import detokenize, tokenize
 from l3worker.serving.openai.tokenizer_info import tokenizer_info
@@ -45,7 +46,8 @@ def version() -> str:
 
 def create_app(engine, model: ServedModel, *, api_key: str | list[str] | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, enable_tokenizer_info: bool = False,
-               cors: Cors = Cors(), enable_sleep_mode: bool = False, enable_weight_updates: bool = False) -> FastAPI:
+               cors: Cors = Cors(), enable_sleep_mode: bool = False, enable_weight_updates: bool = False,
+               enable_lora_updates: bool = False) -> FastAPI:
     client = EngineClient(engine)
     app = FastAPI(title="l3worker", docs_url=None, redoc_url=None)
     app.state.client = client
@@ -96,10 +98,12 @@ def create_app(engine, model: ServedModel, *, api_key: str | list[str] | None = 
     async def models() -> dict:
         """vLLM's ModelList: every served name, its root the model as the user named it; and the
         weights' version (SGLang's weight_version: update_weights_from_disk sets it)."""
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "l3worker",
-             "root": model.root or model.model_dir, "parent": None, "max_model_len": model.max_model_len,
-             "permission": [_permission(created)], "weight_version": client.weight_version} for name in model.names]}
+        base = [{"id": name, "object": "model", "created": created, "owned_by": "l3worker",
+                 "root": model.root or model.model_dir, "parent": None, "max_model_len": model.max_model_len,
+                 "permission": [_permission(created)], "weight_version": client.weight_version} for name in model.names]
+        adapters = [{**base[0], "id": name, "root": lora.lora_path, "parent": lora.base_model_name or model.names[0],
+                     "permission": [_permission(created)]} for name, lora in list(model.adapters.by_name.items())]
+        return {"object": "list", "data": base + adapters}
 
     @app.get("/health")
     async def health() -> Response:
@@ -133,6 +137,8 @@ def create_app(engine, model: ServedModel, *, api_key: str | list[str] | None = 
             return info
 
     add_rollout_routes(app, client, sleep=enable_sleep_mode, weight_updates=enable_weight_updates)
+    if enable_lora_updates:
+        add_lora_routes(app, client, model.adapters, model.names)
 
     return app
 

@@ -108,4 +108,5 @@ async def create_chat_completion(request: Request, req: ChatCompletionRequest, m
     fmt = TokenFormatter(model.tokens, model.token_ids_as_text(req))
     gen = ChatCompletion(req, model_name, [prompt], fmt, reader, model.chat_role(req))
     model.log_request(gen.request_id, [prompt], [params])
+    gen.lora = model.lora_of(req.model)
     return await respond(request, gen, client, [params])

@@ -79,4 +79,5 @@ async def create_completion(request: Request, req: CompletionRequest, model: Ser
     params = [model.completion_params(req, len(p), p) for p in prompts]
     gen = Completion(req, model_name, prompts, TokenFormatter(model.tokens, model.token_ids_as_text(req)))
     model.log_request(gen.request_id, prompts, params)
+    gen.lora = model.lora_of(req.model)
     return await respond(request, gen, client, params)

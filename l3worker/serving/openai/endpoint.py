@@ -21,6 +21,7 @@ from typing import AsyncIterator, Awaitable, Callable, ClassVar, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from l3worker.lora import LoRARequest
 from l3worker.params import CompletionOutput, RequestOutput, SamplingParams
 from l3worker.serving.openai.engine_client import EngineClient, merge
 from l3worker.serving.openai.errors import APIError, internal
@@ -55,6 +56,7 @@ class Generation(ABC):
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self._finished: set[int] = set()  # choices whose finish_reason was streamed
         self.weight_version: Callable[[], str] = lambda: "default"  # respond() asks the engine
+        self.lora: LoRARequest | None = None  # the LoRA adapter its "model" names
 
     # -- what an endpoint writes -----------------------------------------------------------------
     @abstractmethod
@@ -141,7 +143,7 @@ async def respond(request: Request, gen: Generation, client: EngineClient, param
     gen.weight_version = lambda: client.weight_version
     rid = gen.request_id
     single = len(gen.prompts) == 1
-    outputs = merge([client.generate(p, sp, rid if single else f"{rid}-{i}")
+    outputs = merge([client.generate(p, sp, rid if single else f"{rid}-{i}", gen.lora)
                      for i, (p, sp) in enumerate(zip(gen.prompts, params))])
     if gen.req.stream:
         first = await unless_disconnected(request, anext(outputs))

@@ -48,8 +48,8 @@ class EngineClient:
         except WorkerError as e:
             raise unavailable(f"the engine failed: {e}") from None
 
-    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """engine.generate, with its input errors (raised before the first output) as 400s and a dead
         engine as 503. Leaving early for any reason aborts the request."""
         if self.stopping:
@@ -60,7 +60,7 @@ class EngineClient:
             raise unavailable(f"the engine is not serving now: {self.engine.unavailable_reason}")
         self.inflight.add(request_id)
         started = False
-        outputs = self.engine.generate(prompt, params, request_id)
+        outputs = self.engine.generate(prompt, params, request_id, lora_request=lora_request)
         try:
             while True:
                 try:

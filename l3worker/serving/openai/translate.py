@@ -9,11 +9,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from l3worker.lora import LoRARequest
 from l3worker.params import SamplingParams
 from l3worker.structured.reasoning import THINK_END
 from l3worker.structured.specs import StructuredSpec, tool_choice_spec
 from l3worker.structured.tool_parsers import TOOL_CALL_START
 from l3worker.serving.openai.chat import ChatTemplate, ChatTemplateError, tool_call_for_template
+from l3worker.serving.openai.adapters import ServedAdapters
 from l3worker.serving.openai.chat_reply import ChatParsing
 from l3worker.serving.openai.errors import bad_request, model_not_found
 from l3worker.serving.openai.generation_config import GenerationDefaults, RequestSeeds
@@ -42,13 +44,20 @@ class ServedModel:
     response_role: str = "assistant"  # --response-role
     seeds: RequestSeeds = field(default_factory=RequestSeeds)  # --seed
     log_requests: bool = False  # --enable-log-requests
+    adapters: ServedAdapters = field(default_factory=ServedAdapters)  # LoRA adapters by name (--lora-modules)
 
     def resolve(self, requested: str | None) -> str:
         """The name to answer with: the first served name, as vLLM reports it whichever alias a
-        request used; 404 for a model this server does not serve."""
+        request used, or the LoRA adapter's name; 404 for a model this server does not serve."""
+        if requested in self.adapters.by_name:
+            return requested
         if requested is not None and requested != "" and requested not in self.names:
             raise model_not_found(requested)
         return self.names[0]
+
+    def lora_of(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's "model" names; None: the base model."""
+        return self.adapters.get(requested)
 
     def log_request(self, request_id: str, prompts: list[list[int]], params: list[SamplingParams]) -> None:
         """--enable-log-requests: what each request asked for, as vLLM logs it."""
