@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -33,10 +34,24 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = CLEANUP_S) -> bool:
 
 def shm_entries() -> set[str]:
     """/dev/shm's entries, less multiprocessing's semaphores (`sem.mp-*`): nothing here makes them,
-    and other programs on a shared machine come and go with theirs."""
+    and other programs on a shared machine come and go with theirs; and less l3worker's folders
+    (`l3worker-<kind>-<pid>-*`) of a live process outside this one's tree: another pytest-xdist
+    worker's, which comes and goes with its own tests."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-")}
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-") and not _elsewhere(name)}
+
+
+def _elsewhere(name: str) -> bool:
+    m = re.match(r"l3worker-[a-z]+-(\d+)-", name)
+    if m is None:
+        return False
+    try:
+        owner = psutil.Process(int(m[1]))
+        mine = owner.pid == os.getpid() or any(p.pid == os.getpid() for p in owner.parents())
+        return owner.is_running() and not mine and owner.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def assert_nothing_left(children: list[psutil.Process], socket_dir: str, shm_before: set[str]) -> None:

@@ -44,7 +44,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "distributed_executor_backend": (None, "mp"),
     "load_format": ("auto", "safetensors"),
     "enable_chunked_prefill": (None, True),  # long prompts are always prefilled in chunks
-    "enable_lora": (False,),
     "enable_prompt_embeds": (False,),
     "logprobs_mode": ("processed_logprobs",),  # the sampled distribution's (see SamplingParams)
     "use_tqdm_on_load": (True, False),

@@ -110,13 +110,12 @@ class LLM:
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """One final RequestOutput per prompt, in order. `prompts`: a str, a TextPrompt or
         TokensPrompt dict, a list of token ids, or a list of those. `priority`: one per prompt
-        (LLM(..., scheduling_policy="priority"); lower runs first)."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported by l3worker")
+        (LLM(..., scheduling_policy="priority"); lower runs first). `lora_request`: a LoRARequest, or
+        one per prompt (LLM(..., enable_lora=True))."""
         if not isinstance(use_tqdm, bool):
             raise TypeError(f"use_tqdm must be a bool, got {type(use_tqdm).__name__}")
         encode = None if self._tokenizer is None else self._tokenizer.encode  # special tokens added, as vLLM does
-        return self._run(engine_prompts(prompts, encode), sampling_params, use_tqdm, priority)
+        return self._run(engine_prompts(prompts, encode), sampling_params, use_tqdm, priority, lora_request)
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None,
@@ -128,9 +127,8 @@ class LLM:
         lists) with the model's chat template (or `chat_template`: a template or a file holding
         one), then generates as generate() does. `chat_template_kwargs` are template variables
         (enable_thinking, ...) and may override the named arguments, as in vLLM."""
-        for name, value in (("lora_request", lora_request), ("mm_processor_kwargs", mm_processor_kwargs)):
-            if value is not None:
-                raise ValueError(f"{name} is not supported by l3worker")
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs is not supported by l3worker")
         if chat_template_content_format not in _CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {_CONTENT_FORMATS}, "
                              f"got {chat_template_content_format!r}")
@@ -154,7 +152,17 @@ class LLM:
                 template_messages(conv, content_format, i if len(convs) > 1 else -1), tokenize=False, **options)
             # the template wrote the special tokens: none are added again
             prompts.append(EnginePrompt(self._tokenizer.encode(text, add_special_tokens=False), text))
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    # -- LoRA adapters (DistributedWorker's, l3worker.worker.lora_controls) --------------------------
+    def add_lora(self, lora_request) -> bool:
+        return self.worker.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.worker.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.worker.list_loras()
 
     # -- RL rollouts (DistributedWorker's, l3worker.worker.rollout) ----------------------------------
     def sleep(self, level: int = 1) -> dict:
@@ -178,13 +186,13 @@ class LLM:
 
     # -- internals ---------------------------------------------------------------------------------
     def _run(self, prompts: list[EnginePrompt], sampling_params: Any, use_tqdm: bool,
-             priority: Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: Sequence[int] | None = None, lora_request: Any = None) -> list[RequestOutput]:
         params = self._params_for(len(prompts), sampling_params)
         if priority is not None:
             if len(priority) != len(prompts):
                 raise ValueError(f"priority: {len(priority)} values for {len(prompts)} prompts (give one per prompt)")
             params = [replace(p, priority=v) for p, v in zip(params, priority)]
-        outputs = self.worker.generate([p.ids for p in prompts], params, use_tqdm=use_tqdm)
+        outputs = self.worker.generate([p.ids for p in prompts], params, use_tqdm=use_tqdm, lora_request=lora_request)
         for out, prompt in zip(outputs, prompts):
             out.prompt = prompt.text  # the worker was given ids
         return outputs

@@ -152,7 +152,7 @@ def test_bad_input_is_refused_by_name(llm) -> None:
         (lambda: llm.generate(TEXTS, [SamplingParams()]), ValueError, "1 SamplingParams for 2 prompts"),
         (lambda: llm.generate({"prompt_token_ids": [1], "multi_modal_data": {}}), ValueError, "multi_modal_data"),
         (lambda: llm.generate({"prompt_tokens": [1]}), ValueError, "prompt_tokens"),
-        (lambda: llm.generate(TEXTS, lora_request=object()), ValueError, "lora_request"),
+        (lambda: llm.generate(TEXTS, lora_request=object()), TypeError, "lora_request must be a LoRARequest"),
         (lambda: llm.generate(TEXTS, "greedy"), TypeError, "sampling_params"),
         (lambda: llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), ValueError,
          r"messages\[0\]\['content'\]\[0\].*image_url"),

@@ -127,3 +127,19 @@ def test_bad_adapters_are_refused_by_name_and_the_worker_stays_usable(base, adap
     with pytest.raises(ValueError, match="enable_lora cannot be combined with speculative_config"):
         DistributedWorker(str(base), enable_lora=True, speculative_config={"method": "ngram",
                                                                            "num_speculative_tokens": 2}, **KW)
+
+
+def test_vllm_offline_api_takes_lora_requests(base, adapters) -> None:
+    """LLM(enable_lora=True).generate(..., lora_request=LoRARequest(name, id, path)), as vLLM's."""
+    from l3worker import LLM
+
+    request = LoRARequest("all", 1, str(adapters["all"]))
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=8, max_model_len=128, device="cpu")
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                                             lora_request=request, use_tqdm=False)]
+        assert llm.list_loras() == {1}
+    finally:
+        llm.worker.close()
+    with guard(), DistributedWorker(str(base), enable_lora=True, max_lora_rank=8, **KW) as w:
+        assert got == tokens(w.generate(PROMPTS, GREEDY, lora_request=request))

@@ -26,7 +26,7 @@ def refused(capsys, *argv: str) -> str:
 @pytest.mark.parametrize("argv,flag", [
     (["--swap-space", "4"], "--swap-space"),
     (["--swap_space=4"], "--swap-space"),  # vLLM's underscore spelling, with =value
-    (["--enable-lora"], "--enable-lora"),
+    (["--enable-lora-bias"], "--enable-lora-bias"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),  # the --no- form of a vLLM boolean
     (["-pp", "2"], "-pp"),
     (["-O3"], "-O"),
