@@ -6,9 +6,11 @@ the step loop pays nothing for them.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 # Bucket edges in seconds, from sub-millisecond steps of a tiny model to minutes-long requests.
@@ -80,10 +82,28 @@ class EngineMetrics:
         if layout is not None:
             self._cpu_layout.labels(layout).set(1)
 
+    def track_lora(self, info: Callable[[], tuple[int, list[str], list[str]]]) -> None:
+        """vLLM's lora_requests_info: `info()` gives max_loras and the running and waiting adapters' names."""
+        self.registry.register(_LoraInfo(info))
+
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample's current value, e.g. value("l3worker:generation_tokens_total")."""
         got = self.registry.get_sample_value(name, labels)
         return 0.0 if got is None else got
+
+
+class _LoraInfo:
+    """One series whose labels name the adapters in use (comma-separated), set to the scrape's time."""
+
+    def __init__(self, info: Callable[[], tuple[int, list[str], list[str]]]):
+        self.info = info
+
+    def collect(self):
+        max_lora, running, waiting = self.info()
+        family = GaugeMetricFamily("l3worker:lora_requests_info", "LoRA adapters of running and waiting requests",
+                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        family.add_metric([str(max_lora), ",".join(running), ",".join(waiting)], time.time())
+        yield family
 
 
 def observe_repeated(histogram: Histogram, value: float, count: int) -> None:

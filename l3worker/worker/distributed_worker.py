@@ -15,6 +15,7 @@ import sys
 import time
 import weakref
 from dataclasses import asdict, replace
+from functools import partial
 from typing import Iterator, Sequence
 
 import zmq
@@ -34,7 +35,7 @@ from chip_child.spec.config import SpeculativeConfig
 from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME, ensure_tiny_model
 from l3worker.worker.child_process import ChildProcess, child_spec, wait_all_ready
 from l3worker.worker.worker_stats import worker_stats
-from l3worker.worker.lora_controls import LoraControls, lora_registry
+from l3worker.worker.lora_controls import LoraControls, lora_info, lora_registry
 from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check_kv_cache_dtype, check_limits,
                                         check_speculation_switches, positive_int)
 from l3worker.worker.kv_sizing import KvSizing, host_tier_pages, size_kv_cache
@@ -218,6 +219,8 @@ class DistributedWorker(RolloutControls, LoraControls):
                              pipeline_depth, step_timeout_s, max_num_batched_tokens, enable_prefix_caching,
                              restart_policy, max_waiting_requests)
         self.engine.loras = self.loras
+        if self.loras is not None:
+            self.engine.metrics.track_lora(partial(lora_info, self.engine))
         self.engine.scheduling_policy = check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
         self.engine.kv_events_config, self.engine.kv_events_rank = KVEventsConfig.of(kv_events_config), data_parallel_rank
         self._requests_served = 0

@@ -143,3 +143,20 @@ def test_vllm_offline_api_takes_lora_requests(base, adapters) -> None:
         llm.worker.close()
     with guard(), DistributedWorker(str(base), enable_lora=True, max_lora_rank=8, **KW) as w:
         assert got == tokens(w.generate(PROMPTS, GREEDY, lora_request=request))
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters(base, adapters) -> None:
+    """vLLM's lora_requests_info: one series whose labels list the adapters in use."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = LoRARequest("all", 1, str(adapters["all"]))
+    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=2, **KW) as w:
+        seen = []
+        for _ in w.stream(PROMPTS, GREEDY, lora_request=[request, None, request]):
+            text = generate_latest(w.engine.metrics.registry).decode()
+            samples = [s for f in text_string_to_metric_families(text) for s in f.samples
+                       if s.name == "l3worker:lora_requests_info"]
+            seen.append(samples[0].labels)
+    assert {"max_lora": "2", "running_lora_adapters": "all", "waiting_lora_adapters": ""} in seen
+    assert seen[-1]["running_lora_adapters"] == ""  # all finished

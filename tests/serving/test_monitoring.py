@@ -33,9 +33,10 @@ def test_every_series_the_dashboard_queries_exists_on_a_live_server() -> None:
     for needed in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                    "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
                    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hits_total",
-                   "prefix_cache_queries_total", "num_preemptions_total", "engine_restarts_total"):
+                   "prefix_cache_queries_total", "num_preemptions_total", "engine_restarts_total",
+                   "lora_requests_info"):
         assert "l3worker:" + needed in wanted, needed
-    worker = DistributedWorker(None, max_batch_size=2, max_seq_len=256, page_size=16)
+    worker = DistributedWorker(None, max_batch_size=2, max_seq_len=256, page_size=16, enable_lora=True)
     with ServerThread(worker, options=ServeOptions(port=0)) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as client:
             assert client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3}).status_code == 200
