@@ -2,18 +2,23 @@
 projection, allocated once beside the weights, and the step's adapter deltas.
 
 Layout. For a fused projection (qkv, o_proj, gate_up, down) of a layer, with R = max_lora_rank
-times its parts (q/k/v: 3, gate/up: 2, o and down: 1): A is [in, slots * R] and B [slots * R, out].
-Slot s owns columns s*R .. (s+1)*R of A and the same rows of B; within them part j owns
-j*max_lora_rank.. (an adapter of lower rank, or without that part, leaves zeros), and B places
-each part's rows under that part's output columns (zeros elsewhere), so one (x @ A) @ B is the
-delta of every part at once. B holds the adapter's scaling already.
+times its parts (q/k/v: 3, gate/up: 2, o and down: 1): A is [slots, in, R] and B [slots, R, out].
+Within a slot's R, part j owns j*max_lora_rank.. (an adapter of lower rank, or without that part,
+leaves zeros), and B places each part's rows under that part's output columns (zeros elsewhere),
+so one (x @ A[s]) @ B[s] is the delta of every part at once. B holds the adapter's scaling.
 
-A step: each token carries its row's slot (-1: the base model). x @ A gives every slot's
-shrink; a mask keeps only the token's own slot's columns (zeros for the base); @ B expands. So a
-batch mixing adapters is three static-shape ops per projection, with no grouping on the host,
-and a decode graph captures it (loading a slot rewrites the same tensors). The cost is the
-shrink and expand of all slots for every token: small next to the projection while
-slots * R is small next to its width.
+A step: each token carries its row's slot (-1: the base model), and the delta is computed one of
+two ways.
+
+- Grouped (`grouped_step`, eager steps, where the host knows each token's slot): the tokens with
+  an adapter are gathered into one [groups, G, in] batch, a group per slot in use (G its largest,
+  shorter ones padded with a zero row), and two batched matmuls through those slots' A and B give
+  the deltas, added back at their rows (punica's SGMV in four ops). Base rows cost nothing, and a
+  step with no adapter skips LoRA entirely.
+- Masked (`step`, for a captured decode graph, which cannot follow the host): every token goes
+  through every slot's A, a mask keeps each token's own slot (zeros for the base), through B and
+  summed over the slots: static shapes, reading the slots from the device (loading a slot
+  rewrites the tensors the graph reads), at every slot's work for every token.
 
 Tensor parallel: A and B are sharded like the layer they attach to: the column-parallel parts'
 (q, k, v, gate, up) B by output, the row-parallel ones' (o, down) A by input, so the delta of
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -42,6 +48,7 @@ class LoraSlots:
                  rank: int = 0, world: int = 1):
         """`cfg`: the whole model's config (not a shard's)."""
         self.slots, self.max_rank, self.rank, self.world = slots, max_rank, rank, world
+        self.device = device
         hd, hidden, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
         # each part's (in, out) in the whole model
         self.dims = {"q": (hidden, cfg.num_heads * hd), "k": (hidden, cfg.num_kv_heads * hd),
@@ -55,9 +62,9 @@ class LoraSlots:
             for name, parts in FUSED.items():
                 if name in ("gate_up", "down") and layer in sparse:
                     continue  # a MoE layer's MLP takes no adapter
-                width = slots * max_rank * len(parts)
-                a[name] = torch.zeros(self._in(parts[0]), width, dtype=dtype, device=device)
-                b[name] = torch.zeros(width, sum(self._out(p) for p in parts), dtype=dtype, device=device)
+                width = max_rank * len(parts)
+                a[name] = torch.zeros(slots, self._in(parts[0]), width, dtype=dtype, device=device)
+                b[name] = torch.zeros(slots, width, sum(self._out(p) for p in parts), dtype=dtype, device=device)
             self.a.append(a)
             self.b.append(b)
 
@@ -74,12 +81,30 @@ class LoraSlots:
         return sum(t.numel() * t.element_size() for side in (self.a, self.b) for layer in side for t in layer.values())
 
     def step(self, token_slots: torch.Tensor) -> "LoraStep":
-        """The step's masks from each token's slot (int64 [T], -1: none)."""
-        onehot = (token_slots[:, None] == torch.arange(self.slots, device=token_slots.device)[None, :])
-        dtype = next(iter(self.a[0].values())).dtype if self.a and self.a[0] else torch.float32
-        onehot = onehot.to(dtype)
-        masks = {k: onehot.repeat_interleave(self.max_rank * k, 1) for k in {len(p) for p in FUSED.values()}}
-        return LoraStep(self, masks)
+        """The masked step from each token's slot on the device (int64 [T], -1: none)."""
+        onehot = token_slots[None, :] == torch.arange(self.slots, device=token_slots.device)[:, None]
+        dtype = next(iter(self.a[0].values())).dtype
+        return LoraStep(self, onehot.to(dtype)[:, :, None])
+
+    def grouped_step(self, token_slots: np.ndarray, device: torch.device) -> "GroupedLoraStep | None":
+        """The grouped step from each token's slot on the host (-1: none); None when no token has one."""
+        used = np.flatnonzero(token_slots >= 0)
+        if not used.size:
+            return None
+        order = used[np.argsort(token_slots[used], kind="stable")]
+        slots, first = np.unique(token_slots[order], return_index=True)
+        sizes = np.diff(np.r_[first, len(order)])
+        group = int(sizes.max())
+        pad = len(token_slots)  # the zero row appended to x
+        gather = np.full((len(slots), group), pad, np.int64)
+        scatter = np.zeros((len(slots), group), np.int64)  # a pad adds its zero delta to row 0
+        for g, (a, n) in enumerate(zip(first, sizes)):
+            gather[g, :n] = scatter[g, :n] = order[a:a + n]
+        padded = bool((sizes < group).any())
+        which = slice(0, len(slots)) if (slots == np.arange(len(slots))).all() else \
+            torch.from_numpy(slots.astype(np.int64)).to(device)
+        return GroupedLoraStep(self, torch.from_numpy(gather.ravel()).to(device),
+                               torch.from_numpy(scatter.ravel()).to(device), which, len(slots), group, padded)
 
     @torch.inference_mode()
     def load(self, slot: int, path: str) -> None:
@@ -101,30 +126,49 @@ class LoraSlots:
                     a = a[:, _shard(self.rank, self.world, a.shape[1])]
                 else:
                     b = b[_shard(self.rank, self.world, b.shape[0])]
-                rank = a.shape[0]
-                cols = slice(slot * r * len(parts) + j * r, slot * r * len(parts) + j * r + rank)
+                cols = slice(j * r, j * r + a.shape[0])
                 first = sum(self._out(p) for p in parts[:j])
-                self.a[layer][name][:, cols].copy_(a.t())
-                self.b[layer][name][cols, first:first + b.shape[0]].copy_(b.t())
+                self.a[layer][name][slot, :, cols].copy_(a.t())
+                self.b[layer][name][slot, cols, first:first + b.shape[0]].copy_(b.t())
 
     @torch.inference_mode()
     def clear(self, slot: int) -> None:
         for a_layer, b_layer in zip(self.a, self.b):
             for name, a in a_layer.items():
-                width = self.max_rank * len(FUSED[name])
-                a[:, slot * width:(slot + 1) * width].zero_()
-                b_layer[name][slot * width:(slot + 1) * width].zero_()
+                a[slot].zero_()
+                b_layer[name][slot].zero_()
 
 
 @dataclass
 class LoraStep:
     slots: LoraSlots
-    masks: dict[int, torch.Tensor]  # parts per projection -> [T, slots * max_rank * parts]
+    weights: torch.Tensor  # [slots, T, 1]: 1 where the token is on that slot
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, name: str) -> torch.Tensor:
         """y (the projection of x) plus each token's adapter delta, in place."""
         a = self.slots.a[layer].get(name)
         if a is None:
             return y
-        shrink = torch.mm(x, a).mul_(self.masks[len(FUSED[name])])
-        return y.addmm_(shrink, self.slots.b[layer][name])
+        shrink = torch.matmul(x, a).mul_(self.weights)  # [slots, T, R]
+        return y.add_(torch.bmm(shrink, self.slots.b[layer][name]).sum(0))
+
+
+@dataclass
+class GroupedLoraStep:
+    slots: LoraSlots
+    gather: torch.Tensor  # [groups * G] the token of each padded position (T: the zero row)
+    scatter: torch.Tensor  # [groups * G] the row each delta is added to (0 for a pad: its delta is zero)
+    which: slice | torch.Tensor  # the groups' slots
+    groups: int
+    group: int  # G
+    padded: bool
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, name: str) -> torch.Tensor:
+        a = self.slots.a[layer].get(name)
+        if a is None:
+            return y
+        b = self.slots.b[layer][name]
+        source = torch.cat([x, x.new_zeros(1, x.shape[1])]) if self.padded else x
+        xs = source.index_select(0, self.gather).view(self.groups, self.group, -1)
+        delta = torch.bmm(torch.bmm(xs, a[self.which]), b[self.which])
+        return y.index_add_(0, self.scatter, delta.view(-1, delta.shape[-1]))

@@ -336,7 +336,8 @@ class ChipRuntime:
         self.submit_next_level("prefill" if plan else "decode", self.prefill_args if plan else self.decode_args,
                                plan=plan, lanes=lanes, lane_lens=rows.positions[:lanes] + 1,
                                max_lane_len=facts.furthest + 1, any_random=facts.any_random,
-                               any_filter=facts.any_filter, slots=slots, features=features)
+                               any_filter=facts.any_filter, slots=slots, features=features,
+                               lora=self.lora and self.lora.grouped_step(self._token_adapters(chunks, lanes), self.device))
         rows.advance()
         if self.spec is not None:
             self.spec.after_plain_step(lanes, plan, chunks, ints if chunks else None)
@@ -345,7 +346,7 @@ class ChipRuntime:
     def _step(self, *, plan: ChunkPlan | None, lanes: int, lane_lens: np.ndarray, max_lane_len: int,
               any_random: bool, any_filter: bool, slots: str, features: Features | None, tokens=None,
               token_positions=None, token_slots=None, chunk_ints=None, prompt_lp_values=None, prompt_lp_ids=None,
-              **pooled) -> None:
+              lora=None, **pooled) -> None:
         """One step over lanes [0, lanes) of the pooled tensors the task arguments name, through
         their views made once per bucket; rows above are idle and left untouched."""
         v = self.lane_views[lanes]
@@ -353,12 +354,12 @@ class ChipRuntime:
             if self.graphs is not None:
                 self.graphs.replay(lanes)  # its inputs are already where the command and the last step left them
             else:
-                self._decode_logits(v, slots, max_lane_len, lane_lens)
+                self._decode_logits(v, slots, max_lane_len, lane_lens, lora)
         else:
             self._lane_slots(v, slots)
             torch.add(v["positions"], 1, out=v["lane_seq_lens"])
             ints = plan.layout.unpack(chunk_ints)
-            hidden = self._forward_chunks(plan, lanes, v, tokens, token_positions, token_slots, ints)
+            hidden = self._forward_chunks(plan, lanes, v, tokens, token_positions, token_slots, ints, lora)
             row_hidden = hidden[:lanes]
             if plan.layout.last:  # a row whose prompt ends here samples from its last token
                 row_hidden.index_copy_(0, ints.last_rows, hidden.index_select(0, ints.last_index))
@@ -395,8 +396,14 @@ class ChipRuntime:
         elif slots == "advance":
             v["slot_mapping"].add_(v["active"])  # no active row crosses a page boundary this step
 
+    def _token_adapters(self, chunks: list[Chunk], lanes: int) -> np.ndarray:
+        """Each packed token's adapter slot (-1: none): the lanes', then every chunk's tokens'."""
+        host, active = self.rows.host["lora_slot"], self.rows.active
+        lane_slots = np.where(active[:lanes], host[:lanes], -1)
+        return np.concatenate([lane_slots, np.repeat(host[[c.row for c in chunks]], [c.length for c in chunks])])
+
     def _decode_logits(self, v: dict[str, torch.Tensor], slots: str, max_seq_len: int,
-                       seq_lens_host: np.ndarray | None) -> None:
+                       seq_lens_host: np.ndarray | None, lora: object = "masked") -> None:
         """A decode-only step's forward into v["logits"]. Eager steps pass the exact longest
         context and host lengths; a graph is captured with "compute" slots, the config's
         max_seq_len and no host lengths, so nothing of one step is frozen into it."""
@@ -406,7 +413,7 @@ class ChipRuntime:
                                  max_seq_len, seq_lens_host=seq_lens_host)
         hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
                          v["positions"], self.all_reduce, self.ops, self.spec and self.spec.aux(),
-                         self.lora and self.lora.step(v["lora_slot"]))
+                         self.lora.step(v["lora_slot"]) if lora == "masked" and self.lora else lora)
         final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
@@ -425,7 +432,7 @@ class ChipRuntime:
         positions.add_(active)
 
     def _forward_chunks(self, plan: ChunkPlan, lanes: int, v: dict[str, torch.Tensor], tokens, token_positions,
-                        token_slots, ints: ChunkInts) -> torch.Tensor:
+                        token_slots, ints: ChunkInts, lora=None) -> torch.Tensor:
         """The forward of a step with chunks: `lanes` lanes and the chunk tokens on one packed axis."""
         page = self.cfg.page_size
         n, total = lanes, lanes + plan.layout.tokens
@@ -444,7 +451,6 @@ class ChipRuntime:
                                  block_table.index_select(0, ints.seq_rows)[:, :width], token_slots[:total],
                                  max(plan.max_query_len, 1), max_len, query_lens_host=plan.query_lens,
                                  seq_lens_host=plan.seq_lens)
-        lora = self.lora and self.lora.step(torch.cat([v["lora_slot"], self.state["lora_slot"][ints.rows.long()]]))
         return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:total],
                        token_positions[:total], self.all_reduce, self.ops, self.spec and self.spec.aux(), lora)
 
