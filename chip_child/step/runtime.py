@@ -413,7 +413,7 @@ class ChipRuntime:
                                  max_seq_len, seq_lens_host=seq_lens_host)
         hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
                          v["positions"], self.all_reduce, self.ops, self.spec and self.spec.aux(),
-                         self.lora.step(v["lora_slot"]) if lora == "masked" and self.lora else lora)
+                         (self.lora and self.lora.step(v["lora_slot"])) if lora == "masked" else lora)
         final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,

@@ -22,28 +22,10 @@ from chip_child.step.task_args import LANE_SLOTS
 from l3worker import DistributedWorker, SamplingParams
 from l3worker.engine.scheduler import Scheduler, Sequence
 
+from graph_helpers import StandInCapturer
+
 BATCH = 8
 PAGE = 4
-
-
-class StandInCapturer:
-    """Plays a device graph: `capture` runs the callable once (as the device's capture run does)
-    and returns a replay that runs the same callable, with the host arguments it was captured
-    with. A host value that should have followed the step would give wrong tokens."""
-
-    def __init__(self) -> None:
-        self.captured = 0
-        self.replays = 0
-
-    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
-        fn()
-        self.captured += 1
-
-        def replay() -> None:
-            self.replays += 1
-            fn()
-
-        return replay
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +147,12 @@ def test_decode_forward_with_bucket_bounds_equals_the_exact_one(ckpt) -> None:
     exact = rt._decode_logits
     checked = []
 
-    def both(v, slots, max_seq_len, seq_lens_host):
+    def both(v, slots, max_seq_len, seq_lens_host, lora=None):
         before = v["slot_mapping"].clone()
         exact(v, "compute", rt.cfg.max_seq_len, None)
         bound_logits, bound_slots = v["logits"].clone(), v["slot_mapping"].clone()
         v["slot_mapping"].copy_(before)  # the eager step may advance the slots from where they were
-        exact(v, slots, max_seq_len, seq_lens_host)
+        exact(v, slots, max_seq_len, seq_lens_host, lora)
         active = v["active"]
         assert max_seq_len < rt.cfg.max_seq_len  # the bound differs from the exact value
         torch.testing.assert_close(bound_logits[active], v["logits"][active], rtol=0, atol=1e-5)
@@ -209,8 +191,8 @@ def test_a_graph_that_froze_a_host_length_is_caught(ckpt, eager_tokens, monkeypa
     the block table) instead of the bound gives other tokens."""
     original = ChipRuntime._decode_logits
 
-    def frozen(self, v, slots, max_seq_len, seq_lens_host):
-        original(self, v, slots, PAGE if seq_lens_host is None else max_seq_len, seq_lens_host)
+    def frozen(self, v, slots, max_seq_len, seq_lens_host, lora="masked"):
+        original(self, v, slots, PAGE if seq_lens_host is None else max_seq_len, seq_lens_host, lora)
 
     monkeypatch.setattr(ChipRuntime, "_decode_logits", frozen)
     assert run_scheduled(make_runtime(ckpt, StandInCapturer())) != eager_tokens
