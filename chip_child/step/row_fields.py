@@ -120,7 +120,7 @@ ROW_FIELDS: tuple[RowField, ...] = (
     # hit), for the child's per-row token history (chip_child.spec.speculation).
     RowField("cached_ids", np.int32, NO_IDS, "ids", full_state=False, example=_EXAMPLE_IDS),
     # The row's LoRA adapter slot (chip_child.models.lora), -1: the base model.
-    RowField("lora_slot", np.int64, -1, "int", -1, "max_loras", "[)", device=True, example=-1),
+    RowField("lora_slot", np.int64, -1, "int", -1, "max_loras", "[)", device=True, example=0),
 )
 FIELDS_BY_NAME = {f.name: f for f in ROW_FIELDS}
 SCALAR_FIELDS = tuple(f for f in ROW_FIELDS if f.kind not in ("ids", "bytes"))  # the ones with host copies

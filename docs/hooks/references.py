@@ -187,14 +187,18 @@ def engine_metrics():
     params = inspect.signature(EngineMetrics).parameters.values()
     args = [(lambda: 0) for p in params if p.default is inspect.Parameter.empty
             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return EngineMetrics(*args)
+    metrics = EngineMetrics(*args)
+    metrics.track_lora(lambda: (1, [], []))  # with enable_lora
+    return metrics
 
 
 def metric_rows() -> list[dict]:
     """Every metric of the engine's registry: name, type, labels, help, and the series it exposes."""
+    from l3worker.distributed.kv_event_feed import router_metrics
+
     registry = engine_metrics().registry
     rows = []
-    for collector in list(registry._collector_to_names):
+    for collector in [*registry._collector_to_names, *router_metrics().registry._collector_to_names]:
         name, kind = collector._name, collector._type
         labels = list(collector._labelnames)
         series = {"counter": [f"{name}_total"], "gauge": [name],
@@ -212,11 +216,13 @@ def metrics_page() -> str:
              "same registry as `w.engine.metrics.registry`. How to read them, and the Grafana dashboard: "
              "[Metrics](../observability/metrics.md).", "",
              "On `/metrics` every series also carries the label `engine` (`\"0\"` with one engine core; one value "
-             "per engine with `--data-parallel-size`), vLLM's convention. Counters also expose prometheus_client's "
+             "per engine with `--data-parallel-size`), vLLM's convention; the router's carry `api_server` instead. "
+             "Counters also expose prometheus_client's "
              "`_created` series (the time the counter was made).", "",
              "| metric | type | labels | series on /metrics | description |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
-        labels = ", ".join(f"`{label}`" for label in ["engine", *r["labels"]])
+        per_server = "api_server" in r["labels"]  # an API server's own series, not an engine's
+        labels = ", ".join(f"`{label}`" for label in ([] if per_server else ["engine"]) + r["labels"])
         series = "<br>".join(f"`{s}`" for s in r["series"])
         lines.append(f"| `{r['name']}` | {r['type']} | {labels} | {series} | {_md(r['help'])} |")
     lines.append("")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import msgpack
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from l3worker.distributed.router import Router
 from l3worker.engine.kv_events import offset_port
@@ -43,6 +45,22 @@ def apply_batch(router: Router, engine: int, payload: bytes) -> int:
     return len(events)
 
 
+@dataclass
+class RouterMetrics:
+    registry: CollectorRegistry
+    events: Counter
+    lost: Counter
+
+
+def router_metrics() -> RouterMetrics:
+    """The router's series (each API server's, labelled `api_server`), in a registry of their own."""
+    r = CollectorRegistry()
+    return RouterMetrics(r, Counter("l3worker:router_kv_events", "KV events the data-parallel router applied "
+                                    "(--kv-events-config; per API server)", ["api_server"], registry=r),
+                         Counter("l3worker:router_kv_event_batches_lost", "KV event batches lost on the way to "
+                                 "the router (it guesses for those)", ["api_server"], registry=r))
+
+
 class KVEventFeed:
     def __init__(self, ctx: zmq.asyncio.Context, router: Router, topic: str = ""):
         self.router = router
@@ -60,13 +78,10 @@ class KVEventFeed:
 
     def exposition(self, api_server: int) -> bytes:
         """This API server's router series, in Prometheus' text format."""
-        label = f'{{api_server="{api_server}"}}'
-        return (f"# HELP l3worker:router_kv_events_total KV events the data-parallel router applied.\n"
-                f"# TYPE l3worker:router_kv_events_total counter\n"
-                f"l3worker:router_kv_events_total{label} {float(self.events)}\n"
-                f"# HELP l3worker:router_kv_event_batches_lost_total KV event batches lost on the way.\n"
-                f"# TYPE l3worker:router_kv_event_batches_lost_total counter\n"
-                f"l3worker:router_kv_event_batches_lost_total{label} {float(self.missed_batches)}\n").encode()
+        metrics = router_metrics()
+        metrics.events.labels(str(api_server)).inc(self.events)
+        metrics.lost.labels(str(api_server)).inc(self.missed_batches)
+        return generate_latest(metrics.registry)
 
     def tasks(self) -> list[asyncio.Task]:
         return [asyncio.ensure_future(self._follow(engine, sub)) for engine, sub in enumerate(self._subs)]

@@ -93,15 +93,19 @@ class EngineMetrics:
 
 
 class _LoraInfo:
-    """One series whose labels name the adapters in use (comma-separated), set to the scrape's time."""
+    """One series whose labels name the adapters in use (comma-separated), set to the scrape's time.
+    Described with a metric's attributes, so the docs' metrics reference lists it as one."""
+
+    _name, _type = "l3worker:lora_requests_info", "gauge"
+    _documentation = "LoRA adapters of running and waiting requests (labels), set to the time of the scrape"
+    _labelnames = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
     def __init__(self, info: Callable[[], tuple[int, list[str], list[str]]]):
         self.info = info
 
     def collect(self):
         max_lora, running, waiting = self.info()
-        family = GaugeMetricFamily("l3worker:lora_requests_info", "LoRA adapters of running and waiting requests",
-                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        family = GaugeMetricFamily(self._name, self._documentation, labels=list(self._labelnames))
         family.add_metric([str(max_lora), ",".join(running), ",".join(waiting)], time.time())
         yield family
 

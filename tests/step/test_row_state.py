@@ -21,7 +21,7 @@ from l3worker.params import SamplingParams
 
 VOCAB, BATCH, BLOCKS = 300, 4, 8
 LIMITS = Limits(max_batch_size=BATCH, max_blocks_per_row=BLOCKS, num_pages=33, max_seq_len=32, max_prefill_tokens=64,
-                page_size=4, vocab_size=VOCAB)
+                page_size=4, vocab_size=VOCAB, max_loras=2)
 
 
 def _same(a, b) -> bool:
@@ -107,12 +107,14 @@ def test_every_field_is_checked_against_its_limits(f) -> None:
 
 def test_row_values_take_the_source_then_neutral_values() -> None:
     params = SamplingParams(temperature=0.5, top_k=3)
-    no_grammar = {"grammar": None, "grammar_after": None, "grammar_replay": None, "cached_ids": None}
+    no_grammar = {"grammar": None, "grammar_after": None, "grammar_replay": None, "cached_ids": None,
+                  "lora_slot": None}
     values = row_values(params, prompt_len=4, seed=9, stop_ids=[2, 1], prompt_logprobs=None, **no_grammar)
     assert values["temperature"] == 0.5 and values["top_k"] == 3 and values["logprobs"] == -1
     assert values["grammar"] == b"" and values["grammar_after"] == -1 and values["grammar_replay"].size == 0
     assert values["prompt_logprobs"] == -1 and values["stop_ids"].tolist() == [2, 1]
     assert values["cached_ids"].size == 0 and values["max_new_tokens"] == params.max_new_tokens
+    assert values["lora_slot"] == -1
     assert all(type(values[f.name]) is (float if f.kind == "float" else int) for f in SCALAR_FIELDS)
     with pytest.raises(AttributeError):
         row_values(params, prompt_len=4, seed=9)  # stop_ids: the caller decides them (eos, stop_token_ids)

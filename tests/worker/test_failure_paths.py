@@ -79,7 +79,7 @@ LIMITS = Limits(max_batch_size=4, max_blocks_per_row=4, num_pages=9, max_seq_len
 def _admit(**overrides) -> list:
     fields = dict(row=0, prompt_len=10, temperature=0.0, top_p=1.0, top_k=0, seed=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
                   repetition_penalty=1.0, max_new_tokens=0, min_tokens=0, stop_ids=b"", logprobs=-1, prompt_logprobs=-1,
-                  grammar=b"", grammar_after=-1, grammar_replay=b"", cached_ids=b"")
+                  grammar=b"", grammar_after=-1, grammar_replay=b"", cached_ids=b"", lora_slot=-1)
     fields.update(overrides)
     return list(fields.values())
 
@@ -97,6 +97,7 @@ def _admit(**overrides) -> list:
     (_admit(logprobs=50), "logprobs"),
     (_admit(grammar="text"), "grammar"),
     (_admit(grammar_after=-2), "grammar_after"),
+    (_admit(lora_slot=0), "lora_slot"),  # no adapter slots: max_loras=0
     (_admit()[:9], "admit must be"),
     (_admit()[:5], "admit must be"),
 ])
