@@ -256,7 +256,7 @@ class PagePool:
         caching off, returns no pages and counts nothing. `root`: the chain's first parent hash
         (a LoRA adapter's own, so that its pages and the base model's never match)."""
         if not self.enable_prefix_caching:
-            return PrefixHit([], 0)
+            return PrefixHit([], 0, CacheCursor(hash=root))
         n = len(token_ids)
         ps = self.page_size
         table, entry, ref, lru = self._table, self._entry, self._ref, self._lru

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from chip_child.protocol import Admit, Chunk, Command, FullState
-from l3worker.engine.page_pool import ROOT_HASH, PagePool, PrefixHit
+from l3worker.engine.page_pool import ROOT_HASH, CacheCursor, PagePool, PrefixHit
 from l3worker.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -333,7 +333,9 @@ class Scheduler:
             # logits of each, and penalties count the ids of each chunk.
             computes_all = (seq.want_prompt_logprobs and seq.preemptions == 0) or seq.params.uses_penalties
             root = seq.lora.root if seq.lora is not None else ROOT_HASH  # adapters never share pages
-            hit = PrefixHit([], 0) if computes_all else self.pages.lookup(seq.ids[:seq.known], root)
+            # A request that computes every position still registers its pages, on its own chain.
+            hit = PrefixHit([], 0, CacheCursor(hash=root)) if computes_all else self.pages.lookup(seq.ids[:seq.known],
+                                                                                                  root)
             first_end = min(seq.known, hit.num_tokens + self.budget - used)
             missing = self.pages.pages_for(first_end) - len(hit.pages)
             new = self.pages.allocate(missing) if missing > 0 else []

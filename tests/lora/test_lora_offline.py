@@ -36,27 +36,34 @@ def adapters(base, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def worker(base):
+    """One worker for the tests that need no other settings: three slots, rank up to 8."""
+    with DistributedWorker(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, **KW) as w:
+        yield w
+
+
 def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_greedy_tokens_per_adapter_equal_transformers_with_peft(base, adapters) -> None:
-    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, **KW) as w:
+def test_greedy_tokens_per_adapter_equal_transformers_with_peft(base, adapters, worker) -> None:
+    with guard():
         for i, (name, path) in enumerate(adapters.items()):
-            got = tokens(w.generate(PROMPTS, GREEDY, lora_request=LoRARequest(name, i + 1, str(path))))
+            got = tokens(worker.generate(PROMPTS, GREEDY, lora_request=LoRARequest(name, i + 1, str(path))))
             model = peft_model(base, path)
             assert got == [hf_greedy(model, p, 10) for p in PROMPTS], name
-        plain = tokens(w.generate(PROMPTS, GREEDY))
+        plain = tokens(worker.generate(PROMPTS, GREEDY))
     assert plain != got  # the adapters change the model
 
 
-def test_logprobs_with_an_adapter_match_peft_in_fp32(base, adapters) -> None:
+def test_logprobs_with_an_adapter_match_peft_in_fp32(base, adapters, worker) -> None:
     import torch
 
     prompt = PROMPTS[0]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    with guard(), DistributedWorker(str(base), enable_lora=True, **KW) as w:
-        out = w.generate([prompt], params, lora_request=LoRARequest("all", 1, str(adapters["all"])))[0]
+    with guard():
+        out = worker.generate([prompt], params, lora_request=LoRARequest("all", 1, str(adapters["all"])))[0]
     model = peft_model(base, adapters["all"])
     with torch.no_grad():
         want = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
@@ -65,22 +72,22 @@ def test_logprobs_with_an_adapter_match_peft_in_fp32(base, adapters) -> None:
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
 
 
-def test_a_batch_mixing_the_base_and_three_adapters_equals_each_alone(base, adapters) -> None:
+def test_a_batch_mixing_the_base_and_three_adapters_equals_each_alone(adapters, worker) -> None:
     requests = [None] + [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(4)]
-    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, **KW) as w:
-        alone = [tokens(w.generate([p], GREEDY, lora_request=r))[0] for p, r in zip(prompts, requests)]
-        w.engine.scheduler.pages.reset_prefix_cache()
-        mixed = tokens(w.generate(prompts, GREEDY, lora_request=requests))
-        assert w.loras.loads >= 3
+    with guard():
+        alone = [tokens(worker.generate([p], GREEDY, lora_request=r))[0] for p, r in zip(prompts, requests)]
+        worker.reset_prefix_cache()
+        mixed = tokens(worker.generate(prompts, GREEDY, lora_request=requests))
+        assert worker.loras.loads >= 3
     assert mixed == alone
 
 
-def test_more_adapters_than_slots_take_turns_with_identical_tokens(base, adapters) -> None:
+def test_more_adapters_than_slots_take_turns_with_identical_tokens(base, adapters, worker) -> None:
     requests = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())] * 2
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(requests))]
-    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=3, max_lora_rank=8, **KW) as w:
-        want = tokens(w.generate(prompts, GREEDY, lora_request=requests))
+    with guard():
+        want = tokens(worker.generate(prompts, GREEDY, lora_request=requests))
     with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1,
                                     **KW) as w:
         got = tokens(w.generate(prompts, GREEDY, lora_request=requests))
@@ -88,22 +95,32 @@ def test_more_adapters_than_slots_take_turns_with_identical_tokens(base, adapter
     assert got == want
 
 
-def test_the_prefix_cache_is_never_shared_across_adapters_or_with_the_base(base, adapters) -> None:
+def test_the_prefix_cache_is_never_shared_across_adapters_or_with_the_base(adapters, worker) -> None:
     prompt = list(range(3, 40))
     a, b = LoRARequest("all", 1, str(adapters["all"])), LoRARequest("attn", 2, str(adapters["attn"]))
-    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, **KW) as w:
+    worker.reset_prefix_cache()
+    with guard():
         cached = []
         for lora in (None, a, b, a, None):
-            out = w.generate([prompt], GREEDY, lora_request=lora)[0]
+            out = worker.generate([prompt], GREEDY, lora_request=lora)[0]
             cached.append(out.num_cached_tokens)
     assert cached[:3] == [0, 0, 0]  # the base, then each adapter: nothing another wrote
     assert cached[3] == cached[4] == 32  # the same adapter again, the base again: their own pages
+    # An adapter's request that computes every position (prompt log-probabilities) registers its
+    # pages on its own chain too: the base model's next request finds only its own.
+    fresh = list(range(50, 80))
+    worker.generate([fresh], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), lora_request=a)
+    after = worker.generate([fresh], GREEDY)[0]
+    worker.reset_prefix_cache()
+    assert after.num_cached_tokens == 0 and tokens([after]) == tokens(worker.generate([fresh], GREEDY))
 
 
-def test_bad_adapters_are_refused_by_name_and_the_worker_stays_usable(base, adapters, tmp_path) -> None:
-    with guard(), DistributedWorker(str(base), enable_lora=True, max_lora_rank=4, **KW) as w:
-        with pytest.raises(ValueError, match="rank r=8 exceeds max_lora_rank=4"):
-            w.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("attn", 2, str(adapters["attn"])))
+def test_bad_adapters_are_refused_by_name_and_the_worker_stays_usable(base, adapters, worker, tmp_path) -> None:
+    w = worker
+    with guard():
+        wide = write_adapter(base, tmp_path / "wide", seed=9, r=16)
+        with pytest.raises(ValueError, match="rank r=16 exceeds max_lora_rank=8"):
+            w.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("wide", 8, str(wide)))
         for key, value, message in [("use_dora", True, "DoRA"), ("modules_to_save", ["lm_head"], "modules_to_save"),
                                     ("target_modules", ["embed_tokens"], "embedding and lm_head"),
                                     ("peft_type", "IA3", "is not LORA")]:
@@ -117,10 +134,11 @@ def test_bad_adapters_are_refused_by_name_and_the_worker_stays_usable(base, adap
                 w.add_lora(LoRARequest(key, 9, str(bad)))
         with pytest.raises(ValueError, match="no adapter_config.json"):
             w.add_lora(LoRARequest("missing", 9, str(tmp_path / "nowhere")))
-        assert w.add_lora(LoRARequest("all", 1, str(adapters["all"]))) and w.list_loras() == {1}
-        assert not w.add_lora(LoRARequest("all", 1, str(adapters["all"])))
-        assert tokens(w.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("all", 1, str(adapters["all"]))))
-        assert w.remove_lora(1) and not w.remove_lora(1) and w.list_loras() == set()
+        again = LoRARequest("again", 7, str(adapters["all"]))
+        assert w.add_lora(again) and 7 in w.list_loras() and 8 not in w.list_loras()
+        assert not w.add_lora(again)
+        assert tokens(w.generate([PROMPTS[0]], GREEDY, lora_request=again))
+        assert w.remove_lora(7) and not w.remove_lora(7) and 7 not in w.list_loras()
     with guard(), DistributedWorker(str(base), **KW) as w:
         with pytest.raises(ValueError, match="enable_lora=True"):
             w.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("all", 1, str(adapters["all"])))
@@ -129,7 +147,7 @@ def test_bad_adapters_are_refused_by_name_and_the_worker_stays_usable(base, adap
                                                                            "num_speculative_tokens": 2}, **KW)
 
 
-def test_vllm_offline_api_takes_lora_requests(base, adapters) -> None:
+def test_vllm_offline_api_takes_lora_requests(base, adapters, worker) -> None:
     """LLM(enable_lora=True).generate(..., lora_request=LoRARequest(name, id, path)), as vLLM's."""
     from l3worker import LLM
 
@@ -141,22 +159,21 @@ def test_vllm_offline_api_takes_lora_requests(base, adapters) -> None:
         assert llm.list_loras() == {1}
     finally:
         llm.worker.close()
-    with guard(), DistributedWorker(str(base), enable_lora=True, max_lora_rank=8, **KW) as w:
-        assert got == tokens(w.generate(PROMPTS, GREEDY, lora_request=request))
+    assert got == tokens(worker.generate(PROMPTS, GREEDY, lora_request=request))
 
 
-def test_lora_requests_info_names_running_and_waiting_adapters(base, adapters) -> None:
+def test_lora_requests_info_names_running_and_waiting_adapters(adapters, worker) -> None:
     """vLLM's lora_requests_info: one series whose labels list the adapters in use."""
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     request = LoRARequest("all", 1, str(adapters["all"]))
-    with guard(), DistributedWorker(str(base), enable_lora=True, max_loras=2, **KW) as w:
+    with guard():
         seen = []
-        for _ in w.stream(PROMPTS, GREEDY, lora_request=[request, None, request]):
-            text = generate_latest(w.engine.metrics.registry).decode()
+        for _ in worker.stream(PROMPTS, GREEDY, lora_request=[request, None, request]):
+            text = generate_latest(worker.engine.metrics.registry).decode()
             samples = [s for f in text_string_to_metric_families(text) for s in f.samples
                        if s.name == "l3worker:lora_requests_info"]
             seen.append(samples[0].labels)
-    assert {"max_lora": "2", "running_lora_adapters": "all", "waiting_lora_adapters": ""} in seen
+    assert {"max_lora": "3", "running_lora_adapters": "all", "waiting_lora_adapters": ""} in seen
     assert seen[-1]["running_lora_adapters"] == ""  # all finished
