@@ -323,7 +323,7 @@ class Scheduler:
             if seq.suspect and self._other_suspect_running(seq):
                 break  # one suspect of a failure at a time, so that the next failure names its cause
             if seq.lora is not None and seq.lora_slot < 0:
-                held = self.loras.acquire(seq.lora.request.lora_int_id)
+                held = self.loras.acquire(seq.lora)
                 if held is None:
                     break  # every adapter slot is held by running rows of other adapters
                 seq.lora_slot, load = held

@@ -41,10 +41,10 @@ class LoraRegistry:
         if self.max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras must be >= max_loras={max_loras}, got {self.max_cpu_loras}")
         self.adapters: dict[int, Registered] = {}
-        self.slots: list[int | None] = [None] * max_loras  # adapter id per device slot
+        self.slots: list[Registered | None] = [None] * max_loras  # the registration each device slot holds
         self.users = [0] * max_loras  # running sequences per slot
         self._slot_lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))
-        self._host: OrderedDict[int, Path] = OrderedDict()  # adapter id -> its host copy
+        self._host: OrderedDict[int, Path] = OrderedDict()  # a registration's root -> its host copy
         self._generation = 0
         self._lock = threading.Lock()  # add/remove come from callers' threads, acquire from the loop's
         self._folder: Path | None = None  # made at the first host copy, removed by close()
@@ -65,20 +65,22 @@ class LoraRegistry:
             self._generation += 1
             root = hash_page(ROOT_HASH, struct.pack("=qq", request.lora_int_id, self._generation))
             self.adapters[request.lora_int_id] = Registered(request, adapter.rank, root)
-            self._store(request.lora_int_id, adapter)
+            self._store(root, adapter)
         return True
 
     def remove(self, adapter_id: int) -> bool:
         """Unregisters it; rows running with it finish with it. False when it is not registered."""
         with self._lock:
-            if self.adapters.pop(adapter_id, None) is None:
+            gone = self.adapters.pop(adapter_id, None)
+            if gone is None:
                 return False
-            path = self._host.pop(adapter_id, None)
-            if path is not None:
-                path.unlink(missing_ok=True)
             for s, held in enumerate(self.slots):
-                if held == adapter_id and not self.users[s]:
+                if held is gone and not self.users[s]:
                     self.slots[s] = None
+            if gone not in self.slots:  # else a running row's slot may still load from it
+                path = self._host.pop(gone.root, None)
+                if path is not None:
+                    path.unlink(missing_ok=True)
             return True
 
     def ids(self) -> list[int]:
@@ -94,21 +96,22 @@ class LoraRegistry:
             return next((r for r in self.adapters.values() if r.request.lora_name == name), None)
 
     # -- device slots (the step loop) ---------------------------------------------------------------
-    def acquire(self, adapter_id: int) -> tuple[int, str | None] | None:
+    def acquire(self, adapter: Registered) -> tuple[int, str | None] | None:
         """(slot, the host copy to load into it, None when it holds the adapter already), one user
-        counted on it; None when every slot is held by running sequences of other adapters."""
+        counted on it; None when every slot is held by running sequences of other adapters. A
+        registration removed since its request arrived still runs (read again if need be)."""
         with self._lock:
-            if adapter_id in self.slots:
-                slot = self.slots.index(adapter_id)
-                load = None
+            held = next((s for s, r in enumerate(self.slots) if r is adapter), None)
+            if held is not None:
+                slot, load = held, None
             else:
                 slot = next((s for s in self._slot_lru if self.slots[s] is None), None)
                 if slot is None:
                     slot = next((s for s in self._slot_lru if not self.users[s]), None)
                 if slot is None:
                     return None
-                self.slots[slot] = adapter_id
-                load = str(self._host_copy(adapter_id))
+                self.slots[slot] = adapter
+                load = str(self._host_copy(adapter))
                 self.loads += 1
             self.users[slot] += 1
             self._slot_lru.move_to_end(slot)
@@ -117,8 +120,12 @@ class LoraRegistry:
     def release(self, slot: int) -> None:
         with self._lock:
             self.users[slot] -= 1
-            if not self.users[slot] and self.slots[slot] not in self.adapters:
+            held = self.slots[slot]
+            if not self.users[slot] and held is not None and self.adapters.get(held.request.lora_int_id) is not held:
                 self.slots[slot] = None  # removed while it ran
+                path = self._host.pop(held.root, None)
+                if path is not None:
+                    path.unlink(missing_ok=True)
 
     def reset_slots(self) -> None:
         """The children restarted: their slots are empty (users are counted again at re-admission)."""
@@ -128,8 +135,7 @@ class LoraRegistry:
 
     def running(self) -> list[str]:
         with self._lock:
-            return [self.adapters[a].request.lora_name for s, a in enumerate(self.slots)
-                    if a in self.adapters and self.users[s]]
+            return [r.request.lora_name for s, r in enumerate(self.slots) if r is not None and self.users[s]]
 
     def close(self) -> None:
         with self._lock:
@@ -147,25 +153,23 @@ class LoraRegistry:
         return self._folder
 
     # -- host copies (under the lock) -----------------------------------------------------------------
-    def _store(self, adapter_id: int, adapter) -> Path:
-        path = self.folder / f"{adapter_id}-{self._generation}.safetensors"
+    def _store(self, root: int, adapter) -> Path:
+        path = self.folder / f"{root & 0xFFFFFFFFFFFFFFFF:016x}.safetensors"
         write_adapter(adapter, path)
-        old = self._host.pop(adapter_id, None)
-        if old is not None and old != path:
-            old.unlink(missing_ok=True)
-        self._host[adapter_id] = path
+        self._host[root] = path
         # The least recently used go first, never one a slot holds (a child may still be loading it).
-        for held in [a for a in self._host if a not in self.slots][:max(0, len(self._host) - self.max_cpu_loras)]:
-            self._host.pop(held).unlink(missing_ok=True)
+        in_slots = {r.root for r in self.slots if r is not None}
+        for old in [k for k in self._host if k not in in_slots and k != root][:max(0, len(self._host) -
+                                                                                    self.max_cpu_loras)]:
+            self._host.pop(old).unlink(missing_ok=True)
         return path
 
-    def _host_copy(self, adapter_id: int) -> Path:
-        path = self._host.get(adapter_id)
+    def _host_copy(self, adapter: Registered) -> Path:
+        path = self._host.get(adapter.root)
         if path is not None and path.exists():
-            self._host.move_to_end(adapter_id)
+            self._host.move_to_end(adapter.root)
             return path
-        registered = self.adapters[adapter_id]
-        return self._store(adapter_id, read_adapter(registered.request.lora_path, self.cfg, self.max_lora_rank))
+        return self._store(adapter.root, read_adapter(adapter.request.lora_path, self.cfg, self.max_lora_rank))
 
 
 def as_request(value: object) -> LoRARequest:

@@ -177,3 +177,19 @@ def test_lora_requests_info_names_running_and_waiting_adapters(adapters, worker)
             seen.append(samples[0].labels)
     assert {"max_lora": "3", "running_lora_adapters": "all", "waiting_lora_adapters": ""} in seen
     assert seen[-1]["running_lora_adapters"] == ""  # all finished
+
+
+def test_an_adapter_removed_while_its_requests_wait_still_serves_them(adapters, worker) -> None:
+    """remove_lora: new requests can no longer name it, those already queued run with it."""
+    request = LoRARequest("late", 6, str(adapters["attn"]))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(7)]  # more than the 4 rows: some wait
+    with guard():
+        want = tokens(worker.generate(prompts, GREEDY, lora_request=request))
+        worker.reset_prefix_cache()
+        stream = worker.stream(prompts, GREEDY, lora_request=request)
+        outs = [next(stream)]
+        assert worker.remove_lora(6) and 6 not in worker.list_loras()
+        outs += list(stream)
+    finals = {o.request_id: o for o in outs if o.finished}
+    assert [finals[k].outputs[0].token_ids for k in sorted(finals, key=int)] == want
+    assert all(r is None or r.request.lora_int_id != 6 for r in worker.loras.slots)  # its slot freed at the end
