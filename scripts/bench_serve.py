@@ -241,8 +241,9 @@ def print_report(args: argparse.Namespace, result: dict) -> None:
     if "ratios" in result:
         r = result["ratios"]
         each = lambda k: " ".join(f"{x:.3f}" for x in r[k])  # noqa: E731
-        print(f"{'served ITL p50 / offline TPOT p50':<40} {r['itl_p50_over_offline_tpot_p50_median']:.3f}"
-              f"  (repeats: {each('itl_p50_over_offline_tpot_p50')})")
+        if r["itl_p50_over_offline_tpot_p50_median"] is not None:
+            print(f"{'served ITL p50 / offline TPOT p50':<40} {r['itl_p50_over_offline_tpot_p50_median']:.3f}"
+                  f"  (repeats: {each('itl_p50_over_offline_tpot_p50')})")
         print(f"{'served TPOT p50 / offline TPOT p50':<40} {r['tpot_p50_over_offline_tpot_p50_median']:.3f}"
               f"  (repeats: {each('tpot_p50_over_offline_tpot_p50')})")
 
@@ -299,11 +300,13 @@ def main(argv=None) -> int:
             result["server_exit_code"] = server.stop()
     last = result["repeats"][-1]
     result["served"], result["offline"] = last["served"], last.get("offline")
-    if args.offline and all(r["served"]["median_itl_ms"] for r in result["repeats"]):
-        itl = [r["served"]["median_itl_ms"] / r["offline"]["tpot_p50_ms"] for r in result["repeats"]]
+    if args.offline:
+        # A served ITL median of 0 (chunks that reached the client together) makes no ITL ratio.
+        itl = [r["served"]["median_itl_ms"] / r["offline"]["tpot_p50_ms"] for r in result["repeats"]
+               if r["served"]["median_itl_ms"]]
         tpot = [r["served"]["median_tpot_ms"] / r["offline"]["tpot_p50_ms"] for r in result["repeats"]]
         result["ratios"] = {"itl_p50_over_offline_tpot_p50": itl, "tpot_p50_over_offline_tpot_p50": tpot,
-                            "itl_p50_over_offline_tpot_p50_median": float(np.median(itl)),
+                            "itl_p50_over_offline_tpot_p50_median": float(np.median(itl)) if itl else None,
                             "tpot_p50_over_offline_tpot_p50_median": float(np.median(tpot))}
     print_report(args, result)
     if args.result_file:
