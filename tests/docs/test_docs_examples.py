@@ -96,7 +96,7 @@ def test_ci_runs_the_readme_commands() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     commands = [line for line in first.code.splitlines() if line and not line.startswith("#")]
     assert len(commands) == 2
-    assert commands[0].endswith("python examples/npu_generate.py") and commands[1].endswith("python -m pytest -q -n 3")
+    assert commands[0].endswith("python examples/npu_generate.py") and commands[1].endswith("python -m pytest -q -n 4")
     assert all(c in ci for c in commands)
     assert "mkdocs build --strict" in ci
 
@@ -107,7 +107,7 @@ def test_readme_is_short_and_its_links_resolve() -> None:
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 160
     # the two commands on the first screen
-    assert text.index("python examples/npu_generate.py") < 1500 and text.index("python -m pytest -q -n 3") < 1500
+    assert text.index("python examples/npu_generate.py") < 1500 and text.index("python -m pytest -q -n 4") < 1500
     links = re.findall(r"\]\(([^)#]+?\.md)(#[^)]*)?\)", text)
     assert links
     for target, _ in links:
