@@ -80,6 +80,7 @@ class EngineCore:
             self.pushes.append(push)
         self.owner: dict[str, int] = {}  # request id -> the API server it came from
         self.stop = threading.Event()
+        self._closing = False  # close() ran (it may be called from the parent-death watch and the main path)
         self._healthy: bool | None = None
         self._thread: threading.Thread | None = None
         self._weight_version = worker.weight_version  # as the API servers know it
@@ -121,19 +122,25 @@ class EngineCore:
             self.close()
 
     def close(self) -> None:
-        self.stop.set()
-        self.engine.request_stop()  # a control waiting for the loop thread gives up
-        self._calls.shutdown(wait=False, cancel_futures=True)
-        if self._thread is not None:
-            self._thread.join(30)
-        self.worker.close()
-        self.ctx.destroy(linger=1000)
-        with self._wake_lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_w = -1
-        if os.getppid() != self.config.parent_pid:  # nobody else is left to remove its socket directory
-            shutil.rmtree(os.path.dirname(self.config.control.removeprefix("ipc://")), ignore_errors=True)
+        """Idempotent; the socket directory goes (when this core outlived its parent) whatever fails before."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self.stop.set()
+            self.engine.request_stop()  # a control waiting for the loop thread gives up
+            self._calls.shutdown(wait=False, cancel_futures=True)
+            if self._thread is not None:
+                self._thread.join(30)
+            self.worker.close()
+            self.ctx.destroy(linger=1000)
+            with self._wake_lock:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
+        finally:
+            if os.getppid() != self.config.parent_pid:  # nobody else is left to remove its socket directory
+                shutil.rmtree(os.path.dirname(self.config.control.removeprefix("ipc://")), ignore_errors=True)
 
     # -- the control socket (main thread) -----------------------------------------------------------
     def _handle(self, who: bytes, msg: list) -> None:
