@@ -42,7 +42,7 @@ else
   # four pytest-xdist workers: most of the time is Triton compiling kernels, on the CPU
   run tests 200 $py -m pytest -q -n 4 --junitxml "$out/tests.xml" tests/gpu tests/models/test_fused.py \
     tests/models/test_moe_triton.py tests/models/test_fp8_linear.py tests/models/test_fp8_moe.py tests/attention \
-    tests/step/test_decode_graphs.py
+    tests/step/test_decode_graphs.py tests/lora/test_lora_graphs.py
   run decode 200 $py scripts/bench_gpu.py --models 0.6b --batches 1,64 --repeats 2 --variants floor,l3,l3_eager,hf_static \
     --json "$out/decode.json"
   run fp8 60 $py scripts/bench_fp8.py --models 0.6b --batches 1,64 --repeats 1
