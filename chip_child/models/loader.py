@@ -90,6 +90,21 @@ class ModelConfig:
     moe: MoeConfig | None = None  # Qwen3-MoE's experts; None: every MLP dense
 
 
+def projection_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each dense projection of a layer, q/k/v/o and gate/up/down, in the whole
+    (unsharded) model: what a LoRA adapter's A and B must match."""
+    hd, hidden, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    return {"q": (hidden, cfg.num_heads * hd), "k": (hidden, cfg.num_kv_heads * hd),
+            "v": (hidden, cfg.num_kv_heads * hd), "o": (cfg.num_heads * hd, hidden),
+            "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
+
+
+def shard_slice(rank: int, world: int, size: int) -> slice:
+    """Rank `rank`'s equal part of `size` under tensor parallelism over `world` devices."""
+    step = size // world
+    return slice(rank * step, (rank + 1) * step)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     with path.open(encoding="utf-8") as f:
         data = json.load(f)

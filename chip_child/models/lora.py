@@ -32,15 +32,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from chip_child.models.loader import ModelConfig
+from chip_child.models.loader import ModelConfig, projection_dims, shard_slice
 
 FUSED = {"qkv": ("q", "k", "v"), "o_proj": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 ROW_PARALLEL = ("o", "down")
-
-
-def _shard(rank: int, world: int, size: int) -> slice:
-    step = size // world
-    return slice(rank * step, (rank + 1) * step)
 
 
 class LoraSlots:
@@ -49,11 +44,7 @@ class LoraSlots:
         """`cfg`: the whole model's config (not a shard's)."""
         self.slots, self.max_rank, self.rank, self.world = slots, max_rank, rank, world
         self.device = device
-        hd, hidden, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-        # each part's (in, out) in the whole model
-        self.dims = {"q": (hidden, cfg.num_heads * hd), "k": (hidden, cfg.num_kv_heads * hd),
-                     "v": (hidden, cfg.num_kv_heads * hd), "o": (cfg.num_heads * hd, hidden),
-                     "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden)}
+        self.dims = projection_dims(cfg)  # each part's (in, out) in the whole model
         sparse = set(cfg.moe.sparse_layers) if cfg.moe is not None else set()
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
@@ -123,9 +114,9 @@ class LoraSlots:
                 j = parts.index(part)
                 a, b = f.get_tensor(key), f.get_tensor(key[:-1] + "B")  # [rank, in], [out, rank]
                 if part in ROW_PARALLEL:
-                    a = a[:, _shard(self.rank, self.world, a.shape[1])]
+                    a = a[:, shard_slice(self.rank, self.world, a.shape[1])]
                 else:
-                    b = b[_shard(self.rank, self.world, b.shape[0])]
+                    b = b[shard_slice(self.rank, self.world, b.shape[0])]
                 cols = slice(j * r, j * r + a.shape[0])
                 first = sum(self._out(p) for p in parts[:j])
                 self.a[layer][name][slot, :, cols].copy_(a.t())

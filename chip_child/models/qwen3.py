@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from chip_child.attention import AttentionBackend, StepPlan
 from chip_child.models.fp8_linear import Fp8Linear, projection
-from chip_child.models.loader import ModelConfig
+from chip_child.models.loader import ModelConfig, shard_slice
 from chip_child.models.moe import MoeImpl, MoeWeights, torch_moe
 from chip_child.models.prepack import PackedLinear, prepacked
 from chip_child.models.rope import inv_freq
@@ -125,14 +125,14 @@ def layer_from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, i: int, rank
     """Layer `i` of Qwen3Weights.from_hf: its HF tensors fused, this rank's shard (weight updates
     rebuild one layer at a time with it)."""
     hd = cfg.head_dim
-    heads = _shard(rank, world, cfg.num_heads * hd)
-    kv_heads = _shard(rank, world, cfg.num_kv_heads * hd)
-    inter = _shard(rank, world, cfg.intermediate_size)
+    heads = shard_slice(rank, world, cfg.num_heads * hd)
+    kv_heads = shard_slice(rank, world, cfg.num_kv_heads * hd)
+    inter = shard_slice(rank, world, cfg.intermediate_size)
     moe = cfg.moe
     expert_inter = experts = None
     if moe is not None:
-        expert_inter = slice(None) if expert_parallel else _shard(rank, world, moe.intermediate_size)
-        experts = _shard(rank, world, moe.num_experts) if expert_parallel else slice(0, moe.num_experts)
+        expert_inter = slice(None) if expert_parallel else shard_slice(rank, world, moe.intermediate_size)
+        experts = shard_slice(rank, world, moe.num_experts) if expert_parallel else slice(0, moe.num_experts)
     every = slice(None)
     p = f"model.layers.{i}."
     attn = p + "self_attn."
@@ -159,11 +159,6 @@ def layer_from_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, i: int, rank
         down=None if sparse else proj([(p + "mlp.down_proj.weight", every, inter)]),
         moe=MoeWeights.from_hf(state, p + "mlp.", moe, expert_inter, experts, cfg.quantization) if sparse else None,
     )
-
-def _shard(rank: int, world: int, size: int) -> slice:
-    step = size // world
-    return slice(rank * step, (rank + 1) * step)
-
 
 def shard_config(cfg: ModelConfig, world: int, expert_parallel: bool = False) -> ModelConfig:
     """The per-rank view of the model under tensor parallelism over `world` devices; with

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from chip_child.models.loader import ModelConfig
+from chip_child.models.loader import ModelConfig, projection_dims
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 _MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.lora_([AB])\.weight$")
@@ -75,7 +75,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) -> Peft
             raise ValueError(f"lora_path: layer {layer} {target}_proj has lora_{'AB'.replace(''.join(parts), '')} "
                              "missing")
         a, b = parts["A"], parts["B"]
-        want_in, want_out = _dims(cfg, target)
+        want_in, want_out = projection_dims(cfg)[target]
         if a.shape != (rank, want_in) or b.shape != (want_out, rank):
             raise ValueError(f"lora_path: layer {layer} {target}_proj: lora_A {tuple(a.shape)} / lora_B "
                              f"{tuple(b.shape)}, expected ({rank}, {want_in}) / ({want_out}, {rank}) for r={rank} "
@@ -114,15 +114,6 @@ def _check_config(raw: dict, max_lora_rank: int) -> tuple[int, float]:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"lora_path: lora_alpha must be a number, got {alpha!r}")
     return rank, float(alpha)
-
-
-def _dims(cfg: ModelConfig, target: str) -> tuple[int, int]:
-    """(in, out) of a target projection in the whole (unsharded) model."""
-    hd, hidden = cfg.head_dim, cfg.hidden_size
-    return {"q": (hidden, cfg.num_heads * hd), "k": (hidden, cfg.num_kv_heads * hd),
-            "v": (hidden, cfg.num_kv_heads * hd), "o": (cfg.num_heads * hd, hidden),
-            "gate": (hidden, cfg.intermediate_size), "up": (hidden, cfg.intermediate_size),
-            "down": (cfg.intermediate_size, hidden)}[target]
 
 
 def write_adapter(adapter: PeftAdapter, file: Path) -> None:
