@@ -44,6 +44,8 @@ from l3worker.bench.commands import base_url_of, serve_once, serve_samples
 from l3worker.bench.datasets import SampleRequest
 from l3worker.bench.metrics import report_lines
 from l3worker.bench.serve import first_model
+from l3worker.serving.engine_core import STEP_TRACE_ENV
+from step_breakdown import print_breakdowns
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = re.compile(r"ready at (http://\S+) serving (\S+)")
@@ -83,7 +85,7 @@ def offline_tpot(args, samples: list[SampleRequest]) -> dict:
     from l3worker import DistributedWorker, SamplingParams
 
     with DistributedWorker(args.model_dir, max_batch_size=args.max_num_seqs, max_seq_len=args.max_model_len,
-                           page_size=args.block_size, cpu_layout=args.cpu_layout) as w:
+                           page_size=args.block_size, cpu_layout=args.cpu_layout, dtype=args.dtype) as w:
         w.generate(samples[0].prompt[:8], SamplingParams(temperature=0.0, max_new_tokens=4))  # warm-up, as the served run has
         cpu0 = _own_cpu_s()
         t0 = time.perf_counter()
@@ -91,11 +93,12 @@ def offline_tpot(args, samples: list[SampleRequest]) -> dict:
                           [SamplingParams(temperature=0.0, max_new_tokens=s.expected_output_len, ignore_eos=True) for s in samples])
         wall = time.perf_counter() - t0
         cpu = _own_cpu_s() - cpu0
+        steps = w.step_records()
     tpot = [o.metrics.tpot_s for o in outs if len(o.token_ids) > 1]
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tpot_p50_ms": float(np.median(tpot)) * 1e3, "tpot_mean_ms": float(np.mean(tpot)) * 1e3,
             "wall_s": wall, "output_throughput_tok_per_s": tokens / wall,
-            "parent_cpu_us_per_token": cpu / tokens * 1e6}
+            "parent_cpu_us_per_token": cpu / tokens * 1e6, "steps": steps}
 
 
 def _own_cpu_s() -> float:
@@ -109,11 +112,15 @@ class Launched:
     def __init__(self, args):
         cmd = [sys.executable, "-m", "l3worker", "serve", *([args.model_dir] if args.model_dir else []),
                "--port", "0", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-               "--block-size", str(args.block_size), "--cpu-layout", args.cpu_layout, "--disable-log-requests",
+               "--block-size", str(args.block_size), "--cpu-layout", args.cpu_layout, "--dtype", args.dtype,
+               "--disable-log-requests",
                *shlex.split(args.serve_args)]
         if args.api_key:
             cmd += ["--api-key", args.api_key]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if args.step_trace:
+            Path(args.step_trace).mkdir(parents=True, exist_ok=True)
+            env[STEP_TRACE_ENV] = str(Path(args.step_trace) / "served_steps.json")
         print("launching:", " ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         self.url = self.model = None
@@ -195,10 +202,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--dtype", default="auto", help="the model dtype of both the served and the offline worker")
     g.add_argument("--cpu-layout", choices=("auto", "every_core", "spare_core"), default="auto",
                    help="on a cpu, the layout of both the served and the offline worker: a fixed one compares "
                         "like with like (auto may choose differently for each)")
     g.add_argument("--serve-args", default="", help="more `l3worker serve` flags, one string")
+    g.add_argument("--step-trace", default=None, metavar="DIR",
+                   help="with --launch: the served engine's step records (and the offline run's) go to DIR, and "
+                        "a breakdown of both is printed (scripts/step_breakdown.py)")
     g.add_argument("--repeats", type=int, default=1, help="runs of the load (each after its offline run)")
     g.add_argument("--idle-cpu-s", type=float, default=0.0,
                    help="with --launch: first measure the idle server's CPU time (parent and children) over "
@@ -309,6 +320,11 @@ def main(argv=None) -> int:
                             "itl_p50_over_offline_tpot_p50_median": float(np.median(itl)) if itl else None,
                             "tpot_p50_over_offline_tpot_p50_median": float(np.median(tpot))}
     print_report(args, result)
+    if args.step_trace and server is not None:
+        named = {"served": json.loads((Path(args.step_trace) / "served_steps.json").read_text())}
+        if result["offline"]:
+            named["offline"] = result["offline"]["steps"]
+        print_breakdowns(named)
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(result, indent=1))
     return 0 if all(r["served"]["failed"] == 0 for r in result["repeats"]) else 1

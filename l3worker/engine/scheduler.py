@@ -54,6 +54,9 @@ class Scheduler:
         self.page_size = page_size
         self.max_blocks = max_blocks_per_row
         self.budget = max_num_batched_tokens
+        # Prompt tokens a step with decoding rows may carry (set from step times by the step loop,
+        # l3worker/engine/step_timing.py); None: the token budget alone.
+        self.prefill_cap: int | None = None
         self.full_state = full_state  # copy_policy="always"
         self.k = speculative_tokens  # drafts a row verifies per step at most (0: no speculation)
         # scheduling_policy="priority": waiting kept in (priority, arrival) order, and a waiting
@@ -85,9 +88,10 @@ class Scheduler:
         triples: list[tuple[int, int, int]] = []
         chunks, staging, scoring = [], [], []
         used = self._decoding_tokens()
+        limit = self.budget if not used or self.prefill_cap is None else min(self.budget, used + self.prefill_cap)
         for seq in self._prefilling_rows():  # continue prompts already under way, oldest first
-            used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples)
-        admits = self._admit(used, chunks, staging, scoring, triples)
+            used += self._schedule_chunk(seq, limit - used, chunks, staging, scoring, triples)
+        admits = self._admit(used, limit, chunks, staging, scoring, triples)
         producers = [(c.row, self.rows[c.row], self.rows[c.row].epoch) for c in chunks if c.last]
         chunk_rows = {c.row for c in chunks}
         k, page = self.k, self.page_size
@@ -315,10 +319,11 @@ class Scheduler:
         others = [s for s in self.rows if s is not None and s is not seq and _victim_key(s) > _victim_key(seq)]
         return max(others, key=_victim_key) if others else None
 
-    def _admit(self, used: int, chunks: list, staging: list, scoring: list, triples: list) -> list[Admit]:
+    def _admit(self, used: int, limit: int, chunks: list, staging: list, scoring: list, triples: list) -> list[Admit]:
+        """Admits waiting sequences into free rows while the step has room (`limit` tokens)."""
         admits = []
         free_rows = [i for i, r in enumerate(self.rows) if r is None]
-        while self.waiting and free_rows and used < self.budget:
+        while self.waiting and free_rows and used < limit:
             seq = self.waiting[0]
             if seq.suspect and self._other_suspect_running(seq):
                 break  # one suspect of a failure at a time, so that the next failure names its cause
@@ -336,7 +341,7 @@ class Scheduler:
             # A request that computes every position still registers its pages, on its own chain.
             hit = PrefixHit([], 0, CacheCursor(hash=root)) if computes_all else self.pages.lookup(seq.ids[:seq.known],
                                                                                                   root)
-            first_end = min(seq.known, hit.num_tokens + self.budget - used)
+            first_end = min(seq.known, hit.num_tokens + limit - used)
             missing = self.pages.pages_for(first_end) - len(hit.pages)
             new = self.pages.allocate(missing) if missing > 0 else []
             if new is None:
@@ -355,7 +360,7 @@ class Scheduler:
             if self.k and hit.num_tokens:  # the child's token history needs the ids its chunks skip
                 values["cached_ids"] = seq.ids[:hit.num_tokens]
             admits.append(Admit(seq.row, **values))
-            used += self._schedule_chunk(seq, self.budget - used, chunks, staging, scoring, triples, first_block=0)
+            used += self._schedule_chunk(seq, limit - used, chunks, staging, scoring, triples, first_block=0)
         return admits
 
     def _other_suspect_running(self, seq: Sequence) -> bool:

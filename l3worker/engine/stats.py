@@ -18,6 +18,18 @@ class StepRecord:
     h2d_copies: int
     h2d_bytes: int
     pool_allocs: int
+    prefill_tokens: int = 0  # prompt tokens the step's chunks computed
+    rows: int = 0  # rows that sampled a token in the step (decoding rows and last chunks)
+    preemptions: int = 0  # the scheduler's preemptions so far (cumulative)
+
+    @classmethod
+    def of(cls, step: int, prefill: bool, child_stats: list, parent_wall_s: float, wait_s: float, command_bytes: int,
+           prefill_tokens: int, rows: int, preemptions: int) -> "StepRecord":
+        """From the child's figures of the step (the ring's step_stats row: apply and device
+        microseconds, host-to-device copies and bytes, pool allocations) and the parent's."""
+        apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs = child_stats
+        return cls(step, prefill, parent_wall_s, wait_s, apply_us / 1e6, device_us / 1e6, command_bytes,
+                   int(h2d_copies), int(h2d_bytes), int(pool_allocs), prefill_tokens, rows, preemptions)
 
 
 def distribution(values: list[float]) -> dict[str, float]:

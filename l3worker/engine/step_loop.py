@@ -42,6 +42,7 @@ from l3worker.engine.scheduler import Scheduled, Scheduler
 from l3worker.worker.shared_buffers import StepBuffers
 from l3worker.engine.speculation import SpecCounts, speculative_tokens
 from l3worker.engine.stats import GenerateStats, StepRecord
+from l3worker.engine.step_timing import StepTiming
 
 log = logging.getLogger("l3worker.engine.step_loop")
 # Starts fresh children: stops the old ones (every rank), then returns the new ones, ready, and
@@ -88,6 +89,7 @@ class Engine:
         self.output_processor = OutputProcessor(tokenizer, self.metrics,
                                                 lambda seq, reason, stop: self.scheduler.finish(seq, reason, stop))
         self.speculation = SpecCounts(speculative_tokens(runtime_config), self.metrics)
+        self.step_timing = StepTiming()
         self.error: BaseException | None = None
         self.driven_by_loop_thread = False  # an AsyncEngine owns step()
         self._children: list[ChildProcess] = []
@@ -424,8 +426,7 @@ class Engine:
                                           entry.scheduled.prompt_logprobs)
         else:
             self._take_speculative(entry.scheduled, slot, now, outputs)
-        if self.recorder is not None:
-            self._record(entry, slot, now, t_wait)
+        self._time(entry, slot, now, t_wait)
         self._last_done = now
 
     def _take_speculative(self, scheduled: Scheduled, slot: int, now: float, outputs: list[RequestOutput]) -> None:
@@ -454,14 +455,18 @@ class Engine:
                 if out.finished:
                     self._live_ids.discard(out.request_id)
 
-    def _record(self, entry: _InFlight, slot: int, now: float, t_wait: float) -> None:
-        apply_us, device_us, h2d_copies, h2d_bytes, pool_allocs = self._step_stats[slot].tolist()
-        self.recorder.steps.append(StepRecord(
-            step=entry.scheduled.command.step, prefill=entry.scheduled.command.is_prefill,
-            parent_wall_s=now - self._last_done, wait_s=now - t_wait, apply_s=apply_us / 1e6,
-            device_s=device_us / 1e6, command_bytes=entry.command_bytes, h2d_copies=h2d_copies,
-            h2d_bytes=h2d_bytes, pool_allocs=pool_allocs,
-        ))
+    def _time(self, entry: _InFlight, slot: int, now: float, t_wait: float) -> None:
+        """Feeds the step's child time to the prefill cap (l3worker/engine/step_timing.py), and
+        records the step for generate()'s figures or a step trace."""
+        stats, cmd = self._step_stats[slot].tolist(), entry.scheduled.command
+        prompt_tokens = sum(c.length for c in cmd.chunks)
+        decode_rows = len(entry.scheduled.producers) - sum(c.last for c in cmd.chunks)
+        self.step_timing.observe(stats[1] / 1e6, prompt_tokens, decode_rows)
+        self.scheduler.prefill_cap = self.step_timing.prefill_cap()
+        if self.recorder is not None:
+            self.recorder.steps.append(StepRecord.of(cmd.step, cmd.is_prefill, stats, now - self._last_done,
+                                                     now - t_wait, entry.command_bytes, prompt_tokens,
+                                                     len(entry.scheduled.producers), self.scheduler.num_preemptions))
 
     # -- gauges, read by the metrics registry ------------------------------------------------------
     def _num_running(self) -> int:

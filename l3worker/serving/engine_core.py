@@ -37,10 +37,15 @@ from l3worker.engine.step_loop import EngineDeadError
 from l3worker.lora import LoRARequest
 from l3worker.errors import EngineBusyError
 from l3worker.engine.metrics import families_to_wire
+from l3worker.engine.stats import GenerateStats
 from l3worker.params import RequestOutput
 from l3worker.worker.distributed_worker import DistributedWorker
 
 log = logging.getLogger("l3worker.serving.engine_core")
+# A file to write every served step's record to (l3worker.engine.stats.StepRecord, as a JSON list)
+# when the core stops: for benchmarks (scripts/bench_serve.py --step-trace), not for long runs, whose
+# records it would keep in memory.
+STEP_TRACE_ENV = "L3WORKER_STEP_TRACE"
 POLL_MS = 100  # how often the main thread looks at the engine's health and the stop flag
 PR_SET_PDEATHSIG = 1
 
@@ -95,6 +100,8 @@ class EngineCore:
         parent = os.pidfd_open(self.config.parent_pid)
         try:
             self.worker.prepare()
+            if os.environ.get(STEP_TRACE_ENV):
+                self.engine.recorder = GenerateStats()
             self.engine.driven_by_loop_thread = True
             self._thread = threading.Thread(target=run_step_loop, name="l3worker-engine", daemon=True,
                                             args=(self.worker, self.stop.is_set, self._publish, self._dead))
@@ -132,6 +139,7 @@ class EngineCore:
             self._calls.shutdown(wait=False, cancel_futures=True)
             if self._thread is not None:
                 self._thread.join(30)
+            self._write_step_trace()
             self.worker.close()
             self.ctx.destroy(linger=1000)
             with self._wake_lock:
@@ -141,6 +149,12 @@ class EngineCore:
         finally:
             if os.getppid() != self.config.parent_pid:  # nobody else is left to remove its socket directory
                 shutil.rmtree(os.path.dirname(self.config.control.removeprefix("ipc://")), ignore_errors=True)
+
+    def _write_step_trace(self) -> None:
+        recorder, path = self.engine.recorder, os.environ.get(STEP_TRACE_ENV)
+        if recorder is not None and path:
+            with open(path, "w") as f:
+                json.dump(recorder.step_table(), f)
 
     # -- the control socket (main thread) -----------------------------------------------------------
     def _handle(self, who: bytes, msg: list) -> None:

@@ -19,7 +19,8 @@ def test_launch_offline_poisson_run(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--launch", "--offline", "--num-prompts", "6", "--input-len", "16",
          "--output-len", "8", "--random-range-ratio", "0.5", "--request-rate", "200", "--max-concurrency", "3",
-         "--max-num-seqs", "2", "--max-model-len", "64", "--block-size", "16", "--result-file", str(out)],
+         "--max-num-seqs", "2", "--max-model-len", "64", "--block-size", "16", "--result-file", str(out),
+         "--step-trace", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -36,3 +37,8 @@ def test_launch_offline_poisson_run(tmp_path) -> None:
     assert result["server_after"]["l3worker:kv_cache_usage_perc"] == 0
     assert result["server_exit_code"] == 0
     assert "served TPOT p50 / offline TPOT p50" in proc.stdout
+    # --step-trace: the served engine's step records, every sampled token in one, and their breakdown
+    steps = json.loads((tmp_path / "served_steps.json").read_text())
+    assert sum(s["rows"] for s in steps) >= sum(r["output_tokens"] for r in result["per_request"])
+    assert sum(s["prefill_tokens"] for s in steps) >= sum(r["prompt_len"] for r in result["per_request"])
+    assert result["offline"]["steps"] and "step breakdown" in proc.stdout and "slow_steps" in proc.stdout

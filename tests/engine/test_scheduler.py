@@ -96,13 +96,15 @@ def make_seqs(prompts: list[list[int]], new_tokens: list[int], priorities: list[
 
 def run(prompts, new_tokens, *, rows=4, num_pages=400, budget=10_000, caching=False, depth=1,
         abort_at: dict[int, int] | None = None, arrivals: dict[int, int] | None = None,
-        priorities: list[int] | None = None, host_pages: int = 0) -> tuple[dict, Scheduler]:
+        priorities: list[int] | None = None, host_pages: int = 0,
+        prefill_cap: int | None = None) -> tuple[dict, Scheduler]:
     """Token ids per sequence; `abort_at` aborts sequence i once it has that many tokens,
     `arrivals` adds sequence i before step k instead of at the start; `priorities` turns the
     priority policy on."""
     sched = Scheduler(max_batch_size=rows, page_size=PAGE, max_blocks_per_row=64, num_pages=num_pages,
                       max_num_batched_tokens=budget, enable_prefix_caching=caching, full_state=False,
                       priority=priorities is not None, host_pages=host_pages)
+    sched.prefill_cap = prefill_cap
     dev = SimulatedDevice(rows)
     seqs = make_seqs(prompts, new_tokens, priorities)
     assert all(s.pages_needed(PAGE) <= num_pages for s in seqs)  # the engine refuses larger ones up front
@@ -175,8 +177,41 @@ def test_decoding_rows_advance_every_step_while_a_long_prompt_prefills() -> None
     assert steps_with_chunk >= 200 // 16
 
 
-def _staging(s) -> np.ndarray:
-    staging = np.zeros(64, np.int32)
+def test_a_prefill_cap_bounds_the_prompt_tokens_of_decoding_steps_only() -> None:
+    """Scheduler.prefill_cap (set from step times by the step loop): a step with decoding rows
+    carries at most that many prompt tokens, whatever the token budget; a step without any takes
+    the whole budget (a lone prompt's first chunk is not slowed)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(40)] for _ in range(3)] + [[7] * 100]
+    sched = Scheduler(max_batch_size=4, page_size=PAGE, max_blocks_per_row=64, num_pages=200,
+                      max_num_batched_tokens=64, enable_prefix_caching=False, full_state=False)
+    sched.prefill_cap = 5
+    seqs = make_seqs(prompts, [30, 30, 30, 2])
+    sched.add(seqs[:3])
+    dev = SimulatedDevice(4)
+    first = sched.next_command()  # nothing decodes yet: the budget alone
+    assert sum(c.length for c in first.command.chunks) == 64
+    sched.on_tokens(first.producers, dev.execute(first.command, _staging(first, 128)), 0.0)
+    sched.add(seqs[3:])
+    while seqs[3].prefilling or seqs[3].row < 0:
+        s = sched.next_command()
+        decoding = sum(1 for row, seq, _ in s.producers if not any(c.row == row for c in s.command.chunks))
+        if decoding:
+            assert sum(c.length for c in s.command.chunks) <= 5
+        sched.on_tokens(s.producers, dev.execute(s.command, _staging(s, 128)), 0.0)
+
+
+@pytest.mark.parametrize("cap", [1, 3, 7])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_prefill_cap_gives_the_same_tokens(cap: int, depth: int) -> None:
+    prompts, new = workload(4, n=12)
+    want, _ = run(prompts, new, budget=13)
+    got, _ = run(prompts, new, budget=13, depth=depth, prefill_cap=cap, arrivals={i: 3 * i for i in range(4, 12)})
+    assert got == want
+
+
+def _staging(s, size: int = 64) -> np.ndarray:
+    staging = np.zeros(size, np.int32)
     for offset, ids in s.staging_tokens:
         staging[offset:offset + len(ids)] = ids
     return staging
