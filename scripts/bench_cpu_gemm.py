@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""The CPU decode step's projections alone, cold: a loop over every layer's own weights (too many
+to stay in cache, as in a model), bf16, prepacked for oneDNN (the runtime's cpu_prepack path)
+against plain F.linear, at a few row counts. Printed per variant: ms for all layers, the weight
+read rate and the GEMM rate. This is the floor a decode step's projections could reach with
+today's kernels; compare it with the step time `scripts/step_breakdown.py` reports.
+
+    python scripts/bench_cpu_gemm.py                       # the 128M peers shape, 2 threads
+    python scripts/bench_cpu_gemm.py --hidden 1024 --intermediate 3072 --layers 28 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=3072)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--rows", default="1,16,64")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    h, hd = a.hidden, a.head_dim
+    shapes = [((a.heads + 2 * a.kv_heads) * hd, h), (h, a.heads * hd), (2 * a.intermediate, h), (h, a.intermediate)]
+    plain = [[torch.randn(n, k).bfloat16() for n, k in shapes] for _ in range(a.layers)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
+    weight_bytes = sum(n * k * 2 for n, k in shapes) * a.layers
+    print(f"{a.layers} layers, {weight_bytes / 1e6:.0f} MB of bf16 projections, {a.threads} threads")
+    for m in (int(r) for r in a.rows.split(",")):
+        xs = [torch.randn(m, k).bfloat16() for _, k in shapes]
+
+        def run_packed() -> None:
+            for ws in packed:
+                for x, w in zip(xs, ws):
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        def run_plain() -> None:
+            for ws in plain:
+                for x, w in zip(xs, ws):
+                    torch.nn.functional.linear(x, w)
+
+        for name, fn in (("prepacked", run_packed), ("plain", run_plain)):
+            fn()
+            t0 = time.perf_counter()
+            for _ in range(a.repeats):
+                fn()
+            dt = (time.perf_counter() - t0) / a.repeats
+            print(f"rows {m:>3} {name:<10} {dt * 1e3:7.2f} ms  {weight_bytes / dt / 1e9:5.1f} GB/s  "
+                  f"{m * weight_bytes / dt / 1e9:5.0f} GFLOPS")
+
+
+if __name__ == "__main__":
+    main()
