@@ -90,7 +90,6 @@ class Engine:
                                                 lambda seq, reason, stop: self.scheduler.finish(seq, reason, stop))
         self.speculation = SpecCounts(speculative_tokens(runtime_config), self.metrics)
         self.step_timing = StepTiming()
-        self.live_traffic = False  # set by the servers: prompt chunks beside decoding rows bounded by time
         self.error: BaseException | None = None
         self.driven_by_loop_thread = False  # an AsyncEngine owns step()
         self._children: list[ChildProcess] = []
@@ -463,8 +462,9 @@ class Engine:
         prompt_tokens = sum(c.length for c in cmd.chunks)
         decode_rows = len(entry.scheduled.producers) - sum(c.last for c in cmd.chunks)
         self.step_timing.observe(stats[1] / 1e6, prompt_tokens, decode_rows)
-        # Offline, the schedule stays a function of the requests alone (reproducible runs and counters).
-        self.scheduler.prefill_cap = self.step_timing.prefill_cap() if self.live_traffic else None
+        # Served (a server's loop thread drives it): prompt chunks bounded by time. Offline, the schedule
+        # stays a function of the requests alone (reproducible runs and counters).
+        self.scheduler.prefill_cap = self.step_timing.prefill_cap() if self.driven_by_loop_thread else None
         if self.recorder is not None:
             self.recorder.steps.append(StepRecord.of(cmd.step, cmd.is_prefill, stats, now - self._last_done,
                                                      now - t_wait, entry.command_bytes, prompt_tokens,

@@ -78,9 +78,7 @@ class LoraRegistry:
                 if held is gone and not self.users[s]:
                     self.slots[s] = None
             if gone not in self.slots:  # else a running row's slot may still load from it
-                path = self._host.pop(gone.root, None)
-                if path is not None:
-                    path.unlink(missing_ok=True)
+                self._drop_host_copy(gone.root)
             return True
 
     def ids(self) -> list[int]:
@@ -123,9 +121,7 @@ class LoraRegistry:
             held = self.slots[slot]
             if not self.users[slot] and held is not None and self.adapters.get(held.request.lora_int_id) is not held:
                 self.slots[slot] = None  # removed while it ran
-                path = self._host.pop(held.root, None)
-                if path is not None:
-                    path.unlink(missing_ok=True)
+                self._drop_host_copy(held.root)
 
     def reset_slots(self) -> None:
         """The children restarted: their slots are empty (users are counted again at re-admission)."""
@@ -163,6 +159,11 @@ class LoraRegistry:
                                                                                     self.max_cpu_loras)]:
             self._host.pop(old).unlink(missing_ok=True)
         return path
+
+    def _drop_host_copy(self, root: int) -> None:
+        path = self._host.pop(root, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     def _host_copy(self, adapter: Registered) -> Path:
         path = self._host.get(adapter.root)

@@ -110,7 +110,6 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         await self._loop.run_in_executor(None, self.worker.prepare)
         self.engine.driven_by_loop_thread = True
-        self.engine.live_traffic = True
         self._thread = threading.Thread(target=self._run, name="l3worker-engine", daemon=True)
         self._thread.start()
 

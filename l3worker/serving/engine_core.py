@@ -103,7 +103,6 @@ class EngineCore:
             if os.environ.get(STEP_TRACE_ENV):
                 self.engine.recorder = GenerateStats()
             self.engine.driven_by_loop_thread = True
-            self.engine.live_traffic = True
             self._thread = threading.Thread(target=run_step_loop, name="l3worker-engine", daemon=True,
                                             args=(self.worker, self.stop.is_set, self._publish, self._dead))
             self._thread.start()

@@ -106,7 +106,7 @@ def test_fifty_requests_from_threads_and_coroutines_match_solo_runs(solo) -> Non
         await asyncio.gather(*(loop.run_in_executor(None, t.join) for t in threads))
         assert engine.registry.get_sample_value("l3worker:num_requests_running") == 0
         # a served engine: prompt chunks beside decoding rows were bounded by time (step_timing)
-        assert worker.engine.live_traffic and worker.engine.scheduler.prefill_cap is not None
+        assert worker.engine.scheduler.prefill_cap == worker.engine.step_timing.prefill_cap() is not None
         await engine.shutdown()
         return got
 
