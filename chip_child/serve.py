@@ -138,7 +138,8 @@ def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
         "ready": True, "pid": os.getpid(), "device": str(rt.device), "dtype": str(rt.dtype).removeprefix("torch."),
         "setup_s": rt.setup_s, "pool_bytes": rt.pool.nbytes, "threads": torch.get_num_threads(),
         "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
-        "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack, "moe_experts": rt.weights.held_experts(),
+        "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack,
+        "cpu_linear": rt.cpu_linear, "moe_experts": rt.weights.held_experts(),
         # per fused kernel: [name, relative error of its self-check (None: forced off), whether it runs]
         "kernel_checks": [[v.kernel, v.error, v.used] for v in rt.kernel_checks],
         "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

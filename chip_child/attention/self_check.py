@@ -5,7 +5,6 @@ same inputs. One that disagrees is replaced by the reference, named on stderr.
 `L3WORKER_REFERENCE_KERNELS=attention` forces the reference without a check."""
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import replace
 
@@ -13,6 +12,7 @@ import torch
 
 from chip_child.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
 from chip_child.attention.torch_backend import TorchAttention
+from chip_child.kernel_choice import forced_reference
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 # (query length, sequence length) per sequence of each step: a chunk from position 0, a longer
@@ -27,8 +27,7 @@ def checked_backend(backend: type[AttentionBackend], spec: AttentionSpec,
     `backend` is the reference itself."""
     if backend is TorchAttention:
         return backend, None
-    forced = {n.strip() for n in os.environ.get("L3WORKER_REFERENCE_KERNELS", "").split(",")}
-    if forced & {"attention", "all"}:
+    if "attention" in forced_reference():
         return TorchAttention, (None, False)
     error = attention_error(backend, spec, device)
     if error > TOLERANCE.get(spec.dtype, 5e-2):

@@ -2,23 +2,20 @@
 shapes, against the torch reference (TORCH_OPS); one that disagrees is replaced by the reference
 and named on stderr. Code that has never run on a device is never trusted silently.
 
-`L3WORKER_REFERENCE_KERNELS=add_rms_norm,qk_norm_rope,silu_mul,moe,fp8_gemm,attention` (any of
-them, or `all`) forces the reference path for those kernels without a check. The attention
-backend checks itself in chip_child.attention.self_check."""
+`L3WORKER_REFERENCE_KERNELS` forces the reference path for the kernels it names without a check
+(chip_child.kernel_choice). The attention backend checks itself in chip_child.attention.self_check."""
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
+from chip_child.kernel_choice import forced_reference
 from chip_child.models.fp8_linear import Fp8Linear, reference_linear
 from chip_child.models.qwen3 import TORCH_OPS, LayerOps, Qwen3Weights
 
-KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe", "fp8_gemm", "attention")  # attention: see
-# chip_child.attention.self_check
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 CHECK_TOKENS = 7  # an odd count: kernels that tile rows see a partial tile
 # Largest error allowed, relative to the reference's largest magnitude, by compute dtype.
@@ -30,15 +27,6 @@ class KernelVerdict:
     kernel: str
     error: float | None  # relative error against the reference; None when the reference was forced
     used: bool  # the kernel runs; False: the reference replaces it
-
-
-def forced_reference() -> set[str]:
-    names = {n.strip() for n in os.environ.get("L3WORKER_REFERENCE_KERNELS", "").split(",") if n.strip()}
-    unknown = names - set(KERNELS) - {"all"}
-    if unknown:
-        raise ValueError(f"L3WORKER_REFERENCE_KERNELS: unknown kernel(s) {sorted(unknown)}; the kernels are "
-                         f"{', '.join(KERNELS)} (or all)")
-    return set(KERNELS) if "all" in names else names
 
 
 def checked_ops(ops: LayerOps, w: Qwen3Weights, rope: torch.Tensor, num_heads: int, num_kv_heads: int,

@@ -55,7 +55,7 @@ from chip_child.step.chunk_layout import ChunkInts, ChunkPlan, plan_chunks
 from chip_child.sampling.grammar_rows import ConstrainedRows
 from chip_child.step.pool import TaskArg, TensorPool
 from chip_child.step.task_args import LANE_SLOTS, step_task_args
-from chip_child.models.prepack import resolve_cpu_prepack
+from chip_child.models.prepack import cpu_linear_kernel, resolve_cpu_prepack
 from chip_child.protocol import Chunk, Command
 from chip_child.step.row_state import RowState
 from chip_child.sampling.sampler import Features, RowParams, sample, sample_with_features, vocab_hash
@@ -96,6 +96,7 @@ class ChipRuntime:
         self.cpu_prepack = resolve_cpu_prepack(cfg.cpu_prepack, self.device.type, self.dtype)
         if self.cpu_prepack:
             self.weights.prepack()
+        self.cpu_linear = cpu_linear_kernel(self.cpu_prepack, self.dtype)
         if cfg.enable_sleep_mode:  # sleep frees the weights in place: they need storage of their own
             owned_storage(self.weights)
         mc = self.model_cfg

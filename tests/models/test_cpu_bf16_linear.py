@@ -1,0 +1,134 @@
+"""The AVX-512 BF16 projection kernel (chip_child.cpu_kernels.bf16_linear): it agrees with a
+float32 matmul at every tile edge, a row's result does not depend on the rows beside it, the
+model's projections take it in bf16 and give the tokens of torch.mm, and where it cannot be used
+the projections stay on oneDNN with the reason said."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from chip_child.cpu_kernels import bf16_linear, build
+from chip_child.local import LocalDriver, LocalRequest
+from chip_child.models.prepack import PackedLinear
+from chip_child.models.qwen3 import PROJECTIONS
+from chip_child.step.runtime import ChipRuntime, RuntimeConfig
+
+needs_kernel = pytest.mark.skipif(not bf16_linear.usable(), reason=f"kernel unusable here: {bf16_linear.why_not()}")
+# bf16 output: one rounding of an fp32 sum (2^-8 relative), summed in another order than torch.
+REL_TOL = 1e-2
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 16, 17, 70])
+@pytest.mark.parametrize("out_in", [(64, 64), (67, 33), (130, 768), (1000, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_float32(rows: int, out_in: tuple[int, int], bias: bool) -> None:
+    """Blocks of 64 outputs (a partial last block at 67, 130, 1000), k in pairs (an odd 33), micro-
+    tiles of 4 rows (partial at 3, 5, 17, 70)."""
+    n, k = out_in
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k + 3, generator=g).bfloat16()[:, 2:k + 2]  # strided rows, offset start
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    layer = PackedLinear(w.t())
+    assert layer.kernel == "avx512_bf16"
+    got = layer(x, b)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    if rows:
+        want = x.float() @ w.float().t() + (b.float() if bias else 0)
+        assert rel_error(got, want) <= REL_TOL
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
+    """Batch invariance: the same row alone, in a batch of 5 and of 37 gives the same bits."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(200, 320, generator=g).bfloat16(), torch.randn(37, 320, generator=g).bfloat16()
+    layer = PackedLinear(w.t())
+    whole = layer(x)
+    for i in (0, 3, 36):
+        assert torch.equal(layer(x[i:i + 1]), whole[i:i + 1])
+    assert torch.equal(layer(x[2:7]), whole[2:7])
+
+
+@needs_kernel
+def test_kernel_refuses_a_float32_input() -> None:
+    layer = PackedLinear(torch.randn(64, 32).bfloat16())
+    with pytest.raises(ValueError, match="bfloat16 inputs, got torch.float32"):
+        layer(torch.randn(2, 64))
+
+
+def test_float32_stays_on_onednn() -> None:
+    assert PackedLinear(torch.randn(64, 32)).kernel == "onednn"
+
+
+def bf16_runtime(path: Path, cpu_prepack: bool) -> ChipRuntime:
+    return ChipRuntime(RuntimeConfig(str(path), device="cpu", dtype="bfloat16", max_batch_size=4,
+                                     max_seq_len=96, page_size=4, cpu_prepack=cpu_prepack))
+
+
+@needs_kernel
+def test_model_in_bf16_gives_the_tokens_of_torch_mm(make_checkpoint) -> None:
+    """Every projection and the lm_head on the kernel (small ones too: its call is cheaper than
+    torch.mm's), the greedy tokens of the plain torch.mm path, logits within bf16 rounding."""
+    path = make_checkpoint("default")
+    requests = [LocalRequest(list(range(3, 3 + n)), 16) for n in (1, 6, 17)]
+    results = {}
+    for on in (False, True):
+        rt = bf16_runtime(path, on)
+        try:
+            if on:
+                assert rt.cpu_linear == "avx512_bf16"
+                kinds = {type(getattr(lw, p)) for lw in rt.weights.layers for p in PROJECTIONS}
+                assert kinds == {PackedLinear} and type(rt.weights.lm_head) is PackedLinear
+            else:
+                assert rt.cpu_linear is None
+            results[on] = LocalDriver(rt).run(requests, keep_logits=True)
+        finally:
+            rt.close()
+    assert results[True].token_ids == results[False].token_ids
+    for mine, theirs in zip(results[True].logits, results[False].logits):
+        assert rel_error(mine[0], theirs[0].float()) <= 5e-2
+
+
+def test_forced_reference_keeps_onednn_and_says_why(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(bf16_linear, "_state", {})
+    monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_bf16_linear")
+    assert not bf16_linear.usable()
+    assert bf16_linear.why_not() == "forced by L3WORKER_REFERENCE_KERNELS"
+    assert "bf16 projections run on oneDNN, not the AVX-512 BF16 kernel: forced" in capsys.readouterr().err
+    assert PackedLinear(torch.randn(64, 32).bfloat16()).kernel == "onednn"
+
+
+def test_a_failed_build_keeps_onednn_and_says_why(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setattr(bf16_linear, "_state", {})
+    monkeypatch.setattr(bf16_linear, "cpu_has_instructions", lambda: None)
+    monkeypatch.setenv("L3WORKER_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    assert not bf16_linear.usable()
+    assert "failed" in bf16_linear.why_not() and "bf16_linear.cpp" in bf16_linear.why_not()
+    assert "not the AVX-512 BF16 kernel" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no partial library left behind
+
+
+def test_a_cpu_without_the_instructions_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(bf16_linear, "_state", {})
+    monkeypatch.setattr(bf16_linear, "CPU_FLAGS", ("avx512f", "no_such_flag"))
+    assert bf16_linear.cpu_has_instructions() == "this cpu lacks no_such_flag"
+    assert not bf16_linear.usable()
+
+
+@needs_kernel
+def test_the_library_is_built_once_per_source(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("L3WORKER_KERNEL_CACHE", str(tmp_path))
+    first = build.build("bf16_linear.cpp", bf16_linear.COMPILE_FLAGS)
+    stamp = first.stat().st_mtime_ns
+    assert build.build("bf16_linear.cpp", bf16_linear.COMPILE_FLAGS) == first and first.stat().st_mtime_ns == stamp
+    other = build.build("bf16_linear.cpp", [*bf16_linear.COMPILE_FLAGS, "-DL3_TEST_VARIANT"])
+    assert other != first and sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
