@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 
 # Fused model ops (chip_child.models.kernel_checks), the attention backend
-# (chip_child.attention.self_check) and the cpu bf16 projections (chip_child.cpu_kernels.bf16_linear).
-KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe", "fp8_gemm", "attention", "cpu_bf16_linear")
+# (chip_child.attention.self_check) and the cpu kernels (chip_child.cpu_kernels).
+KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe", "fp8_gemm", "attention", "cpu_bf16_linear",
+           "cpu_decode_attention", "cpu_layer_ops")
 
 
 def forced_reference() -> set[str]:

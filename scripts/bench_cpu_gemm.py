@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The CPU decode step's projections alone, cold: a loop over every layer's own weights (too many
-to stay in cache, as in a model), bf16, prepacked for oneDNN (the runtime's cpu_prepack path)
-against plain F.linear, at a few row counts. Printed per variant: ms for all layers, the weight
+to stay in cache, as in a model), bf16, on l3worker's AVX-512 BF16 kernel (the runtime's default
+where it runs, chip_child/cpu_kernels/bf16_linear.cpp), prepacked for oneDNN, and plain F.linear,
+at a few row counts. Printed per variant: ms for all layers, the weight
 read rate and the GEMM rate. This is the floor a decode step's projections could reach with
 today's kernels; compare it with the step time `scripts/step_breakdown.py` reports.
 
@@ -13,7 +14,13 @@ from __future__ import annotations
 import argparse
 import time
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # chip_child, run from anywhere
+from chip_child.cpu_kernels import bf16_linear  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +40,8 @@ def main() -> None:
     shapes = [((a.heads + 2 * a.kv_heads) * hd, h), (h, a.heads * hd), (2 * a.intermediate, h), (h, a.intermediate)]
     plain = [[torch.randn(n, k).bfloat16() for n, k in shapes] for _ in range(a.layers)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
+    lib = bf16_linear.KERNEL.library()
+    ours = [[bf16_linear.pack(lib, w) for w in ws] for ws in plain] if lib is not None else None
     weight_bytes = sum(n * k * 2 for n, k in shapes) * a.layers
     print(f"{a.layers} layers, {weight_bytes / 1e6:.0f} MB of bf16 projections, {a.threads} threads")
     for m in (int(r) for r in a.rows.split(",")):
@@ -48,7 +57,13 @@ def main() -> None:
                 for x, w in zip(xs, ws):
                     torch.nn.functional.linear(x, w)
 
-        for name, fn in (("prepacked", run_packed), ("plain", run_plain)):
+        def run_ours() -> None:
+            for ws in ours:
+                for x, w, (n, _) in zip(xs, ws, shapes):
+                    bf16_linear.linear(lib, x, w, n)
+
+        variants = [("l3worker", run_ours)] if ours is not None else []
+        for name, fn in (*variants, ("prepacked", run_packed), ("plain", run_plain)):
             fn()
             t0 = time.perf_counter()
             for _ in range(a.repeats):

@@ -3,10 +3,11 @@
 | name     | devices                                   | cache layout                                   |
 | -------- | ----------------------------------------- | ---------------------------------------------- |
 | `torch`  | cpu, cuda, npu (the reference)            | [layers, 2, kv_heads, pages, page_size, head_dim] |
+| `cpu`    | cpu (torch, decode on a kernel of our own) | [layers, 2, kv_heads, pages, page_size, head_dim] |
 | `triton` | cuda (cpu under TRITON_INTERPRET=1)       | [layers, 2, pages, page_size, kv_heads, head_dim] |
 | `npu`    | npu (torch_npu)                           | [layers, 2, pages, page_size, kv_heads, head_dim] |
 
-`get_backend(device_type, name=None)` picks the class: the default is `torch` on cpu, `triton`
+`get_backend(device_type, name=None)` picks the class: the default is `cpu` on cpu, `triton`
 on cuda (where triton imports; else `torch`) and `npu` on npu; `name` overrides it.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 from chip_child.attention.base import (AttentionBackend, AttentionMetadata, AttentionSpec, StepPlan,
                                        WorkspaceShapes, cache_dtype_of)
 
-BACKEND_NAMES = ("torch", "triton", "npu")
+BACKEND_NAMES = ("torch", "cpu", "triton", "npu")
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "AttentionSpec", "StepPlan", "WorkspaceShapes", "BACKEND_NAMES",
@@ -35,7 +36,7 @@ def triton_interpreted() -> bool:
 
 def backend_choices(device_type: str) -> tuple[str, ...]:
     """The backends that can run on `device_type` here."""
-    choices = ["torch"]
+    choices = ["torch", "cpu"] if device_type == "cpu" else ["torch"]
     if triton_importable() and (device_type == "cuda" or (device_type == "cpu" and triton_interpreted())):
         choices.append("triton")
     if device_type == "npu":
@@ -48,7 +49,7 @@ def default_backend_name(device_type: str) -> str:
         return "npu"
     if device_type == "cuda" and triton_importable():
         return "triton"
-    return "torch"
+    return "cpu" if device_type == "cpu" else "torch"
 
 
 def get_backend(device_type: str, name: str | None = None) -> type[AttentionBackend]:
@@ -74,6 +75,10 @@ def get_backend(device_type: str, name: str | None = None) -> type[AttentionBack
         from chip_child.attention.torch_backend import TorchAttention
 
         return TorchAttention
+    if name == "cpu":
+        from chip_child.attention.cpu_backend import CpuAttention
+
+        return CpuAttention
     if name == "triton":
         from chip_child.attention.triton_backend import TritonAttention
 

@@ -16,8 +16,9 @@ from chip_child.kernel_choice import forced_reference
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 # (query length, sequence length) per sequence of each step: a chunk from position 0, a longer
-# prompt's first chunk; then a decode row and that prompt's next chunk, each over its cache.
-STEPS = (((5, 5), (9, 9)), ((1, 6), (7, 16)))
+# prompt's first chunk; then a decode row and that prompt's next chunk, each over its cache; then
+# a pure decode step (a path of its own in some backends).
+STEPS = (((5, 5), (9, 9)), ((1, 6), (7, 16)), ((1, 7), (1, 17)))
 
 
 def checked_backend(backend: type[AttentionBackend], spec: AttentionSpec,

@@ -5,41 +5,24 @@ Measured on the 2-core CI machine (`python scripts/bench_cpu_gemm.py`), the twel
 128M Qwen3's projections: at 1 row it reads the weights at about 31 GB/s where oneDNN's prepacked
 op reaches about 19-23, and from 16 rows on it computes at 300-430 GFLOPS, at or above oneDNN.
 
-`usable()` builds, loads and checks the kernel once per process against a float32 reference on odd
-shapes (a partial block of outputs, an odd k, a bias); a cpu without the instructions, no
-compiler, a failed build, a failed check or `L3WORKER_REFERENCE_KERNELS=cpu_bf16_linear` leave the
-projections on oneDNN, the reason printed once on stderr and kept in `why_not()`."""
+KERNEL builds, loads and checks it once per process against a float32 matmul on odd shapes (a
+partial block of outputs, an odd k, a bias); where it cannot run (no AVX-512 BF16, no compiler, a
+failed build or check, `L3WORKER_REFERENCE_KERNELS=cpu_bf16_linear`) the projections stay on
+oneDNN and the reason is printed once (chip_child.cpu_kernels.build.CheckedKernel)."""
 from __future__ import annotations
 
 import ctypes
-import sys
-from pathlib import Path
 
 import torch
 
-from chip_child.cpu_kernels.build import KernelBuildError, load
-from chip_child.kernel_choice import forced_reference
+from chip_child.cpu_kernels.build import CheckedKernel
 
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # as /proc/cpuinfo names them
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 # Largest error allowed against the float32 reference, relative to its largest magnitude: the
 # kernel rounds its fp32 sums to bf16 once (2^-8 relative) and sums in another order than torch.
 CHECK_TOLERANCE = 1e-2
 CHECK_SHAPES = ((1, 67, 33), (5, 130, 64), (16, 64, 768))  # (rows, out, in)
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_state: dict[str, object] = {}  # "lib": the checked library or None; "why": the reason it is None
-
-
-def cpu_has_instructions() -> str | None:
-    """None where /proc/cpuinfo lists every flag the kernel needs; else what is missing."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "no /proc/cpuinfo to read the cpu's flags from"
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    missing = [f for f in CPU_FLAGS if f not in line.split()]
-    return f"this cpu lacks {', '.join(missing)}" if missing else None
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -50,44 +33,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _prepare() -> tuple[ctypes.CDLL | None, str | None]:
-    if "cpu_bf16_linear" in forced_reference():
-        return None, "forced by L3WORKER_REFERENCE_KERNELS"
-    missing = cpu_has_instructions()
-    if missing:
-        return None, missing
-    try:
-        lib = _bind(load("bf16_linear.cpp", COMPILE_FLAGS))
-    except KernelBuildError as e:
-        return None, str(e)
-    error = check_error(lib)
-    if error > CHECK_TOLERANCE:
-        return None, f"it failed its self-check (relative error {error:.3g} against float32)"
-    return lib, None
-
-
-def library() -> ctypes.CDLL | None:
-    """The built and checked kernel, or None where it cannot be used (reason on stderr, once)."""
-    if "lib" not in _state:
-        _state["lib"], _state["why"] = _prepare()
-        if _state["why"]:
-            print(f"chip-child: bf16 projections run on oneDNN, not the AVX-512 BF16 kernel: {_state['why']}",
-                  file=sys.stderr, flush=True)
-    return _state["lib"]  # type: ignore[return-value]
-
-
-def usable() -> bool:
-    return library() is not None
-
-
-def why_not() -> str | None:
-    library()
-    return _state["why"]  # type: ignore[return-value]
-
-
 def pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
-    """The [out, in] bf16 matrix (rows of stride weight.stride(0), unit column stride) in the
-    kernel's blocked layout, a flat tensor."""
+    """The [out, in] bf16 matrix in the kernel's blocked layout, a flat tensor."""
     n, k = weight.shape
     if weight.stride(1) != 1:
         weight = weight.contiguous()
@@ -127,3 +74,7 @@ def check_error(lib: ctypes.CDLL) -> float:
                 return float("inf")
             worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
     return worst
+
+
+KERNEL = CheckedKernel("cpu_bf16_linear", "bf16_linear.cpp", "bf16 projections run on oneDNN", _bind, check_error,
+                       CHECK_TOLERANCE)

@@ -12,10 +12,14 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch  # noqa: F401  (loaded first: the library resolves libgomp.so.1 to torch's copy)
+
+from chip_child.kernel_choice import forced_reference
 
 SOURCE_DIR = Path(__file__).parent
 BUILD_TIMEOUT_S = 120
@@ -74,3 +78,67 @@ def load(source: str, flags: list[str]) -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelBuildError(f"loading {path} failed: {e}") from e
+
+
+AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo names of what both kernels need
+AVX512_BF16_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+
+
+def missing_cpu_flags(flags: tuple[str, ...]) -> str | None:
+    """None where /proc/cpuinfo lists every one of `flags`; else what is missing."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "no /proc/cpuinfo to read the cpu's flags from"
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    missing = [f for f in flags if f not in line.split()]
+    return f"this cpu lacks {', '.join(missing)}" if missing else None
+
+
+class CheckedKernel:
+    """One kernel library, built, loaded and checked once per process: `library()` is it, or None
+    where it cannot be used, the reason printed once on stderr (after `fallback`) and kept in
+    `why_not()`. `check(lib)` returns its largest relative error against torch; past `tolerance`
+    the kernel is not used. `L3WORKER_REFERENCE_KERNELS=<name>` turns it off without building."""
+
+    def __init__(self, name: str, source: str, fallback: str, bind: Callable[[ctypes.CDLL], ctypes.CDLL],
+                 check: Callable[[ctypes.CDLL], float], tolerance: float, cpu_flags: tuple[str, ...] = AVX512_BF16,
+                 compile_flags: list[str] = AVX512_BF16_FLAGS):
+        self.name, self.source, self.fallback = name, source, fallback
+        self.bind, self.check, self.tolerance = bind, check, tolerance
+        self.cpu_flags, self.compile_flags = cpu_flags, compile_flags
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the verdict: the next library() decides again (tests)."""
+        self._decided, self._lib, self._why = False, None, None
+
+    def _prepare(self) -> tuple[ctypes.CDLL | None, str | None]:
+        if self.name in forced_reference():
+            return None, "forced by L3WORKER_REFERENCE_KERNELS"
+        missing = missing_cpu_flags(self.cpu_flags)
+        if missing:
+            return None, missing
+        try:
+            lib = self.bind(load(self.source, self.compile_flags))
+        except KernelBuildError as e:
+            return None, str(e)
+        error = self.check(lib)
+        if not error <= self.tolerance:  # a NaN fails too
+            return None, f"it failed its self-check (relative error {error:.3g} against the torch reference)"
+        return lib, None
+
+    def library(self) -> ctypes.CDLL | None:
+        if not self._decided:
+            self._lib, self._why = self._prepare()
+            self._decided = True
+            if self._why:
+                print(f"chip-child: {self.fallback}, not the {self.name} kernel: {self._why}", file=sys.stderr, flush=True)
+        return self._lib
+
+    def usable(self) -> bool:
+        return self.library() is not None
+
+    def why_not(self) -> str | None:
+        self.library()
+        return self._why

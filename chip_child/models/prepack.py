@@ -58,14 +58,14 @@ def cpu_linear_kernel(prepack: bool, dtype: torch.dtype) -> str | None:
     """What runs the packed projections: "avx512_bf16" (ours), "onednn", or None (torch.mm)."""
     if not prepack:
         return None
-    return "avx512_bf16" if dtype == torch.bfloat16 and bf16_linear.usable() else "onednn"
+    return "avx512_bf16" if dtype == torch.bfloat16 and bf16_linear.KERNEL.usable() else "onednn"
 
 
 def prepacked(weight_t: torch.Tensor) -> "torch.Tensor | PackedLinear":
     """The [in, out] weight view prepacked; on oneDNN, as it is when smaller than
     MIN_PACKED_ELEMENTS. Our bf16 kernel packs every size: its call costs about 6 us against
     torch.mm's 20 (bf16, one row, 256 x 256, measured here)."""
-    ours = weight_t.dtype == torch.bfloat16 and bf16_linear.usable()
+    ours = weight_t.dtype == torch.bfloat16 and bf16_linear.KERNEL.usable()
     return PackedLinear(weight_t) if ours or weight_t.numel() >= MIN_PACKED_ELEMENTS else weight_t
 
 
@@ -79,7 +79,7 @@ class PackedLinear:
     def __init__(self, weight_t: torch.Tensor):
         """`weight_t`: the [in, out] view model.LayerWeights keeps (a transposed [out, in] matrix)."""
         self.in_features, self.out_features = weight_t.shape
-        self._lib = bf16_linear.library() if weight_t.dtype == torch.bfloat16 else None
+        self._lib = bf16_linear.KERNEL.library() if weight_t.dtype == torch.bfloat16 else None
         if self._lib is not None:
             self.kernel = "avx512_bf16"
             self.weight = bf16_linear.pack(self._lib, weight_t.t())

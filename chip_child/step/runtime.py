@@ -55,6 +55,7 @@ from chip_child.step.chunk_layout import ChunkInts, ChunkPlan, plan_chunks
 from chip_child.sampling.grammar_rows import ConstrainedRows
 from chip_child.step.pool import TaskArg, TensorPool
 from chip_child.step.task_args import LANE_SLOTS, step_task_args
+from chip_child.cpu_kernels.layer_ops import cpu_layer_ops
 from chip_child.models.prepack import cpu_linear_kernel, resolve_cpu_prepack
 from chip_child.protocol import Chunk, Command
 from chip_child.step.row_state import RowState
@@ -103,7 +104,11 @@ class ChipRuntime:
         self.lora = LoraSlots(full_cfg, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device, cfg.tp_rank,
                               cfg.tp_size) if cfg.max_loras else None  # adapter slots beside the weights
         self.rope = rope_table(mc, cfg.max_seq_len, self.dtype, self.device)
-        self.ops = triton_layer_ops() if resolve_fused_kernels(cfg.fused_kernels, self.device.type) else TORCH_OPS
+        if resolve_fused_kernels(cfg.fused_kernels, self.device.type):
+            self.ops = triton_layer_ops()
+        else:  # the cpu's own kernels unless fused kernels were turned off
+            on_cpu = self.device.type == "cpu" and cfg.fused_kernels is None
+            self.ops = cpu_layer_ops(self.dtype) if on_cpu else TORCH_OPS
         if self.device.type == "npu":
             self.ops = replace(self.ops, moe=npu_moe)  # torch_npu's MoE ops
         self.ops, self.kernel_checks = checked_ops(self.ops, self.weights, self.rope, mc.num_heads, mc.num_kv_heads,
@@ -139,7 +144,7 @@ class ChipRuntime:
             print("chip-child: speculative decoding runs without decode graphs", file=sys.stderr, flush=True)
             graphs = False
         # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
-        options = {"decode_mirror": False} if graphs and backend.name == "torch" else {}
+        options = {"decode_mirror": False} if graphs and backend.name in ("torch", "cpu") else {}
         self.attn = backend(spec, self.device, **options)
         self.kernel_checks += check_fp8_gemms(self.weights, self.device)
         if attention_check is not None:

@@ -19,8 +19,8 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
 
 def check_kv_cache_dtype(cache_dtype: object, backend_name: str) -> None:
     """An fp8 cache with a backend that cannot read one, refused before any child starts."""
-    if cache_dtype is not None and backend_name not in ("torch", "triton"):
-        raise ValueError(f"kv_cache_dtype: an fp8 cache is read by the torch and triton attention backends only so "
+    if cache_dtype is not None and backend_name not in ("torch", "cpu", "triton"):
+        raise ValueError(f"kv_cache_dtype: an fp8 cache is read by the torch, cpu and triton attention backends only so "
                          f"far, and this device's is {backend_name!r} (attention_backend='torch' to use it)")
 
 

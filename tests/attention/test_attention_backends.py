@@ -571,7 +571,7 @@ def test_npu_reference_flags_duplicate_slots(npu):
 def test_get_backend_defaults_and_overrides(monkeypatch):
     from chip_child.attention.npu_backend import NpuAttention
 
-    assert get_backend("cpu") is TorchAttention
+    assert get_backend("cpu", "torch") is TorchAttention
     assert get_backend("npu") is NpuAttention
     assert get_backend("cuda", "torch") is TorchAttention
     if HAS_TRITON:
@@ -583,14 +583,14 @@ def test_get_backend_defaults_and_overrides(monkeypatch):
 
 
 def test_get_backend_errors(monkeypatch):
-    with pytest.raises(ValueError, match=r"attention_backend.*\('torch', 'triton', 'npu'\)"):
+    with pytest.raises(ValueError, match=r"attention_backend.*\('torch', 'cpu', 'triton', 'npu'\)"):
         get_backend("cpu", "flash")
     with pytest.raises(ValueError, match=r"attention_backend='npu' cannot run on cpu; choices for cpu"):
         get_backend("cpu", "npu")
     with pytest.raises(ValueError, match=r"attention_backend='npu' cannot run on cuda"):
         get_backend("cuda", "npu")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match=r"attention_backend='triton' cannot run on cpu.*for cpu: \('torch',\)"):
+    with pytest.raises(ValueError, match=r"attention_backend='triton' cannot run on cpu.*for cpu: \('torch', 'cpu'\)"):
         get_backend("cpu", "triton")
     with pytest.raises(ValueError, match="attention_backend: unknown device type"):
         get_backend("tpu")

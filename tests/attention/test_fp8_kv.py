@@ -68,8 +68,8 @@ def test_the_triton_backend_passes_its_self_check_on_fp8_and_gives_the_torch_bac
 
 def test_backends_that_cannot_read_fp8_and_unknown_dtypes_are_refused_by_name(make_checkpoint) -> None:
     path = str(make_checkpoint())
-    with pytest.raises(ValueError, match="kv_cache_dtype: an fp8 cache is read by the torch and triton attention "
-                                         "backends only so far, and this device's is 'npu'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype: an fp8 cache is read by the torch, cpu and triton "
+                                         "attention backends only so far, and this device's is 'npu'"):
         check_kv_cache_dtype(torch.float8_e4m3fn, "npu")
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\)"):
         DistributedWorker(path, kv_cache_dtype="fp8_e5m2", **KW)

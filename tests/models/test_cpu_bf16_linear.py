@@ -15,7 +15,9 @@ from chip_child.models.prepack import PackedLinear
 from chip_child.models.qwen3 import PROJECTIONS
 from chip_child.step.runtime import ChipRuntime, RuntimeConfig
 
-needs_kernel = pytest.mark.skipif(not bf16_linear.usable(), reason=f"kernel unusable here: {bf16_linear.why_not()}")
+from kernel_helpers import decide_again  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
 # bf16 output: one rounding of an fp32 sum (2^-8 relative), summed in another order than torch.
 REL_TOL = 1e-2
 
@@ -98,37 +100,37 @@ def test_model_in_bf16_gives_the_tokens_of_torch_mm(make_checkpoint) -> None:
 
 
 def test_forced_reference_keeps_onednn_and_says_why(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(bf16_linear, "_state", {})
+    decide_again(monkeypatch, bf16_linear.KERNEL)
     monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_bf16_linear")
-    assert not bf16_linear.usable()
-    assert bf16_linear.why_not() == "forced by L3WORKER_REFERENCE_KERNELS"
-    assert "bf16 projections run on oneDNN, not the AVX-512 BF16 kernel: forced" in capsys.readouterr().err
+    assert not bf16_linear.KERNEL.usable()
+    assert bf16_linear.KERNEL.why_not() == "forced by L3WORKER_REFERENCE_KERNELS"
+    assert "bf16 projections run on oneDNN, not the cpu_bf16_linear kernel: forced" in capsys.readouterr().err
     assert PackedLinear(torch.randn(64, 32).bfloat16()).kernel == "onednn"
 
 
 def test_a_failed_build_keeps_onednn_and_says_why(monkeypatch, tmp_path, capsys) -> None:
-    monkeypatch.setattr(bf16_linear, "_state", {})
-    monkeypatch.setattr(bf16_linear, "cpu_has_instructions", lambda: None)
+    decide_again(monkeypatch, bf16_linear.KERNEL)
     monkeypatch.setenv("L3WORKER_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-    assert not bf16_linear.usable()
-    assert "failed" in bf16_linear.why_not() and "bf16_linear.cpp" in bf16_linear.why_not()
-    assert "not the AVX-512 BF16 kernel" in capsys.readouterr().err
+    assert not bf16_linear.KERNEL.usable()
+    assert "failed" in bf16_linear.KERNEL.why_not() and "bf16_linear.cpp" in bf16_linear.KERNEL.why_not()
+    assert "not the cpu_bf16_linear kernel" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no partial library left behind
 
 
 def test_a_cpu_without_the_instructions_is_named(monkeypatch) -> None:
-    monkeypatch.setattr(bf16_linear, "_state", {})
-    monkeypatch.setattr(bf16_linear, "CPU_FLAGS", ("avx512f", "no_such_flag"))
-    assert bf16_linear.cpu_has_instructions() == "this cpu lacks no_such_flag"
-    assert not bf16_linear.usable()
+    decide_again(monkeypatch, bf16_linear.KERNEL)
+    monkeypatch.setattr(bf16_linear.KERNEL, "cpu_flags", ("avx512f", "no_such_flag"))
+    assert build.missing_cpu_flags(bf16_linear.KERNEL.cpu_flags) == "this cpu lacks no_such_flag"
+    assert not bf16_linear.KERNEL.usable()
 
 
 @needs_kernel
 def test_the_library_is_built_once_per_source(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("L3WORKER_KERNEL_CACHE", str(tmp_path))
-    first = build.build("bf16_linear.cpp", bf16_linear.COMPILE_FLAGS)
+    flags = build.AVX512_BF16_FLAGS
+    first = build.build("bf16_linear.cpp", flags)
     stamp = first.stat().st_mtime_ns
-    assert build.build("bf16_linear.cpp", bf16_linear.COMPILE_FLAGS) == first and first.stat().st_mtime_ns == stamp
-    other = build.build("bf16_linear.cpp", [*bf16_linear.COMPILE_FLAGS, "-DL3_TEST_VARIANT"])
+    assert build.build("bf16_linear.cpp", flags) == first and first.stat().st_mtime_ns == stamp
+    other = build.build("bf16_linear.cpp", [*flags, "-DL3_TEST_VARIANT"])
     assert other != first and sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])

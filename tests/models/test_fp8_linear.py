@@ -234,7 +234,8 @@ def test_runtime_on_kept_fp8_runs_the_kernels_as_the_reference_math(fp8_pair, mo
     lw = rt.weights.layers[1]
     assert all(getattr(lw, n).gemm == "triton" and getattr(lw, n).weight.dtype == FP8
                for n in ("qkv", "o_proj", "gate_up", "down"))
-    assert [(v.kernel, v.used) for v in rt.kernel_checks] == [("fp8_gemm:triton", True)]  # passed its self-check
+    checks = [(v.kernel, v.used) for v in rt.kernel_checks if v.kernel != "attention"]  # the cpu backend checks itself
+    assert checks == [("fp8_gemm:triton", True)]  # passed its self-check
     _, want = _run(fp8_pair[0], True, monkeypatch, gemm="torch")
     assert got.token_ids == want.token_ids
     for mine, ref in zip(got.logits, want.logits):

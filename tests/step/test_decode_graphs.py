@@ -34,8 +34,9 @@ def ckpt(make_checkpoint) -> Path:
 
 
 def make_runtime(path: Path, capturer: StandInCapturer | None = None, **kw) -> ChipRuntime:
+    # the torch backend: the capturable one on the cpu (the cpu backend's decode kernel reads host pointers)
     cfg = dict(device="cpu", dtype="float32", max_batch_size=BATCH, max_seq_len=96, page_size=PAGE,
-               max_prefill_tokens=24) | kw
+               max_prefill_tokens=24, attention_backend="torch") | kw
     return ChipRuntime(RuntimeConfig(str(path), **cfg), graph_capturer=capturer)
 
 
@@ -234,7 +235,7 @@ def no_children(monkeypatch):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(attention_backend="flash"), r"attention_backend must be one of \('torch', 'triton', 'npu'\)"),
+    (dict(attention_backend="flash"), r"attention_backend must be one of \('torch', 'cpu', 'triton', 'npu'\)"),
     (dict(attention_backend="npu"), r"attention_backend='npu' cannot run on cpu; choices for cpu: \('torch',"),
     (dict(decode_graphs=True), "decode_graphs=True needs a cuda or npu device, got cpu"),
 ], ids=["unknown-backend", "npu-on-cpu", "graphs-on-cpu"])
@@ -246,7 +247,7 @@ def test_worker_refuses_bad_options_before_any_child_starts(ckpt, no_children, k
 def test_worker_refuses_triton_on_cpu_without_the_interpreter(ckpt, no_children, monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"attention_backend='triton' cannot run on cpu \(only under "
-                                         r"TRITON_INTERPRET=1\); choices for cpu: \('torch',\)"):
+                                         r"TRITON_INTERPRET=1\); choices for cpu: \('torch', 'cpu'\)"):
         DistributedWorker(ckpt, device="cpu", attention_backend="triton")
 
 

@@ -1,0 +1,70 @@
+"""The cpu backend: the torch backend, with pure decode steps on a kernel of our own
+(chip_child.cpu_kernels.decode_attention) that reads each row's keys and values in place from
+the paged cache: no per-layer gather into a workspace, no dense mirror to keep, no strided
+matmul copies. Everything else (prompt chunks, mixed steps, an fp8 cache) is TorchAttention's.
+
+Where the kernel cannot run (no AVX-512 BF16, no compiler, a failed check, a dtype or head shape
+it does not take, `L3WORKER_REFERENCE_KERNELS=cpu_decode_attention`), decode steps take the
+torch backend's own paths, and the reason is printed once. Measured on the 2-core CI machine,
+12 layers of a 128M Qwen3 (`python scripts/bench_attention_cpu.py`): see docs/performance/cpu.md."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from chip_child.attention.base import AttentionMetadata, AttentionSpec, StepPlan
+from chip_child.attention.torch_backend import TorchAttention
+from chip_child.cpu_kernels import decode_attention
+
+
+class CpuAttention(TorchAttention):
+    name = "cpu"
+    decode_capturable = False  # the kernel reads lengths and pages through host pointers
+
+    def __init__(self, spec: AttentionSpec, device: torch.device | str = "cpu", decode_mirror: bool | None = None,
+                 **options):
+        lib = decode_attention.KERNEL.library()
+        fits = lib is not None and spec.kv_dtype == spec.dtype and decode_attention.supports(
+            lib, spec.dtype, spec.group, spec.head_dim)
+        if lib is not None and not fits:
+            print(f"chip-child: decode attention runs on torch ops: the cpu_decode_attention kernel does not take "
+                  f"{spec.dtype} with a {spec.kv_dtype} cache, {spec.group} query heads per kv head and head size "
+                  f"{spec.head_dim}", file=sys.stderr, flush=True)
+        self._lib = lib if fits else None
+        if self._lib is not None and decode_mirror is None:
+            decode_mirror = False  # decode steps read the cache in place: a mirror would be dead weight
+        super().__init__(spec, device, decode_mirror=decode_mirror, **options)
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self._lib is not None
+
+    def plan(self, meta: AttentionMetadata) -> StepPlan:
+        if self._lib is None or not (meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs > 0):
+            return super().plan(meta)
+        self._check_bound()
+        self._check_capacity(meta)
+        step = StepPlan(meta)
+        step.extra["kernel_decode"] = True
+        return step
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepPlan,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        if not step.extra.get("kernel_decode"):
+            return super().forward(layer, q, k, v, step, out)
+        self.write_kv(layer, k, v, step.meta.slot_mapping)
+        return self._attend_in_place(layer, q, step, out)
+
+    def attend(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None = None,
+               k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        if not step.extra.get("kernel_decode"):
+            return super().attend(layer, q, step, out, k, v)
+        self._check_bound()
+        return self._attend_in_place(layer, q, step, out)
+
+    def _attend_in_place(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
+        meta, kv = step.meta, self._layers[layer]  # [2, kv_heads, pages, page_size, head_dim]
+        table = meta.block_table if meta.block_table.stride(-1) == 1 else meta.block_table.contiguous()
+        return decode_attention.attend(self._lib, q, kv[0], kv[1], table, meta.seq_lens.contiguous(),
+                                       self.spec.softmax_scale, self._out(q, out))

@@ -1,0 +1,91 @@
+"""Decode attention read in place from the paged cache (decode_attention.cpp): one call per layer
+for every decode row, bf16 or float32, no gather and no dense mirror. chip_child.attention.
+cpu_backend calls it for pure decode steps; KERNEL checks it once against a plain torch softmax
+attention over a shuffled paged cache and, where it cannot run, the torch backend's own decode
+paths serve those steps (chip_child.cpu_kernels.build.CheckedKernel)."""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from chip_child.cpu_kernels.build import CheckedKernel
+
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the largest output
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.l3_decode_attention.argtypes = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64,
+                                        _I64, _I64, _F32, _PTR, _I64, _INT]
+    lib.l3_decode_attention.restype = None
+    return lib
+
+
+def supports(lib: ctypes.CDLL, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """Whether the kernel runs this model's attention: its dtype, grouped heads and head size."""
+    return (dtype in DTYPES and head_dim <= lib.l3_decode_attention_max_head_dim()
+            and group <= lib.l3_decode_attention_max_group())
+
+
+def attend(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """q [rows, heads, head_dim]; k_cache, v_cache one layer's [kv_heads, pages, page_size,
+    head_dim] (contiguous from the page on); block_table int32 [rows, >= pages a row uses]; seq_lens
+    int32 [rows], the new token included and already written; out like q."""
+    rows, heads, hd = q.shape
+    kvh, _, page_size, _ = k_cache.shape
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        q = q.contiguous()
+    lib.l3_decode_attention(int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                            v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), block_table.data_ptr(),
+                            block_table.stride(0), seq_lens.data_ptr(), rows, kvh, heads // kvh, hd, page_size, scale,
+                            out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+              seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same attention in float32 torch ops, row by row."""
+    rows, heads, hd = q.shape
+    kvh, _, page_size, _ = k_cache.shape
+    out = torch.empty(rows, heads, hd)
+    for r in range(rows):
+        n = int(seq_lens[r])
+        pages = block_table[r, :math.ceil(n / page_size)].long()
+        k = k_cache[:, pages].reshape(kvh, -1, hd)[:, :n].float().repeat_interleave(heads // kvh, 0)
+        v = v_cache[:, pages].reshape(kvh, -1, hd)[:, :n].float().repeat_interleave(heads // kvh, 0)
+        p = (q[r].float().unsqueeze(1) @ k.transpose(1, 2) * scale).softmax(-1)  # [heads, 1, n]
+        out[r] = (p @ v).squeeze(1)
+    return out
+
+
+def check_error(lib: ctypes.CDLL) -> float:
+    """Largest relative error against `reference` over both dtypes, a GQA group of 3, partial
+    last pages, context lengths from 1 to 61 (16 pages of 4), pages in shuffled order."""
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for dtype in DTYPES:
+        kvh, group, hd, page, pages = 2, 3, 40, 4, 64  # 40: two whole vectors and a half
+        lens = torch.tensor([1, 7, 16, 61], dtype=torch.int32)
+        table = torch.randperm(pages, generator=g).to(torch.int32).view(4, 16)
+        k, v = (torch.randn(kvh, pages, page, hd, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(4, kvh * group, hd, generator=g).to(dtype)
+        got = attend(lib, q, k, v, table, lens, 0.125, torch.empty_like(q)).float()
+        want = reference(q, k, v, table, lens, 0.125)
+        if not torch.isfinite(got).all():
+            return float("inf")
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        worst = max(worst, error * CHECK_TOLERANCE[torch.float32] / CHECK_TOLERANCE[dtype])  # in float32's terms
+    return worst
+
+
+def _bind_limits(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.l3_decode_attention_max_group.restype = lib.l3_decode_attention_max_head_dim.restype = _INT
+    return _bind(lib)
+
+
+KERNEL = CheckedKernel("cpu_decode_attention", "decode_attention.cpp", "decode attention runs on torch ops",
+                       _bind_limits, check_error, CHECK_TOLERANCE[torch.float32])

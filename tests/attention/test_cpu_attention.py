@@ -1,0 +1,101 @@
+"""The cpu attention backend: decode steps on a kernel that reads the paged cache in place
+(chip_child.cpu_kernels.decode_attention). The kernel agrees with a float32 softmax attention
+over shuffled pages, the backend gives transformers' greedy tokens and logits in float32, and
+where the kernel is turned off the backend's decode steps take the torch paths, still correct."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chip_child.attention import backend_choices, default_backend_name, get_backend
+from chip_child.attention.cpu_backend import CpuAttention
+from chip_child.config import RuntimeConfig
+from chip_child.cpu_kernels import decode_attention
+from chip_child.local import LocalDriver, LocalRequest
+from chip_child.step.runtime import ChipRuntime
+
+from kernel_helpers import decide_again  # noqa: E402
+from parity import assert_matches_transformers  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not decode_attention.KERNEL.usable(),
+                                  reason=f"kernel unusable here: {decode_attention.KERNEL.why_not()}")
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(1, 1, 16), (2, 3, 24), (2, 3, 64), (4, 8, 128), (1, 16, 256)])
+def test_kernel_matches_a_float32_softmax_attention(dtype, kv_heads: int, group: int, head_dim: int) -> None:
+    """Context lengths 1, a page's end, a page's end plus one, many pages; pages shuffled."""
+    g = torch.Generator().manual_seed(kv_heads * 100 + group)
+    page, pages = 8, 48
+    lens = torch.tensor([1, 8, 9, 95], dtype=torch.int32)  # 12 pages of 8 a row
+    table = torch.randperm(pages, generator=g).to(torch.int32).view(4, 12)
+    k, v = (torch.randn(kv_heads, pages, page, head_dim, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(4, kv_heads * group, head_dim, generator=g).to(dtype)
+    lib = decode_attention.KERNEL.library()
+    got = decode_attention.attend(lib, q, k, v, table, lens, head_dim ** -0.5, torch.empty_like(q)).float()
+    want = decode_attention.reference(q, k, v, table, lens, head_dim ** -0.5)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= TOLERANCE[dtype]
+
+
+def test_cpu_is_the_default_on_the_cpu_and_torch_stays_a_choice() -> None:
+    assert default_backend_name("cpu") == "cpu" and get_backend("cpu") is CpuAttention
+    assert backend_choices("cpu")[:2] == ("torch", "cpu")
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' cannot run on cuda"):
+        get_backend("cuda", "cpu")
+
+
+def runtime(path, dtype: str = "float32", **overrides) -> ChipRuntime:
+    return ChipRuntime(RuntimeConfig(str(path), device="cpu", dtype=dtype, max_batch_size=4, max_seq_len=96,
+                                     page_size=4, **overrides))
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, vocab, n).tolist() for n in (1, 6, 17, 40)]
+
+
+@needs_kernel
+def test_the_backend_gives_the_tokens_and_logits_of_transformers(make_checkpoint, hf_model) -> None:
+    path = make_checkpoint("cpu-attn", num_attention_heads=6, num_key_value_heads=2)
+    model = hf_model(path)
+    ps = prompts(model.config.vocab_size)
+    rt = runtime(path)
+    try:
+        assert rt.attn.name == "cpu" and rt.attn.uses_kernel and not rt.attn.decode_mirror
+        (check,) = [v for v in rt.kernel_checks if v.kernel == "attention"]
+        assert check.used and check.error <= 1e-4  # its start-up check against the torch backend
+        result = LocalDriver(rt).run([LocalRequest(p, 20) for p in ps], keep_logits=True)
+    finally:
+        rt.close()
+    assert_matches_transformers(model, ps, result.token_ids, result.logits, 20)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_turned_off_the_decode_steps_take_the_torch_paths(make_checkpoint, monkeypatch, capsys, dtype: str) -> None:
+    """float32: the same greedy tokens, logits within float32 rounding. bf16 (where a tiny random
+    model's near-ties can part the tokens): the first decode step's logits, made from the same
+    inputs, within bf16 rounding."""
+    path = make_checkpoint("cpu-attn", num_attention_heads=6, num_key_value_heads=2)
+    ps = prompts(300)
+    results = {}
+    for forced in (True, False):
+        monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_decode_attention" if forced else "")
+        decide_again(monkeypatch, decode_attention.KERNEL)  # under this environment
+        rt = runtime(path, dtype=dtype)
+        try:
+            assert rt.attn.name == "cpu" and rt.attn.uses_kernel is not forced
+            results[forced] = LocalDriver(rt).run([LocalRequest(p, 16) for p in ps], keep_logits=True)
+        finally:
+            rt.close()
+    assert "decode attention runs on torch ops, not the cpu_decode_attention kernel: forced" in capsys.readouterr().err
+    if dtype == "float32":
+        assert results[False].token_ids == results[True].token_ids
+    tol = 1e-5 if dtype == "float32" else 5e-2
+    for mine, theirs in zip(results[False].logits, results[True].logits):
+        steps = range(len(mine)) if dtype == "float32" else [1]
+        for i in steps:
+            assert ((mine[i] - theirs[i]).abs().max() / theirs[i].abs().max()).item() <= tol
