@@ -26,11 +26,10 @@ class CpuAttention(TorchAttention):
                  **options):
         lib = decode_attention.KERNEL.library()
         fits = lib is not None and spec.kv_dtype == spec.dtype and decode_attention.supports(
-            lib, spec.dtype, spec.group, spec.head_dim)
+            lib, spec.dtype, spec.head_dim)
         if lib is not None and not fits:
             print(f"chip-child: decode attention runs on torch ops: the cpu_decode_attention kernel does not take "
-                  f"{spec.dtype} with a {spec.kv_dtype} cache, {spec.group} query heads per kv head and head size "
-                  f"{spec.head_dim}", file=sys.stderr, flush=True)
+                  f"{spec.dtype} with a {spec.kv_dtype} cache and head size {spec.head_dim}", file=sys.stderr, flush=True)
         self._lib = lib if fits else None
         if self._lib is not None and decode_mirror is None:
             decode_mirror = False  # decode steps read the cache in place: a mirror would be dead weight

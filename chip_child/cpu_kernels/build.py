@@ -80,8 +80,9 @@ def load(source: str, flags: list[str]) -> ctypes.CDLL:
         raise KernelBuildError(f"loading {path} failed: {e}") from e
 
 
-AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo names of what both kernels need
-AVX512_BF16_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")  # /proc/cpuinfo names of what both kernels need
+AVX512_BF16_FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                     "-fopenmp"]
 
 
 def missing_cpu_flags(flags: tuple[str, ...]) -> str | None:

@@ -13,7 +13,6 @@
 namespace {
 
 constexpr int VEC = 16;
-constexpr int MAX_GROUP = 16;      // query heads per kv head
 constexpr int MAX_HEAD_DIM = 256;
 
 // Loads and stores of 16 lanes, masked: a head size that is not a multiple of 16 ends in a partial vector.
@@ -50,65 +49,104 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
 }
 
-template <typename T>
+// The four horizontal sums of a, b, c, d, in one vector: a shuffle tree shared by the four.
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a b a b
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
+template <typename T, int CH>
+inline __m512 dot(const __m512* q, const T* k, const __mmask16* mask) {
+  __m512 acc = _mm512_mul_ps(q[0], load(k, mask[0]));
+  for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(q[c], load(k + c * VEC, mask[c]), acc);
+  return acc;
+}
+
+// Scores of one query head against every key, into s[0 .. ctx): CH vectors of the query in
+// registers, four keys at a time sharing one reduction.
+template <typename T, int CH>
+inline void head_scores(const __m512* qf, const T* k, const int32_t* pages, int64_t ctx, int64_t page_size,
+                        int64_t page_stride, int64_t head_dim, const __mmask16* mask, float* s) {
+  __m512 q[CH];
+  for (int c = 0; c < CH; ++c) q[c] = qf[c];
+  auto key = [&](int64_t t) { return k + pages[t / page_size] * page_stride + (t % page_size) * head_dim; };
+  int64_t t = 0;
+  for (; t + 4 <= ctx; t += 4)
+    _mm_storeu_ps(s + t, reduce4(dot<T, CH>(q, key(t), mask), dot<T, CH>(q, key(t + 1), mask),
+                                 dot<T, CH>(q, key(t + 2), mask), dot<T, CH>(q, key(t + 3), mask)));
+  for (; t < ctx; ++t) s[t] = _mm512_reduce_add_ps(dot<T, CH>(q, key(t), mask));
+}
+
+// out = sum over keys of p[t] * v_t for one query head: CH accumulators in registers.
+template <typename T, int CH>
+inline void head_values(const float* p, const T* v, const int32_t* pages, int64_t ctx, int64_t page_size,
+                        int64_t page_stride, int64_t head_dim, const __mmask16* mask, float inv_sum, T* out) {
+  __m512 acc[CH];
+  for (int c = 0; c < CH; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* vp = v + pages[t / page_size] * page_stride + (t % page_size) * head_dim;
+    const __m512 pt = _mm512_set1_ps(p[t]);
+    for (int c = 0; c < CH; ++c) acc[c] = _mm512_fmadd_ps(pt, load(vp + c * VEC, mask[c]), acc[c]);
+  }
+  for (int c = 0; c < CH; ++c) store(out + c * VEC, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)), mask[c]);
+}
+
+// Softmax of s[0 .. ctx) in place (exponentials, not yet divided); returns 1 / their sum.
+inline float softmax_unnormalised(float* s, int64_t ctx) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < ctx; ++t) m = s[t] > m ? s[t] : m;
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + VEC <= ctx; t += VEC) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (t < ctx) {
+    const __mmask16 tail = (__mmask16)((1u << (ctx - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mv)));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// One (row, kv head) pair: its `group` query heads, one at a time (their keys and values stay in
+// L1/L2 between heads).
+template <typename T, int CH>
 void attend_pair(const T* q, const T* k, const T* v, const int32_t* pages, int64_t ctx, int64_t group,
                  int64_t head_dim, int64_t page_size, int64_t page_stride, float scale, T* out,
                  std::vector<float>& scores) {
-  const int64_t chunks = (head_dim + VEC - 1) / VEC;
-  __mmask16 mask[MAX_HEAD_DIM / VEC];
-  for (int64_t c = 0; c < chunks; ++c) mask[c] = lanes(c, chunks, head_dim);
-  __m512 qf[MAX_GROUP][MAX_HEAD_DIM / VEC];  // masked lanes are 0, so they add nothing to a dot product
-  for (int64_t i = 0; i < group; ++i)
-    for (int64_t c = 0; c < chunks; ++c)
-      qf[i][c] = _mm512_mul_ps(load(q + i * head_dim + c * VEC, mask[c]), _mm512_set1_ps(scale));
-  scores.resize(group * ctx + VEC);
+  __mmask16 mask[CH];
+  for (int c = 0; c < CH; ++c) mask[c] = lanes(c, CH, head_dim);
+  scores.resize(ctx + VEC);
   float* s = scores.data();
-  for (int64_t t = 0; t < ctx; ++t) {
-    const T* kp = k + pages[t / page_size] * page_stride + (t % page_size) * head_dim;
-    __m512 kv[MAX_HEAD_DIM / VEC];
-    for (int64_t c = 0; c < chunks; ++c) kv[c] = load(kp + c * VEC, mask[c]);
-    for (int64_t i = 0; i < group; ++i) {
-      __m512 acc = _mm512_mul_ps(qf[i][0], kv[0]);
-      for (int64_t c = 1; c < chunks; ++c) acc = _mm512_fmadd_ps(qf[i][c], kv[c], acc);
-      s[i * ctx + t] = _mm512_reduce_add_ps(acc);
-    }
-  }
-  float inv_sum[MAX_GROUP];
   for (int64_t i = 0; i < group; ++i) {
-    float* si = s + i * ctx;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < ctx; ++t) m = si[t] > m ? si[t] : m;
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    int64_t t = 0;
-    for (; t + VEC <= ctx; t += VEC) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + t), mv));
-      _mm512_storeu_ps(si + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (t < ctx) {
-      const __mmask16 tail = (__mmask16)((1u << (ctx - t)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, si + t), mv)));
-      _mm512_mask_storeu_ps(si + t, tail, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv_sum[i] = 1.0f / _mm512_reduce_add_ps(sum);
+    __m512 qf[CH];  // masked lanes are 0, so they add nothing to a dot product
+    for (int c = 0; c < CH; ++c)
+      qf[c] = _mm512_mul_ps(load(q + i * head_dim + c * VEC, mask[c]), _mm512_set1_ps(scale));
+    head_scores<T, CH>(qf, k, pages, ctx, page_size, page_stride, head_dim, mask, s);
+    const float inv_sum = softmax_unnormalised(s, ctx);
+    head_values<T, CH>(s, v, pages, ctx, page_size, page_stride, head_dim, mask, inv_sum, out + i * head_dim);
   }
-  __m512 acc[MAX_GROUP][MAX_HEAD_DIM / VEC];
-  for (int64_t i = 0; i < group; ++i)
-    for (int64_t c = 0; c < chunks; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < ctx; ++t) {
-    const T* vp = v + pages[t / page_size] * page_stride + (t % page_size) * head_dim;
-    __m512 vv[MAX_HEAD_DIM / VEC];
-    for (int64_t c = 0; c < chunks; ++c) vv[c] = load(vp + c * VEC, mask[c]);
-    for (int64_t i = 0; i < group; ++i) {
-      const __m512 p = _mm512_set1_ps(s[i * ctx + t]);
-      for (int64_t c = 0; c < chunks; ++c) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
-    }
+}
+
+template <typename T>
+using PairFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float, T*, std::vector<float>&);
+
+template <typename T, int CH>
+PairFn<T> pair_fn_at_least(int64_t chunks) {  // the instance for `chunks` vectors per head
+  if constexpr (CH > MAX_HEAD_DIM / VEC) {
+    return nullptr;
+  } else {
+    return chunks == CH ? &attend_pair<T, CH> : pair_fn_at_least<T, CH + 1>(chunks);
   }
-  for (int64_t i = 0; i < group; ++i)
-    for (int64_t c = 0; c < chunks; ++c)
-      store(out + i * head_dim + c * VEC, _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv_sum[i])), mask[c]);
 }
 
 template <typename T>
@@ -116,13 +154,14 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* k, const T* v, 
                       int64_t page_stride, const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens,
                       int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t page_size, float scale,
                       T* out, int64_t out_row_stride, int threads) {
+  const PairFn<T> attend = pair_fn_at_least<T, 1>((head_dim + VEC - 1) / VEC);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
 #pragma omp for schedule(static)
     for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
       const int64_t r = pair / kv_heads, j = pair % kv_heads;
-      attend_pair<T>(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
+      attend(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
                      block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
                      out + r * out_row_stride + j * group * head_dim, scores);
     }
@@ -133,8 +172,7 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* k, const T* v, 
 
 extern "C" {
 
-// The limits the caller checks before any call (a group or head size past them is not run here).
-int l3_decode_attention_max_group(void) { return MAX_GROUP; }
+// The limit the caller checks before any call (a head size past it is not run here).
 int l3_decode_attention_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 // q [rows, kv_heads * group, head_dim] (row stride q_row_stride elements); k, v one layer's

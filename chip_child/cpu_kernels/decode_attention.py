@@ -24,10 +24,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def supports(lib: ctypes.CDLL, dtype: torch.dtype, group: int, head_dim: int) -> bool:
-    """Whether the kernel runs this model's attention: its dtype, grouped heads and head size."""
-    return (dtype in DTYPES and head_dim <= lib.l3_decode_attention_max_head_dim()
-            and group <= lib.l3_decode_attention_max_group())
+def supports(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel runs this model's attention: its dtype and head size."""
+    return dtype in DTYPES and head_dim <= lib.l3_decode_attention_max_head_dim()
 
 
 def attend(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,7 +82,7 @@ def check_error(lib: ctypes.CDLL) -> float:
 
 
 def _bind_limits(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.l3_decode_attention_max_group.restype = lib.l3_decode_attention_max_head_dim.restype = _INT
+    lib.l3_decode_attention_max_head_dim.restype = _INT
     return _bind(lib)
 
 
