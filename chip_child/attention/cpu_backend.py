@@ -1,7 +1,8 @@
-"""The cpu backend: the torch backend, with pure decode steps on a kernel of our own
+"""The cpu backend: the torch backend, with decode rows on a kernel of our own
 (chip_child.cpu_kernels.decode_attention) that reads each row's keys and values in place from
 the paged cache: no per-layer gather into a workspace, no dense mirror to keep, no strided
-matmul copies. Everything else (prompt chunks, mixed steps, an fp8 cache) is TorchAttention's.
+matmul copies. A pure decode step is one kernel call per layer; in a step that also carries
+prompt chunks, the decode rows take the kernel and the chunks TorchAttention's SDPA paths.
 
 Where the kernel cannot run (no AVX-512 BF16, no compiler, a failed check, a dtype or head shape
 it does not take, `L3WORKER_REFERENCE_KERNELS=cpu_decode_attention`), decode steps take the
@@ -67,3 +68,20 @@ class CpuAttention(TorchAttention):
         table = meta.block_table if meta.block_table.stride(-1) == 1 else meta.block_table.contiguous()
         return decode_attention.attend(self._lib, q, kv[0], kv[1], table, meta.seq_lens.contiguous(),
                                        self.spec.softmax_scale, self._out(q, out))
+
+    # A mixed step's decode rows (TorchAttention._attend_general): their lengths and pages, then the kernel.
+    def _decode_view(self, block_table: torch.Tensor, seq_lens: torch.Tensor, blocks: int) -> dict:
+        if self._lib is None:
+            return super()._decode_view(block_table, seq_lens, blocks)
+        return dict(table=block_table.contiguous(), lens=seq_lens.contiguous(), rows=block_table.shape[0])
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, view: dict, out: torch.Tensor,
+                       tokens: torch.Tensor | None = None) -> None:
+        if self._lib is None:
+            return super()._attend_decode(layer, q, view, out, tokens)
+        kv = self._layers[layer]
+        rows = q if tokens is None else q.index_select(0, tokens)
+        got = decode_attention.attend(self._lib, rows, kv[0], kv[1], view["table"], view["lens"],
+                                      self.spec.softmax_scale, out if tokens is None else torch.empty_like(rows))
+        if tokens is not None:
+            out.index_copy_(0, tokens, got)

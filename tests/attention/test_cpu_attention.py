@@ -99,3 +99,18 @@ def test_turned_off_the_decode_steps_take_the_torch_paths(make_checkpoint, monke
         steps = range(len(mine)) if dtype == "float32" else [1]
         for i in steps:
             assert ((mine[i] - theirs[i]).abs().max() / theirs[i].abs().max()).item() <= tol
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page", [(6, 2, 64, 4), (4, 4, 24, 16), (8, 1, 128, 8)])
+def test_mixed_and_pure_decode_steps_match_the_torch_backend(dtype, heads: int, kv_heads: int, head_dim: int,
+                                                             page: int) -> None:
+    """The start-up check's steps (chip_child.attention.self_check): prompt chunks, a decode row
+    beside a chunk (the kernel for the row, SDPA for the chunk), then a pure decode step."""
+    from chip_child.attention.base import AttentionSpec
+    from chip_child.attention.self_check import attention_error
+
+    spec = AttentionSpec(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_pages=16,
+                         page_size=page, dtype=dtype, max_tokens=32, max_seqs=4, max_blocks=8)
+    assert attention_error(CpuAttention, spec, torch.device("cpu")) <= TOLERANCE[dtype] * 5
