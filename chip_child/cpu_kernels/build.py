@@ -1,7 +1,7 @@
 """Builds a kernel's C++ source into a shared library once per machine and loads it with ctypes.
 
 The library lands in `$L3WORKER_KERNEL_CACHE` (default `~/.cache/l3worker/kernels`) under a name
-hashed from the source, the flags and the compiler's version, so a changed source builds again
+hashed from the source, the shared headers beside it, the flags and the compiler's version, so a changed source builds again
 and concurrent builders (test workers, chip-children) each write a temporary file and rename it
 into place. The library links OpenMP by its soname, libgomp.so.1: loaded after torch, it shares
 torch's OpenMP runtime and thread pool instead of starting a second one."""
@@ -50,7 +50,7 @@ def _compiler_version(cxx: str) -> str:
 def build(source: str, flags: list[str]) -> Path:
     """The shared library of chip_child/cpu_kernels/`source`, built unless cached."""
     cxx = compiler()
-    text = (SOURCE_DIR / source).read_bytes()
+    text = (SOURCE_DIR / source).read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
     key = hashlib.sha256(text + " ".join(flags).encode() + _compiler_version(cxx).encode()).hexdigest()[:16]
     target = cache_dir() / f"{Path(source).stem}-{key}.so"
     if target.exists():

@@ -3,51 +3,24 @@
 // Threads split the (row, kv head) pairs; each pair's grouped query heads share one pass over
 // the keys and one over the values. Scores and softmax stay in fp32; the output is rounded once.
 // Cache layout, per layer: k and v each [kv_heads, pages, page_size, head_dim].
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include <vector>
 
+#include "avx512_common.h"
+
 namespace {
 
-constexpr int VEC = 16;
+using l3::VEC;
 constexpr int MAX_HEAD_DIM = 256;
 
 // Loads and stores of 16 lanes, masked: a head size that is not a multiple of 16 ends in a partial vector.
 inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+inline __m512 load(const uint16_t* p, __mmask16 m) { return l3::load_bf16(p, m); }
 inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
-inline __mmask16 lanes(int64_t c, int64_t chunks, int64_t head_dim) {  // chunk c's valid lanes
-  const int64_t rest = head_dim - c * VEC;
-  return c + 1 < chunks || rest >= VEC ? (__mmask16)0xffff : (__mmask16)((1u << rest) - 1);
-}
-
-// e^x for x <= 0 (scores minus their max): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the
-// degree-6 Taylor polynomial (relative error below 2e-7 there); below -87 the result is 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
-}
+inline void store(uint16_t* p, __m512 v, __mmask16 m) { l3::store_bf16(p, v, m); }
+inline __mmask16 lanes(int64_t c, int64_t head_dim) { return l3::first_lanes(head_dim - c * VEC); }  // chunk c's
 
 // The four horizontal sums of a, b, c, d, in one vector: a shuffle tree shared by the four.
 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -103,13 +76,13 @@ inline float softmax_unnormalised(float* s, int64_t ctx) {
   __m512 sum = _mm512_setzero_ps();
   int64_t t = 0;
   for (; t + VEC <= ctx; t += VEC) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
+    const __m512 e = l3::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), mv));
     _mm512_storeu_ps(s + t, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (t < ctx) {
     const __mmask16 tail = (__mmask16)((1u << (ctx - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mv)));
+    const __m512 e = _mm512_maskz_mov_ps(tail, l3::exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), mv)));
     _mm512_mask_storeu_ps(s + t, tail, e);
     sum = _mm512_add_ps(sum, e);
   }
@@ -123,7 +96,7 @@ void attend_pair(const T* q, const T* k, const T* v, const int32_t* pages, int64
                  int64_t head_dim, int64_t page_size, int64_t page_stride, float scale, T* out,
                  std::vector<float>& scores) {
   __mmask16 mask[CH];
-  for (int c = 0; c < CH; ++c) mask[c] = lanes(c, CH, head_dim);
+  for (int c = 0; c < CH; ++c) mask[c] = lanes(c, head_dim);
   scores.resize(ctx + VEC);
   float* s = scores.data();
   for (int64_t i = 0; i < group; ++i) {

@@ -2,43 +2,19 @@
 // and rounded to bf16 where the torch reference (chip_child.models.qwen3.TORCH_OPS) rounds:
 // add_rms_norm, qk_norm_rope, silu_mul. Rows split over threads only when there are many: for
 // the few rows of a decode step a thread team costs more than the work.
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
+#include "avx512_common.h"
+
 namespace {
 
-constexpr int VEC = 16;
+using l3::VEC, l3::load_bf16, l3::store_bf16, l3::round_bf16;
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 16;  // below this many elements one thread does it all
 
-inline __m512 load(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline __m512 load_tail(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-inline __m512 round_bf16(__m512 v) {  // to bf16 and back: a rounding the reference makes
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-inline void store(uint16_t* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-inline void store_tail(uint16_t* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
-inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1); }
-
-// e^x, x clamped to [-87, 88]: 2^n * p(r), r = x - n ln2, p of degree 6 (relative error < 2e-7).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// silu(x) = x / (1 + e^-x), rounded to bf16 as torch's silu on bf16 is.
+inline __m512 silu(__m512 x) {
+  return round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), l3::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
 }
 
 // One row of n: out = weight * bf16(x * rsqrt(mean(x^2) + eps)), x read in fp32 from `src`.
@@ -50,7 +26,7 @@ inline void rms_norm_row(const float* x, int64_t n, const uint16_t* weight, floa
   }
   const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
   for (int64_t i = 0; i < n; i += VEC)
-    store(out + i, _mm512_mul_ps(load(weight + i), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(x + i), scale))));
+    store_bf16(out + i, _mm512_mul_ps(load_bf16(weight + i), round_bf16(_mm512_mul_ps(_mm512_loadu_ps(x + i), scale))));
 }
 
 }  // namespace
@@ -65,10 +41,10 @@ void l3_add_rms_norm(const uint16_t* h, int64_t h_stride, const uint16_t* delta,
   for (int64_t t = 0; t < T; ++t) {
     float row[16384];
     for (int64_t i = 0; i < n; i += VEC) {
-      __m512 v = load(h + t * h_stride + i);
+      __m512 v = load_bf16(h + t * h_stride + i);
       if (delta) {
-        v = round_bf16(_mm512_add_ps(v, load(delta + t * d_stride + i)));
-        store(h_out + t * ho_stride + i, v);
+        v = round_bf16(_mm512_add_ps(v, load_bf16(delta + t * d_stride + i)));
+        store_bf16(h_out + t * ho_stride + i, v);
       }
       _mm512_storeu_ps(row + i, v);
     }
@@ -93,7 +69,7 @@ void l3_qk_norm_rope(const uint16_t* qk, int64_t t_stride, int64_t h_stride, con
       const uint16_t* x = src;
       if (weight) {
         float row[512];
-        for (int64_t i = 0; i < hd; i += VEC) _mm512_storeu_ps(row + i, load(src + i));
+        for (int64_t i = 0; i < hd; i += VEC) _mm512_storeu_ps(row + i, load_bf16(src + i));
         rms_norm_row(row, hd, weight, eps, normed);
         x = normed;
       }
@@ -101,9 +77,9 @@ void l3_qk_norm_rope(const uint16_t* qk, int64_t t_stride, int64_t h_stride, con
       uint16_t* dst = out + (t * heads + h) * hd;
       for (int64_t i = 0; i < hd; i += VEC) {
         const int64_t j = i < half ? i + half : i - half;  // roll by half: the sign is in the sin row
-        const __m512 a = round_bf16(_mm512_mul_ps(load(x + i), load(cos_row + i)));
-        const __m512 b = round_bf16(_mm512_mul_ps(load(x + j), load(sin_row + i)));
-        store(dst + i, _mm512_add_ps(a, b));
+        const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(x + i), load_bf16(cos_row + i)));
+        const __m512 b = round_bf16(_mm512_mul_ps(load_bf16(x + j), load_bf16(sin_row + i)));
+        store_bf16(dst + i, _mm512_add_ps(a, b));
       }
     }
   }
@@ -118,15 +94,15 @@ void l3_silu_mul(const uint16_t* gate_up, int64_t stride, uint16_t* out, int64_t
     uint16_t* o = out + t * n;
     int64_t i = 0;
     for (; i + VEC <= n; i += VEC) {
-      const __m512 x = load(g + i);
-      const __m512 s = round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
-      store(o + i, _mm512_mul_ps(s, load(u + i)));
+      const __m512 x = load_bf16(g + i);
+      const __m512 s = silu(x);
+      store_bf16(o + i, _mm512_mul_ps(s, load_bf16(u + i)));
     }
     if (i < n) {
-      const __mmask16 m = tail_mask(n - i);
-      const __m512 x = load_tail(g + i, m);
-      const __m512 s = round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
-      store_tail(o + i, _mm512_mul_ps(s, load_tail(u + i, m)), m);
+      const __mmask16 m = l3::first_lanes(n - i);
+      const __m512 x = load_bf16(g + i, m);
+      const __m512 s = silu(x);
+      store_bf16(o + i, _mm512_mul_ps(s, load_bf16(u + i, m)), m);
     }
   }
 }

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from chip_child.cpu_kernels.build import CheckedKernel
-from chip_child.models.qwen3 import TORCH_OPS, LayerOps, Qwen3Weights
+from chip_child.models.qwen3 import TORCH_OPS, LayerOps, Qwen3Weights, rope_table_and_positions
 
 BF16 = torch.bfloat16
 CHECK_TOLERANCE = 2e-2  # bf16: a rounding or two apart from torch's, relative to the largest value
@@ -64,9 +64,6 @@ def make_ops(lib: ctypes.CDLL) -> LayerOps:
                                 h_out.data_ptr(), n, x.data_ptr(), n, t, n)
         return h_out, x
 
-    def rope_rows(rope: torch.Tensor, positions: torch.Tensor):
-        return rope, positions  # the kernel reads each token's row of the table itself
-
     def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor | None, rows, w: Qwen3Weights) -> torch.Tensor:
         rope, positions = rows
         t, heads, hd = qk.shape
@@ -92,8 +89,8 @@ def make_ops(lib: ctypes.CDLL) -> LayerOps:
             lib.l3_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, n)
         return out
 
-    return replace(TORCH_OPS, name="cpu", add_rms_norm=add_rms_norm, rope_rows=rope_rows, qk_norm_rope=qk_norm_rope,
-                   silu_mul=silu_mul)
+    return replace(TORCH_OPS, name="cpu", add_rms_norm=add_rms_norm, rope_rows=rope_table_and_positions,
+                   qk_norm_rope=qk_norm_rope, silu_mul=silu_mul)
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -15,7 +15,7 @@ import torch
 
 from chip_child.attention import triton_importable, triton_interpreted
 from chip_child.device import check_optional_bool
-from chip_child.models.qwen3 import LayerOps, Qwen3Weights
+from chip_child.models.qwen3 import LayerOps, Qwen3Weights, rope_table_and_positions
 
 DEVICES = ("cuda",)
 
@@ -51,9 +51,6 @@ def triton_layer_ops() -> LayerOps:
                                     num_warps=warps_for(block))
         return h_out, x
 
-    def rope_rows(rope: torch.Tensor, positions: torch.Tensor):
-        return rope, positions  # the kernel reads each token's row of the table itself
-
     def qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor | None, rows, w: Qwen3Weights) -> torch.Tensor:
         rope, positions = rows
         t, heads, hd = qk.shape
@@ -78,7 +75,7 @@ def triton_layer_ops() -> LayerOps:
 
     from chip_child.models.moe_triton import triton_moe
 
-    return LayerOps("triton", add_rms_norm, rope_rows, qk_norm_rope, silu_mul, moe=triton_moe)
+    return LayerOps("triton", add_rms_norm, rope_table_and_positions, qk_norm_rope, silu_mul, moe=triton_moe)
 
 
 def warps_for(block: int) -> int:

@@ -257,6 +257,11 @@ def _rope_rows(rope: torch.Tensor, positions: torch.Tensor):
     return rope.index_select(0, positions).split_with_sizes((1, 1), 1)  # cos, signed sin: [T, 1, hd] each
 
 
+def rope_table_and_positions(rope: torch.Tensor, positions: torch.Tensor):
+    """rope_rows of the fused kernels: they read each token's row of the table themselves."""
+    return rope, positions
+
+
 def _qk_norm_rope(qk: torch.Tensor, weight: torch.Tensor | None, rows, w: Qwen3Weights) -> torch.Tensor:
     return apply_rope(qk if weight is None else rms_norm(qk, weight, w.eps, w.inv_head_dim), *rows)
 
