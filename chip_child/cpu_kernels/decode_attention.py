@@ -36,6 +36,8 @@ def attend(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     int32 [rows], the new token included and already written; out like q."""
     rows, heads, hd = q.shape
     kvh, _, page_size, _ = k_cache.shape
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:  # read through raw pointers
+        raise ValueError(f"block_table and seq_lens must be int32, got {block_table.dtype} and {seq_lens.dtype}")
     if q.stride(2) != 1 or q.stride(1) != hd:
         q = q.contiguous()
     lib.l3_decode_attention(int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),

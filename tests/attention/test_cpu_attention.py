@@ -114,3 +114,13 @@ def test_mixed_and_pure_decode_steps_match_the_torch_backend(dtype, heads: int, 
     spec = AttentionSpec(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, num_pages=16,
                          page_size=page, dtype=dtype, max_tokens=32, max_seqs=4, max_blocks=8)
     assert attention_error(CpuAttention, spec, torch.device("cpu")) <= TOLERANCE[dtype] * 5
+
+
+@needs_kernel
+def test_the_kernel_refuses_lengths_it_would_misread() -> None:
+    """It reads the tables through raw pointers: int64 ones are refused by name, not misread."""
+    k = v = torch.zeros(1, 4, 4, 16)
+    q = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="block_table and seq_lens must be int32, got torch.int64 and torch.int32"):
+        decode_attention.attend(decode_attention.KERNEL.library(), q, k, v, torch.zeros(1, 4, dtype=torch.int64),
+                                torch.ones(1, dtype=torch.int32), 0.25, torch.empty_like(q))
