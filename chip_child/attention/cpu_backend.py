@@ -6,8 +6,8 @@ prompt chunks, the decode rows take the kernel and the chunks TorchAttention's S
 
 Where the kernel cannot run (no AVX-512 BF16, no compiler, a failed check, a dtype or head shape
 it does not take, `L3WORKER_REFERENCE_KERNELS=cpu_decode_attention`), decode steps take the
-torch backend's own paths, and the reason is printed once. Measured on the 2-core CI machine,
-12 layers of a 128M Qwen3 (`python scripts/bench_attention_cpu.py`): see docs/performance/cpu.md."""
+torch backend's own paths, and the reason is printed once. What it is worth end to end:
+`python scripts/bench_cpu_kernels.py` (docs/performance/cpu.md)."""
 from __future__ import annotations
 
 import sys
