@@ -238,6 +238,7 @@ class AttentionBackend(ABC):
     the caller allocates both (from its pool, once) and binds them."""
 
     name: ClassVar[str]
+    has_decode_mirror: ClassVar[bool] = False  # takes the `decode_mirror` option (the torch backend and its subclasses)
     cache_layout: ClassVar[str]  # the cache's dimensions, outermost first
     # Whether a pure-decode `plan` given no host lengths does only device work and host
     # arithmetic on the bound ints, so a captured graph replays it correctly for any batch.

@@ -52,6 +52,7 @@ class TorchAttention(AttentionBackend):
     cache_layout = "layer, k|v, kv_head, page, offset, head_dim"
     # Capturable with the decode mirror off (its bookkeeping is host work); off on accelerators.
     decode_capturable = True
+    has_decode_mirror = True
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cpu", decode_mirror: bool | None = None,
                  mirror_budget_bytes: int = MIRROR_BUDGET_BYTES, mirror_min_bytes: int = MIRROR_MIN_BYTES):

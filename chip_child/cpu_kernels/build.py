@@ -8,6 +8,7 @@ torch's OpenMP runtime and thread pool instead of starting a second one."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -40,6 +41,7 @@ def compiler() -> str:
     return cxx
 
 
+@functools.cache  # once per process: every kernel's cache key reads it
 def _compiler_version(cxx: str) -> str:
     try:
         return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout

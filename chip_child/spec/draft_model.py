@@ -49,7 +49,7 @@ class DraftModel:
                              head_dim=mc.head_dim, num_pages=cfg.total_pages, page_size=cfg.page_size, dtype=rt.dtype,
                              max_tokens=self.capacity, max_seqs=2 * b, max_blocks=cfg.max_blocks_per_row)
         backend = get_backend(rt.device.type, cfg.attention_backend)
-        options = {"decode_mirror": False} if backend.name in ("torch", "cpu") else {}
+        options = {"decode_mirror": False} if backend.has_decode_mirror else {}
         self.attn = backend(spec, rt.device, **options).allocate()
         self.valid = np.zeros(b, np.int64)  # per row: positions whose draft K/V is valid
         self.budget = cfg.prefill_capacity  # catch-up tokens one step may run: the step's token budget

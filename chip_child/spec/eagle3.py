@@ -170,7 +170,7 @@ class Eagle3Head:
                              max_tokens=cfg.prefill_capacity + b * (k + 1), max_seqs=2 * b,
                              max_blocks=cfg.max_blocks_per_row)
         backend = get_backend(rt.device.type, cfg.attention_backend)
-        options = {"decode_mirror": False} if backend.name in ("torch", "cpu") else {}
+        options = {"decode_mirror": False} if backend.has_decode_mirror else {}
         self.attn = backend(spec, rt.device, **options).allocate()
         self.first = torch.zeros(b, dtype=torch.int64, device=rt.device)  # each row's next first draft
         self.state = torch.zeros(b, hidden, dtype=rt.dtype, device=rt.device)  # and the head output it came from

@@ -144,7 +144,7 @@ class ChipRuntime:
             print("chip-child: speculative decoding runs without decode graphs", file=sys.stderr, flush=True)
             graphs = False
         # The torch backend's decode mirror keeps its books on the host: a graph would freeze them.
-        options = {"decode_mirror": False} if graphs and backend.name in ("torch", "cpu") else {}
+        options = {"decode_mirror": False} if graphs and backend.has_decode_mirror else {}
         self.attn = backend(spec, self.device, **options)
         self.kernel_checks += check_fp8_gemms(self.weights, self.device)
         if attention_check is not None:
