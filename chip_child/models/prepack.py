@@ -20,6 +20,8 @@ True elsewhere is a ValueError naming the field; False keeps torch.mm (the bench
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from chip_child.cpu_kernels import bf16_linear
@@ -54,18 +56,23 @@ def resolve_cpu_prepack(setting: bool | None, device_type: str, dtype: torch.dty
     return setting
 
 
+def _our_kernel(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """Our bf16 kernel's library where it packs `dtype`'s matrices; None: oneDNN does."""
+    return bf16_linear.KERNEL.library() if dtype == torch.bfloat16 else None
+
+
 def cpu_linear_kernel(prepack: bool, dtype: torch.dtype) -> str | None:
     """What runs the packed projections: "avx512_bf16" (ours), "onednn", or None (torch.mm)."""
     if not prepack:
         return None
-    return "avx512_bf16" if dtype == torch.bfloat16 and bf16_linear.KERNEL.usable() else "onednn"
+    return "avx512_bf16" if _our_kernel(dtype) is not None else "onednn"
 
 
 def prepacked(weight_t: torch.Tensor) -> "torch.Tensor | PackedLinear":
     """The [in, out] weight view prepacked; on oneDNN, as it is when smaller than
     MIN_PACKED_ELEMENTS. Our bf16 kernel packs every size: its call costs about 6 us against
     torch.mm's 20 (bf16, one row, 256 x 256, measured here)."""
-    ours = weight_t.dtype == torch.bfloat16 and bf16_linear.KERNEL.usable()
+    ours = _our_kernel(weight_t.dtype) is not None
     return PackedLinear(weight_t) if ours or weight_t.numel() >= MIN_PACKED_ELEMENTS else weight_t
 
 
@@ -74,20 +81,22 @@ class PackedLinear:
     (`kernel` "avx512_bf16"), else in oneDNN's blocked layout (`kernel` "onednn"). Called like
     model.linear's weight: `packed(x, bias)`."""
 
-    __slots__ = ("weight", "out_features", "in_features", "kernel", "_op", "_lib")
+    __slots__ = ("weight", "out_features", "in_features", "_op", "_lib")
 
     def __init__(self, weight_t: torch.Tensor):
         """`weight_t`: the [in, out] view model.LayerWeights keeps (a transposed [out, in] matrix)."""
         self.in_features, self.out_features = weight_t.shape
-        self._lib = bf16_linear.KERNEL.library() if weight_t.dtype == torch.bfloat16 else None
+        self._lib = _our_kernel(weight_t.dtype)
         if self._lib is not None:
-            self.kernel = "avx512_bf16"
             self.weight = bf16_linear.pack(self._lib, weight_t.t())
         else:
-            self.kernel = "onednn"
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), None)
         # The overload itself: calling the op's packet would match its schemas on every call.
         self._op = torch.ops.mkldnn._linear_pointwise.default
+
+    @property
+    def kernel(self) -> str:
+        return "avx512_bf16" if self._lib is not None else "onednn"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self._lib is not None:
