@@ -6,13 +6,14 @@
 // fp32 lane): no horizontal sums. Threads share out the blocks; a block meets every x row while it
 // is in L1/L2, so W leaves memory once per call.
 // A row's result depends on its own x row only, never on M or on the other rows.
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "avx512_common.h"
+
 namespace {
 
-constexpr int VEC = 16;           // fp32 lanes in a zmm
+using l3::VEC;
 constexpr int NV = 4;             // output vectors per block
 constexpr int BLOCK = NV * VEC;   // output columns per block
 constexpr int MR = 4;             // x rows per micro-tile: NV * MR accumulators + NV weights + 1 broadcast
@@ -50,13 +51,9 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
   for (int v = 0; v < NV; ++v) {
     const int64_t c0 = v * VEC;
     if (c0 >= cols) break;
-    const __mmask16 mask = cols - c0 >= VEC ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c0)) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
-    for (int m = 0; m < R; ++m) {
-      const __m256bh out = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m][v], b) : acc[m][v]);  // round to nearest even
-      _mm256_mask_storeu_epi16(y + m * ldy + c0, mask, (__m256i)out);
-    }
+    const __mmask16 mask = l3::first_lanes(cols - c0);
+    const __m512 b = bias ? l3::load_bf16(bias + c0, mask) : _mm512_setzero_ps();
+    for (int m = 0; m < R; ++m) l3::store_bf16(y + m * ldy + c0, bias ? _mm512_add_ps(acc[m][v], b) : acc[m][v], mask);
   }
 }
 
