@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,7 @@ from l3worker.serving.openai.protocol import ChatCompletionRequest, CompletionRe
 from l3worker.serving.openai.responses import LOGPROB_FLOOR, TokenFormatter, sse
 from l3worker.serving.openai.tokens import Tokens
 from l3worker.serving.openai.translate import GenerationDefaults, ServedModel
+from l3worker.serving.runner import bind
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
@@ -219,3 +221,28 @@ def test_body_limit_on_a_chunked_upload() -> None:
     small, big = asyncio.run(run())
     assert small.json() == {"got": 900}
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_served_connections_send_small_writes_at_once(host) -> None:
+    """uvicorn serves on bind()'s socket through asyncio, which turns Nagle's algorithm off only on
+    sockets that say IPPROTO_TCP: with it on, each streamed chunk waited for the client's delayed ACK."""
+    if host == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    listening = bind(host, 0)
+    nodelay: list[int] = []
+
+    async def main() -> None:
+        def accepted(reader, writer) -> None:
+            nodelay.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+        server = await asyncio.start_server(accepted, sock=listening)
+        async with server:
+            port = listening.getsockname()[1]
+            for _ in range(2):
+                reader, writer = await asyncio.open_connection(host, port)
+                await reader.read()
+                writer.close()
+
+    asyncio.run(main())
+    assert nodelay == [1, 1]
