@@ -18,7 +18,7 @@ from chip_child.models.loader import load_tokenizer
 from l3worker.serving.core_client import CoreClient
 from l3worker.serving.launcher import ApiServerConfig
 from l3worker.distributed.router import Router, RouterConfig
-from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, model_for, serve
+from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, model_for, run_server, serve
 
 
 async def _serve(config: ApiServerConfig, stop: SignalStop) -> None:
@@ -50,7 +50,7 @@ def main() -> int:
     stop = SignalStop()
     if os.getppid() != config.parent_pid:
         return 0
-    asyncio.run(_serve(config, stop))
+    run_server(_serve(config, stop))
     return 0
 
 

@@ -4,7 +4,6 @@ error prints the subcommand's usage."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 import sys
@@ -17,7 +16,7 @@ from l3worker.distributed.dp_link import DpLayout
 from l3worker.engine.kv_events import KVEventsConfig
 from l3worker.params import SERVE_CPU_BATCHED_TOKENS
 from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES
-from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, bind, serve, served_model
+from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, bind, run_server, serve, served_model
 from chip_child.config import KV_CACHE_DTYPES
 from l3worker.serving.serve_args import add_serve_parser, api_key_default
 from l3worker.serving.vllm_flags import unsupported_flag, vllm_spelling
@@ -226,7 +225,7 @@ def serve_command(args: argparse.Namespace) -> int:
         async def on_stop() -> None:
             launch.signal_api_servers()
 
-        asyncio.run(serve(client, model, options, sock, on_ready=on_ready, on_server=stop.on_server, on_stop=on_stop))
+        run_server(serve(client, model, options, sock, on_ready=on_ready, on_server=stop.on_server, on_stop=on_stop))
     except Exception:
         if stop.requested and stop.server is None:  # stopped before it served: nothing failed
             print("l3worker serve: stopped while starting", flush=True)

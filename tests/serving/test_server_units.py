@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import socket
+import sys
 from pathlib import Path
 
 import httpx
@@ -22,7 +24,7 @@ from l3worker.serving.openai.protocol import ChatCompletionRequest, CompletionRe
 from l3worker.serving.openai.responses import LOGPROB_FLOOR, TokenFormatter, sse
 from l3worker.serving.openai.tokens import Tokens
 from l3worker.serving.openai.translate import GenerationDefaults, ServedModel
-from l3worker.serving.runner import bind
+from l3worker.serving.runner import bind, run_server
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
@@ -246,3 +248,19 @@ def test_served_connections_send_small_writes_at_once(host) -> None:
 
     asyncio.run(main())
     assert nodelay == [1, 1]
+
+
+def test_the_server_runs_on_uvloop_and_says_when_it_cannot(monkeypatch, caplog) -> None:
+    """run_server (every `l3worker serve` process, ServerThread) runs uvloop's loop; without uvloop,
+    asyncio's, with a log line that says so."""
+    loops: list[str] = []
+
+    async def which_loop() -> None:
+        loops.append(type(asyncio.get_running_loop()).__module__)
+
+    run_server(which_loop())
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # its import now fails
+    with caplog.at_level(logging.INFO, logger="l3worker.serving"):
+        run_server(which_loop())
+    assert loops[0].startswith("uvloop") and loops[1].startswith("asyncio")
+    assert "uvloop is not installed" in caplog.text
