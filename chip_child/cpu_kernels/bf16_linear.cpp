@@ -20,16 +20,26 @@ constexpr int MR = 4;             // x rows per micro-tile: NV * MR accumulators
 
 inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
 
-// acc[m][v] over all k for R rows of x and one packed block; writes y[m][0 .. cols).
-template <int R>
-inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t K, const uint16_t* bias,
-                       uint16_t* y, int64_t ldy, int64_t cols) {
+constexpr int KC = 32;            // k pairs per chunk when several micro-tiles share a block (8 KB of it)
+constexpr int MG = 64;            // most x rows that take the block in chunks: their fp32 sums fit 16 KB
+
+// acc[m][v] over the k pairs [p0, p1) (and the odd last k when `tail`) for R rows of x and one
+// packed block. The sums start at 0 (`first`) or from `part` [R][BLOCK], and end in y[m][0 .. cols)
+// (`last`) or back in `part`. fp32 sums stored and reloaded are exact, so a row's result is the
+// same bits whether its k pairs ran in one go or in chunks.
+template <int R, bool CHUNKED = false, bool PREFETCH = false>
+inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t p0, int64_t p1, bool tail,
+                       float* part, bool first, bool last, const uint16_t* bias, uint16_t* y, int64_t ldy,
+                       int64_t cols, const uint16_t* pf = nullptr, int64_t pf_step = 0) {
   __m512 acc[R][NV];
   for (int m = 0; m < R; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  const int64_t full = K / 2;
-  for (int64_t p = 0; p < full; ++p) {
+    for (int v = 0; v < NV; ++v)
+      acc[m][v] = !CHUNKED || first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (m * NV + v) * VEC);
+  for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* wp = wb + p * BLOCK * 2;
+    if (PREFETCH) {  // pf_step lines (32 uint16 each) of the next chunk, spread over this chunk's tiles
+      for (int64_t l = 0; l < pf_step; ++l) _mm_prefetch((const char*)(pf + ((p - p0) * pf_step + l) * 32), _MM_HINT_T1);
+    }
     __m512bh w[NV];
     for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp + v * 2 * VEC);
     for (int m = 0; m < R; ++m) {
@@ -39,14 +49,19 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, w[v]);
     }
   }
-  if (K & 1) {  // the last k alone: its pair's second x is not read (the packed weight there is 0)
-    const uint16_t* wp = wb + full * BLOCK * 2;
+  if (tail) {  // the last k alone (K odd): its pair's second x is not read (the packed weight there is 0)
+    const uint16_t* wp = wb + p1 * BLOCK * 2;
     __m512bh w[NV];
     for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp + v * 2 * VEC);
     for (int m = 0; m < R; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int32_t)x[m * ldx + K - 1]);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int32_t)x[m * ldx + 2 * p1]);
       for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xb, w[v]);
     }
+  }
+  if (CHUNKED && !last) {
+    for (int m = 0; m < R; ++m)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(part + (m * NV + v) * VEC, acc[m][v]);
+    return;
   }
   for (int v = 0; v < NV; ++v) {
     const int64_t c0 = v * VEC;
@@ -54,6 +69,72 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
     const __mmask16 mask = l3::first_lanes(cols - c0);
     const __m512 b = bias ? l3::load_bf16(bias + c0, mask) : _mm512_setzero_ps();
     for (int m = 0; m < R; ++m) l3::store_bf16(y + m * ldy + c0, bias ? _mm512_add_ps(acc[m][v], b) : acc[m][v], mask);
+  }
+}
+
+// Rows [0, M) of x against one block, k pairs [p0, p1): micro-tiles of MR rows, then the rest.
+// `next`: the `next_lines` cache lines (32 uint16 each) that follow, prefetched into L2, shared
+// out over the full micro-tiles' iterations so the stream from memory runs beside the compute.
+inline void rows_range(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t M, int64_t p0, int64_t p1,
+                       bool tail, float* part, bool first, bool last, const uint16_t* bias, uint16_t* y,
+                       int64_t ldy, int64_t cols, const uint16_t* next, int64_t next_lines) {
+  const int64_t tiles = M / MR, span = p1 - p0;
+  const int64_t per_tile = tiles && next ? (next_lines + tiles - 1) / tiles : 0;
+  const int64_t pf_step = span ? (per_tile + span - 1) / span : 0;  // lines per k pair
+  int64_t m = 0;
+  if (!part) {  // the whole K in one go
+    for (; m + MR <= M; m += MR) micro_tile<MR>(x + m * ldx, ldx, wb, p0, p1, tail, nullptr, true, true, bias,
+                                                 y + m * ldy, ldy, cols);
+    switch (M - m) {
+      case 3: micro_tile<3>(x + m * ldx, ldx, wb, p0, p1, tail, nullptr, true, true, bias, y + m * ldy, ldy, cols); break;
+      case 2: micro_tile<2>(x + m * ldx, ldx, wb, p0, p1, tail, nullptr, true, true, bias, y + m * ldy, ldy, cols); break;
+      case 1: micro_tile<1>(x + m * ldx, ldx, wb, p0, p1, tail, nullptr, true, true, bias, y + m * ldy, ldy, cols); break;
+      default: break;
+    }
+    return;
+  }
+  for (int64_t i = 0; m + MR <= M; m += MR, ++i) {
+    const int64_t from = i * pf_step * span;  // this tile's first line
+    const uint16_t* pf = pf_step && from + pf_step * span <= next_lines ? next + from * 32 : nullptr;
+    float* pm = part + m * BLOCK;
+    if (pf)
+      micro_tile<MR, true, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols,
+                                 pf, pf_step);
+    else
+      micro_tile<MR, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols);
+  }
+  float* pm = part + m * BLOCK;
+  switch (M - m) {
+    case 3: micro_tile<3, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    case 2: micro_tile<2, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    case 1: micro_tile<1, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    default: break;
+  }
+}
+
+// Every row of x against one block. One micro-tile, or more than MG rows (a prompt chunk): each
+// micro-tile takes the whole K, the block streamed once and then read from L2. From MR + 1 to MG
+// rows (a decode step's): the micro-tiles take the block KC pairs at a time, and while they
+// compute a chunk from L1 the next one is prefetched. A whole-K pass per micro-tile there read the
+// block from memory in the first pass (bound by bandwidth) and computed the others from L2 (bound
+// by compute), one after the other: 16 rows ran 0.84x the time this way, 8 and 32 rows 0.89-0.90x,
+// 64 rows the same, 256 rows 1.05x (hence whole K there); python scripts/bench_cpu_gemm.py.
+inline void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t M, int64_t K,
+                       const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t cols) {
+  const int64_t full = K / 2;
+  const bool odd = K & 1;
+  if (M <= MR || M > MG) {
+    rows_range(x, ldx, wb, M, 0, full, odd, nullptr, true, true, bias, y, ldy, cols, nullptr, 0);
+    return;
+  }
+  alignas(64) float part[MG * BLOCK];
+  const int64_t chunks = full > 0 ? (full + KC - 1) / KC : 1;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t p0 = c * KC, p1 = p0 + KC < full ? p0 + KC : full;
+    const int64_t next_pairs = full - p1 < KC ? full - p1 : KC;  // 4 lines a pair
+    const bool last = c == chunks - 1;
+    rows_range(x, ldx, wb, M, p0, p1, last && odd, part, c == 0, last, bias, y, ldy, cols,
+               next_pairs > 0 ? wb + p1 * BLOCK * 2 : nullptr, next_pairs * 4);
   }
 }
 
@@ -90,16 +171,7 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
 #pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
-    const uint16_t* wb = packed + b * block_elems;
-    const uint16_t* bb = bias ? bias + n0 : nullptr;
-    int64_t m = 0;
-    for (; m + MR <= M; m += MR) micro_tile<MR>(x + m * ldx, ldx, wb, K, bb, y + m * ldy + n0, ldy, cols);
-    switch (M - m) {
-      case 3: micro_tile<3>(x + m * ldx, ldx, wb, K, bb, y + m * ldy + n0, ldy, cols); break;
-      case 2: micro_tile<2>(x + m * ldx, ldx, wb, K, bb, y + m * ldy + n0, ldy, cols); break;
-      case 1: micro_tile<1>(x + m * ldx, ldx, wb, K, bb, y + m * ldy + n0, ldy, cols); break;
-      default: break;
-    }
+    block_rows(x, ldx, packed + b * block_elems, M, K, bias ? bias + n0 : nullptr, y + n0, ldy, cols);
   }
 }
 
