@@ -8,19 +8,68 @@ today's kernels; compare it with the step time `scripts/step_breakdown.py` repor
 
     python scripts/bench_cpu_gemm.py                       # the 128M peers shape, 2 threads
     python scripts/bench_cpu_gemm.py --hidden 1024 --intermediate 3072 --layers 28 --threads 1
+    python scripts/bench_cpu_gemm.py --against HEAD~1 --rows 1,8,16,65   # our kernel against a past version
+
+--against REV builds bf16_linear.cpp as it was at git revision REV beside the working tree's
+and times the two alternately on the same packed weights (their packed layouts must agree),
+printing each one's median and the ratio; their outputs must be the same bits.
 """
 from __future__ import annotations
 
 import argparse
-import time
-
+import ctypes
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # chip_child, run from anywhere
 from chip_child.cpu_kernels import bf16_linear  # noqa: E402
+from chip_child.cpu_kernels.build import AVX512_BF16_FLAGS, SOURCE_DIR, compiler  # noqa: E402
+
+
+def past_kernel(rev: str, out_dir: str) -> ctypes.CDLL:
+    """bf16_linear.cpp as it was at git revision `rev`, built and bound like the current one."""
+    root = Path(__file__).resolve().parent.parent
+    source = Path(out_dir) / "bf16_linear_past.cpp"
+    source.write_text(subprocess.run(["git", "show", f"{rev}:chip_child/cpu_kernels/bf16_linear.cpp"], cwd=root,
+                                     capture_output=True, text=True, check=True).stdout)
+    lib = Path(out_dir) / "bf16_linear_past.so"
+    subprocess.run([compiler(), *AVX512_BF16_FLAGS, "-I", str(SOURCE_DIR), "-shared", "-fPIC", "-o", str(lib),
+                    str(source)], check=True)
+    return bf16_linear._bind(ctypes.CDLL(str(lib)))
+
+
+def against(lib, past, rev: str, shapes, ours, m: int, repeats: int, weight_bytes: int) -> None:
+    """The current kernel and the one at `rev`, alternated on the same packed weights."""
+    xs = [torch.randn(m, k).bfloat16() for _, k in shapes]
+    for n, k in shapes:
+        if past.l3_bf16_packed_elements(n, k) != lib.l3_bf16_packed_elements(n, k):
+            sys.exit(f"--against {rev}: its packed layout differs from the working tree's")
+    outs = {}
+
+    def run(kernel) -> float:
+        t0 = time.perf_counter()
+        for ws in ours:
+            for x, w, (n, _) in zip(xs, ws, shapes):
+                outs[id(kernel)] = bf16_linear.linear(kernel, x, w, n)
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {"l3worker": [], f"@{rev}": []}
+    for _ in range(repeats + 1):  # the first round warms both up
+        for name, kernel in (("l3worker", lib), (f"@{rev}", past)):
+            times[name].append(run(kernel))
+    if not torch.equal(outs[id(lib)], outs[id(past)]):
+        print(f"rows {m:>3}: the two kernels' outputs differ")
+    base = statistics.median(times["l3worker"][1:])
+    for name, t in times.items():
+        dt = statistics.median(t[1:])
+        print(f"rows {m:>3} {name:<10} {dt * 1e3:7.2f} ms  {weight_bytes / dt / 1e9:5.1f} GB/s  "
+              f"{m * weight_bytes / dt / 1e9:5.0f} GFLOPS  x{dt / base:.3f}")
 
 
 def main() -> None:
@@ -34,6 +83,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,16,64")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--against", default=None, metavar="REV", help="our kernel at this git revision, alternated")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     h, hd = a.hidden, a.head_dim
@@ -44,6 +94,14 @@ def main() -> None:
     ours = [[bf16_linear.pack(lib, w) for w in ws] for ws in plain] if lib is not None else None
     weight_bytes = sum(n * k * 2 for n, k in shapes) * a.layers
     print(f"{a.layers} layers, {weight_bytes / 1e6:.0f} MB of bf16 projections, {a.threads} threads")
+    if a.against:
+        if ours is None:
+            sys.exit("--against: our kernel does not run here")
+        with tempfile.TemporaryDirectory() as tmp:
+            past = past_kernel(a.against, tmp)
+            for m in (int(r) for r in a.rows.split(",")):
+                against(lib, past, a.against, shapes, ours, m, a.repeats, weight_bytes)
+        return
     for m in (int(r) for r in a.rows.split(",")):
         xs = [torch.randn(m, k).bfloat16() for _, k in shapes]
 

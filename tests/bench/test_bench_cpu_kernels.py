@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from chip_child.cpu_kernels import bf16_linear
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -32,3 +36,16 @@ def test_bench_cpu_gemm_prints_each_kernel() -> None:
                           "--kv-heads", "1"], capture_output=True, text=True, timeout=300, check=True).stdout
     names = {line.split()[2] for line in out.splitlines() if line.startswith("rows")}
     assert {"prepacked", "plain"} <= names
+
+
+@pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
+def test_bench_cpu_gemm_times_our_kernel_against_a_past_revision() -> None:
+    """--against builds the kernel from git and alternates it with the working tree's: against
+    HEAD (the same layout) both are timed and give the same bits."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_cpu_gemm.py"), "--layers", "1", "--rows", "1,8",
+                          "--repeats", "1", "--hidden", "128", "--intermediate", "256", "--heads", "2",
+                          "--kv-heads", "1", "--against", "HEAD"], capture_output=True, text=True, timeout=300,
+                         check=True, cwd=ROOT).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith("rows")]
+    assert [(r[1], r[2]) for r in rows] == [("1", "l3worker"), ("1", "@HEAD"), ("8", "l3worker"), ("8", "@HEAD")]
+    assert "differ" not in out and rows[0][-1] == "x1.000"
