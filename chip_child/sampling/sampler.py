@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from chip_child.cpu_kernels import sampling_noise
 from chip_child.sampling.grammar import allowed_tokens
 from chip_child.sampling.seeds import M32, hash32, seed_key  # noqa: F401  seed_key: the keys this noise is drawn with
 
@@ -21,7 +22,17 @@ def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
 
 
 def uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
-    """[N, V] floats in (0, 1), a pure function of (key, counter, token id)."""
+    """[N, V] floats in (0, 1), a pure function of (key, counter, token id). On the cpu, our
+    kernel (chip_child.cpu_kernels.sampling_noise) where it runs: the same bits in one pass."""
+    if keys.device.type == "cpu":
+        lib = sampling_noise.KERNEL.library()
+        if lib is not None:
+            return sampling_noise.uniform_noise(lib, keys, counters, vocab_keys)
+    return torch_uniform_noise(keys, counters, vocab_keys)
+
+
+def torch_uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
+    """uniform_noise in torch ops, on any device: the reference."""
     row = hash32(keys ^ (counters & M32))
     bits = hash32(row[:, None] ^ vocab_keys[None, :]) >> 8  # 24 bits: exact in fp32
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
@@ -64,8 +75,9 @@ def sample(
         scaled = filter_min_p(scaled, min_p)
     if any_filter:
         scaled = filter_top_k_top_p(scaled, top_k, top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(keys, counters, vocab_keys)))
-    sampled = (scaled + gumbel).argmax(dim=-1)
+    # -log(-log(u)) + scaled, in place on the fresh noise: the same values, two [N, V] buffers fewer.
+    gumbel = uniform_noise(keys, counters, vocab_keys).log_().neg_().log_().neg_()
+    sampled = gumbel.add_(scaled).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
 
 

@@ -1,0 +1,36 @@
+// The seeded sampler's uniform noise on the cpu: for each row and token id, a 32-bit hash of the
+// row's key, its counter and the token's key, as 24 bits in (0, 1). The same integer steps as
+// chip_child/sampling/sampler.py's torch version, in uint32 lanes (its int64 products masked to 32
+// bits are exactly uint32 products), so every value is the same bits. torch's version runs a dozen
+// int64 ops over [rows, vocab]: 16 rows of a 32,000 vocabulary cost it milliseconds a step.
+#include <stdint.h>
+
+namespace {
+
+inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  return x ^ (x >> 15);
+}
+
+}  // namespace
+
+extern "C" {
+
+// keys, counters int64 [rows] (keys below 2^32; counters taken mod 2^32); vocab_keys int64 [vocab],
+// below 2^32; out float [rows, vocab] (row stride `vocab`).
+void l3_uniform_noise(const int64_t* keys, const int64_t* counters, const int64_t* vocab_keys, int64_t rows,
+                      int64_t vocab, float* out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t row = hash32((uint32_t)keys[r] ^ (uint32_t)counters[r]);
+    float* o = out + r * vocab;
+#pragma omp simd
+    for (int64_t v = 0; v < vocab; ++v)
+      o[v] = ((float)(hash32(row ^ (uint32_t)vocab_keys[v]) >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  }
+}
+
+}  // extern "C"
