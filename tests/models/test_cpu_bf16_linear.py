@@ -27,12 +27,13 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 16, 17, 70])
-@pytest.mark.parametrize("out_in", [(64, 64), (67, 33), (130, 768), (1000, 96)])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 16, 17, 64, 65, 70])
+@pytest.mark.parametrize("out_in", [(64, 64), (67, 33), (67, 129), (130, 768), (1000, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_float32(rows: int, out_in: tuple[int, int], bias: bool) -> None:
-    """Blocks of 64 outputs (a partial last block at 67, 130, 1000), k in pairs (an odd 33), micro-
-    tiles of 4 rows (partial at 3, 5, 17, 70)."""
+    """Blocks of 64 outputs (a partial last block at 67, 130, 1000), k in pairs (an odd 33 and 129),
+    micro-tiles of 4 rows (partial at 3, 5, 17, 65, 70), from 5 to 64 rows k in chunks of 32 pairs
+    (129: two and the odd last k)."""
     n, k = out_in
     g = torch.Generator().manual_seed(rows * 7 + n)
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -49,14 +50,16 @@ def test_kernel_matches_float32(rows: int, out_in: tuple[int, int], bias: bool) 
 
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
-    """Batch invariance: the same row alone, in a batch of 5 and of 37 gives the same bits."""
+    """Batch invariance: the same row alone, in a batch of 5, of 37 (k in chunks) and of 70 (whole
+    k) gives the same bits."""
     g = torch.Generator().manual_seed(1)
-    w, x = torch.randn(200, 320, generator=g).bfloat16(), torch.randn(37, 320, generator=g).bfloat16()
+    w, x = torch.randn(200, 321, generator=g).bfloat16(), torch.randn(70, 321, generator=g).bfloat16()
     layer = PackedLinear(w.t())
     whole = layer(x)
-    for i in (0, 3, 36):
+    for i in (0, 3, 36, 69):
         assert torch.equal(layer(x[i:i + 1]), whole[i:i + 1])
     assert torch.equal(layer(x[2:7]), whole[2:7])
+    assert torch.equal(layer(x[:37]), whole[:37])
 
 
 @needs_kernel
