@@ -36,7 +36,8 @@ from bench_decode import WORKLOADS, Floor, Workload, make_prompts, write_checkpo
 from chip_child.protocol import Admit, Command
 from chip_child.step.row_fields import MAX_LOGPROBS
 from chip_child.step.runtime import StepOutputs
-from chip_child.sampling.sampler import Features, RowParams, sample, sample_with_features, seed_key, vocab_hash
+from chip_child.sampling.noise import vocab_hash
+from chip_child.sampling.sampler import Features, RowParams, sample, sample_with_features, seed_key
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2)
 VARIANTS = {

@@ -1,6 +1,6 @@
 // The seeded sampler's uniform noise on the cpu: for each row and token id, a 32-bit hash of the
 // row's key, its counter and the token's key, as 24 bits in (0, 1). The same integer steps as
-// chip_child/sampling/sampler.py's torch version, in uint32 lanes (its int64 products masked to 32
+// chip_child/sampling/noise.py's torch version, in uint32 lanes (its int64 products masked to 32
 // bits are exactly uint32 products), so every value is the same bits. torch's version runs a dozen
 // int64 ops over [rows, vocab]: 16 rows of a 32,000 vocabulary cost it milliseconds a step.
 #include <stdint.h>

@@ -1,5 +1,5 @@
 """The seeded sampler's uniform noise on the cpu (sampling_noise.cpp): the same bits as the torch
-version in chip_child.sampling.sampler, in one pass over [rows, vocab] instead of a dozen int64
+version in chip_child.sampling.noise, in one pass over [rows, vocab] instead of a dozen int64
 ops. KERNEL checks it once per process for exact equality with the torch version; where it
 cannot run (no AVX2, no compiler, a failed build or check, `L3WORKER_REFERENCE_KERNELS=
 cpu_sampling_noise`) the torch version runs and the reason is printed once."""
@@ -10,6 +10,7 @@ import ctypes
 import torch
 
 from chip_child.cpu_kernels.build import CheckedKernel
+from chip_child.sampling.noise import torch_uniform_noise, vocab_hash
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-mavx2", "-fopenmp"]
@@ -34,8 +35,6 @@ def uniform_noise(lib: ctypes.CDLL, keys: torch.Tensor, counters: torch.Tensor,
 def check_error(lib: ctypes.CDLL) -> float:
     """0.0 where the kernel gives the torch version's bits (keys at the ends of their range,
     counters past 2^32, an odd vocabulary), else inf."""
-    from chip_child.sampling.sampler import torch_uniform_noise, vocab_hash
-
     g = torch.Generator().manual_seed(0)
     keys = torch.cat([torch.tensor([0, (1 << 32) - 1]), torch.randint(0, 1 << 32, (5,), generator=g)])
     counters = torch.cat([torch.tensor([(1 << 40) + 7, 0]), torch.randint(0, 1 << 20, (5,), generator=g)])

@@ -14,11 +14,8 @@ import torch
 
 from chip_child.cpu_kernels import sampling_noise
 from chip_child.sampling.grammar import allowed_tokens
-from chip_child.sampling.seeds import M32, hash32, seed_key  # noqa: F401  seed_key: the keys this noise is drawn with
-
-
-def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
-    return hash32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ 0x5BD1E995)
+from chip_child.sampling.noise import torch_uniform_noise
+from chip_child.sampling.seeds import seed_key  # noqa: F401  seed_key: the keys this noise is drawn with
 
 
 def uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
@@ -29,13 +26,6 @@ def uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.
         if lib is not None:
             return sampling_noise.uniform_noise(lib, keys, counters, vocab_keys)
     return torch_uniform_noise(keys, counters, vocab_keys)
-
-
-def torch_uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
-    """uniform_noise in torch ops, on any device: the reference."""
-    row = hash32(keys ^ (counters & M32))
-    bits = hash32(row[:, None] ^ vocab_keys[None, :]) >> 8  # 24 bits: exact in fp32
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

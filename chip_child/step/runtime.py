@@ -59,7 +59,8 @@ from chip_child.cpu_kernels.layer_ops import cpu_layer_ops
 from chip_child.models.prepack import cpu_linear_kernel, resolve_cpu_prepack
 from chip_child.protocol import Chunk, Command
 from chip_child.step.row_state import RowState
-from chip_child.sampling.sampler import Features, RowParams, sample, sample_with_features, vocab_hash
+from chip_child.sampling.noise import vocab_hash
+from chip_child.sampling.sampler import Features, RowParams, sample, sample_with_features
 from chip_child.spec.speculation import Speculation
 from chip_child.spec.config import SpeculativeConfig
 from chip_child.step.results import LaunchedStep, StepOutputs, StepResult

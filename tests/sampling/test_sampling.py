@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from chip_child.sampling.noise import vocab_hash
 from chip_child.sampling.sampler import (
     Features,
     RowParams,
@@ -18,7 +19,6 @@ from chip_child.sampling.sampler import (
     seed_key,
     token_logprobs,
     uniform_noise,
-    vocab_hash,
 )
 
 # Token ids ranked by logit: 1 (4.0), 4 (3.0), 3 (2.0), 0 (1.0), 2 (0.0).

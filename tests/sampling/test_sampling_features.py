@@ -23,7 +23,8 @@ from chip_child.config import RuntimeConfig
 from chip_child.local import LocalDriver, LocalRequest, LocalResult
 from chip_child.protocol import Admit, Command, FullState, Limits, ProtocolError, decode, encode, prefill_command
 from chip_child.step.runtime import ChipRuntime, StepOutputs
-from chip_child.sampling.sampler import seed_key, uniform_noise, vocab_hash
+from chip_child.sampling.noise import vocab_hash
+from chip_child.sampling.sampler import seed_key, uniform_noise
 
 VOCAB = 300
 

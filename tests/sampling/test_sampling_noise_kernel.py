@@ -7,7 +7,8 @@ import torch
 
 from chip_child.cpu_kernels import sampling_noise
 from chip_child.sampling import sampler
-from chip_child.sampling.sampler import seed_key, torch_uniform_noise, uniform_noise, vocab_hash
+from chip_child.sampling.noise import torch_uniform_noise, vocab_hash
+from chip_child.sampling.sampler import seed_key, uniform_noise
 from kernel_helpers import decide_again
 
 needs_kernel = pytest.mark.skipif(not sampling_noise.KERNEL.usable(),
