@@ -73,41 +73,32 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
 }
 
 // Rows [0, M) of x against one block, k pairs [p0, p1): micro-tiles of MR rows, then the rest.
-// `next`: the `next_lines` cache lines (32 uint16 each) that follow, prefetched into L2, shared
-// out over the full micro-tiles' iterations so the stream from memory runs beside the compute.
+// CHUNKED: the sums carry over in `part` between calls, and `next`, the `next_lines` cache lines
+// (32 uint16 each) that follow, are prefetched into L2, shared out over the full micro-tiles'
+// iterations so the stream from memory runs beside the compute. Else the whole K in one call.
+template <bool CHUNKED>
 inline void rows_range(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t M, int64_t p0, int64_t p1,
                        bool tail, float* part, bool first, bool last, const uint16_t* bias, uint16_t* y,
-                       int64_t ldy, int64_t cols, const uint16_t* next, int64_t next_lines) {
+                       int64_t ldy, int64_t cols, const uint16_t* next = nullptr, int64_t next_lines = 0) {
   const int64_t tiles = M / MR, span = p1 - p0;
-  const int64_t per_tile = tiles && next ? (next_lines + tiles - 1) / tiles : 0;
+  const int64_t per_tile = CHUNKED && tiles && next ? (next_lines + tiles - 1) / tiles : 0;
   const int64_t pf_step = span ? (per_tile + span - 1) / span : 0;  // lines per k pair
   int64_t m = 0;
-  if (!part) {  // the whole K in one go
-    for (; m + MR <= M; m += MR) micro_tile<MR>(x + m * ldx, ldx, wb, p0, p1, tail, nullptr, true, true, bias,
-                                                 y + m * ldy, ldy, cols);
-    switch (M - m) {
-      case 3: micro_tile<3>(x + m * ldx, ldx, wb, p0, p1, tail, nullptr, true, true, bias, y + m * ldy, ldy, cols); break;
-      case 2: micro_tile<2>(x + m * ldx, ldx, wb, p0, p1, tail, nullptr, true, true, bias, y + m * ldy, ldy, cols); break;
-      case 1: micro_tile<1>(x + m * ldx, ldx, wb, p0, p1, tail, nullptr, true, true, bias, y + m * ldy, ldy, cols); break;
-      default: break;
-    }
-    return;
-  }
   for (int64_t i = 0; m + MR <= M; m += MR, ++i) {
     const int64_t from = i * pf_step * span;  // this tile's first line
     const uint16_t* pf = pf_step && from + pf_step * span <= next_lines ? next + from * 32 : nullptr;
-    float* pm = part + m * BLOCK;
+    float* pm = CHUNKED ? part + m * BLOCK : nullptr;
     if (pf)
-      micro_tile<MR, true, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols,
-                                 pf, pf_step);
+      micro_tile<MR, CHUNKED, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
+                                    cols, pf, pf_step);
     else
-      micro_tile<MR, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols);
+      micro_tile<MR, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols);
   }
-  float* pm = part + m * BLOCK;
+  float* pm = CHUNKED ? part + m * BLOCK : nullptr;
   switch (M - m) {
-    case 3: micro_tile<3, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
-    case 2: micro_tile<2, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
-    case 1: micro_tile<1, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    case 3: micro_tile<3, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    case 2: micro_tile<2, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    case 1: micro_tile<1, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
     default: break;
   }
 }
@@ -124,7 +115,7 @@ inline void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
   const int64_t full = K / 2;
   const bool odd = K & 1;
   if (M <= MR || M > MG) {
-    rows_range(x, ldx, wb, M, 0, full, odd, nullptr, true, true, bias, y, ldy, cols, nullptr, 0);
+    rows_range<false>(x, ldx, wb, M, 0, full, odd, nullptr, true, true, bias, y, ldy, cols);
     return;
   }
   alignas(64) float part[MG * BLOCK];
@@ -133,8 +124,8 @@ inline void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
     const int64_t p0 = c * KC, p1 = p0 + KC < full ? p0 + KC : full;
     const int64_t next_pairs = full - p1 < KC ? full - p1 : KC;  // 4 lines a pair
     const bool last = c == chunks - 1;
-    rows_range(x, ldx, wb, M, p0, p1, last && odd, part, c == 0, last, bias, y, ldy, cols,
-               next_pairs > 0 ? wb + p1 * BLOCK * 2 : nullptr, next_pairs * 4);
+    rows_range<true>(x, ldx, wb, M, p0, p1, last && odd, part, c == 0, last, bias, y, ldy, cols,
+                     next_pairs > 0 ? wb + p1 * BLOCK * 2 : nullptr, next_pairs * 4);
   }
 }
 
