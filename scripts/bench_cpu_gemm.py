@@ -29,19 +29,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # chip_child, run from anywhere
 from chip_child.cpu_kernels import bf16_linear  # noqa: E402
-from chip_child.cpu_kernels.build import AVX512_BF16_FLAGS, SOURCE_DIR, compiler  # noqa: E402
+from chip_child.cpu_kernels.build import AVX512_BF16_FLAGS, load  # noqa: E402
 
 
 def past_kernel(rev: str, out_dir: str) -> ctypes.CDLL:
-    """bf16_linear.cpp as it was at git revision `rev`, built and bound like the current one."""
+    """bf16_linear.cpp as it was at git revision `rev`, built (into the kernel cache) and bound
+    like the current one."""
     root = Path(__file__).resolve().parent.parent
     source = Path(out_dir) / "bf16_linear_past.cpp"
     source.write_text(subprocess.run(["git", "show", f"{rev}:chip_child/cpu_kernels/bf16_linear.cpp"], cwd=root,
                                      capture_output=True, text=True, check=True).stdout)
-    lib = Path(out_dir) / "bf16_linear_past.so"
-    subprocess.run([compiler(), *AVX512_BF16_FLAGS, "-I", str(SOURCE_DIR), "-shared", "-fPIC", "-o", str(lib),
-                    str(source)], check=True)
-    return bf16_linear._bind(ctypes.CDLL(str(lib)))
+    return bf16_linear._bind(load(str(source), AVX512_BF16_FLAGS))
 
 
 def against(lib, past, rev: str, shapes, ours, m: int, repeats: int, weight_bytes: int) -> None:

@@ -50,7 +50,8 @@ def _compiler_version(cxx: str) -> str:
 
 
 def build(source: str, flags: list[str]) -> Path:
-    """The shared library of chip_child/cpu_kernels/`source`, built unless cached."""
+    """The shared library of chip_child/cpu_kernels/`source` (or of the file at an absolute
+    `source` path, which includes the headers here as well), built unless cached."""
     cxx = compiler()
     text = (SOURCE_DIR / source).read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
     key = hashlib.sha256(text + " ".join(flags).encode() + _compiler_version(cxx).encode()).hexdigest()[:16]
@@ -60,7 +61,7 @@ def build(source: str, flags: list[str]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cxx, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE_DIR / source)]
+    cmd = [cxx, *flags, "-I", str(SOURCE_DIR), "-shared", "-fPIC", "-o", tmp, str(SOURCE_DIR / source)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
