@@ -10,8 +10,10 @@ import hashlib
 import multiprocessing as mp
 import os
 import platform
+import subprocess
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -19,6 +21,19 @@ import numpy as np
 if TYPE_CHECKING:
     from chip_child.protocol import Admit, Command
     from chip_child.step.runtime import ChipRuntime
+
+
+# -- kernels -------------------------------------------------------------------------------------------
+def past_cpu_kernel(source: str, rev: str, out_dir: str, bind: Callable):
+    """chip_child/cpu_kernels/`source` as it was at git revision `rev`, built (into the kernel
+    cache, with the working tree's headers) and bound by `bind`, for an A/B against the current one."""
+    from chip_child.cpu_kernels.build import AVX512_BF16_FLAGS, load
+
+    root = Path(__file__).resolve().parent.parent
+    past = Path(out_dir) / f"{Path(source).stem}_past.cpp"
+    past.write_text(subprocess.run(["git", "show", f"{rev}:chip_child/cpu_kernels/{source}"], cwd=root,
+                                   capture_output=True, text=True, check=True).stdout)
+    return bind(load(str(past), AVX512_BF16_FLAGS))
 
 
 # -- workloads -------------------------------------------------------------------------------------------

@@ -17,9 +17,7 @@ printing each one's median and the ratio; their outputs must be the same bits.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,17 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # chip_child, run from anywhere
 from chip_child.cpu_kernels import bf16_linear  # noqa: E402
-from chip_child.cpu_kernels.build import AVX512_BF16_FLAGS, load  # noqa: E402
-
-
-def past_kernel(rev: str, out_dir: str) -> ctypes.CDLL:
-    """bf16_linear.cpp as it was at git revision `rev`, built (into the kernel cache) and bound
-    like the current one."""
-    root = Path(__file__).resolve().parent.parent
-    source = Path(out_dir) / "bf16_linear_past.cpp"
-    source.write_text(subprocess.run(["git", "show", f"{rev}:chip_child/cpu_kernels/bf16_linear.cpp"], cwd=root,
-                                     capture_output=True, text=True, check=True).stdout)
-    return bf16_linear._bind(load(str(source), AVX512_BF16_FLAGS))
+from bench_common import past_cpu_kernel  # noqa: E402
 
 
 def against(lib, past, rev: str, shapes, ours, m: int, repeats: int, weight_bytes: int) -> None:
@@ -96,7 +84,7 @@ def main() -> None:
         if ours is None:
             sys.exit("--against: our kernel does not run here")
         with tempfile.TemporaryDirectory() as tmp:
-            past = past_kernel(a.against, tmp)
+            past = past_cpu_kernel("bf16_linear.cpp", a.against, tmp, bf16_linear._bind)
             for m in (int(r) for r in a.rows.split(",")):
                 against(lib, past, a.against, shapes, ours, m, a.repeats, weight_bytes)
         return

@@ -32,40 +32,56 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
 
-template <typename T, int CH>
-inline __m512 dot(const __m512* q, const T* k, const __mmask16* mask) {
-  __m512 acc = _mm512_mul_ps(q[0], load(k, mask[0]));
-  for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(q[c], load(k + c * VEC, mask[c]), acc);
+template <int CH>
+inline __m512 dot(const __m512* q, const __m512* k) {
+  __m512 acc = _mm512_mul_ps(q[0], k[0]);
+  for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(q[c], k[c], acc);
   return acc;
 }
 
-// Scores of one query head against every key, into s[0 .. ctx): CH vectors of the query in
-// registers, four keys at a time sharing one reduction.
-template <typename T, int CH>
-inline void head_scores(const __m512* qf, const T* k, const int32_t* pages, int64_t ctx, int64_t page_size,
-                        int64_t page_stride, int64_t head_dim, const __mmask16* mask, float* s) {
-  __m512 q[CH];
-  for (int c = 0; c < CH; ++c) q[c] = qf[c];
-  auto key = [&](int64_t t) { return k + pages[t / page_size] * page_stride + (t % page_size) * head_dim; };
+// Scores of NH query heads against every key, into s + i * s_stride for head i: four keys at a
+// time are loaded (and widened from bf16) once for the NH heads; each head's four dot products
+// share one reduction. `offs[t]`: key t's offset from the head's cache start.
+template <typename T, int CH, int NH>
+inline void heads_scores(const __m512* qf, const T* k, const int64_t* offs, int64_t ctx, const __mmask16* mask,
+                         float* s, int64_t s_stride) {
   int64_t t = 0;
-  for (; t + 4 <= ctx; t += 4)
-    _mm_storeu_ps(s + t, reduce4(dot<T, CH>(q, key(t), mask), dot<T, CH>(q, key(t + 1), mask),
-                                 dot<T, CH>(q, key(t + 2), mask), dot<T, CH>(q, key(t + 3), mask)));
-  for (; t < ctx; ++t) s[t] = _mm512_reduce_add_ps(dot<T, CH>(q, key(t), mask));
+  for (; t + 4 <= ctx; t += 4) {
+    __m512 kv[4][CH];
+    for (int j = 0; j < 4; ++j)
+      for (int c = 0; c < CH; ++c) kv[j][c] = load(k + offs[t + j] + c * VEC, mask[c]);
+    for (int i = 0; i < NH; ++i) {
+      const __m512* q = qf + i * CH;
+      _mm_storeu_ps(s + i * s_stride + t, reduce4(dot<CH>(q, kv[0]), dot<CH>(q, kv[1]), dot<CH>(q, kv[2]),
+                                                   dot<CH>(q, kv[3])));
+    }
+  }
+  for (; t < ctx; ++t) {
+    __m512 kv[CH];
+    for (int c = 0; c < CH; ++c) kv[c] = load(k + offs[t] + c * VEC, mask[c]);
+    for (int i = 0; i < NH; ++i) s[i * s_stride + t] = _mm512_reduce_add_ps(dot<CH>(qf + i * CH, kv));
+  }
 }
 
-// out = sum over keys of p[t] * v_t for one query head: CH accumulators in registers.
-template <typename T, int CH>
-inline void head_values(const float* p, const T* v, const int32_t* pages, int64_t ctx, int64_t page_size,
-                        int64_t page_stride, int64_t head_dim, const __mmask16* mask, float inv_sum, T* out) {
-  __m512 acc[CH];
-  for (int c = 0; c < CH; ++c) acc[c] = _mm512_setzero_ps();
+// out_i = sum over keys of p_i[t] * v_t for NH query heads: each value loaded once for the NH heads,
+// CH accumulators per head in registers.
+template <typename T, int CH, int NH>
+inline void heads_values(const float* p, int64_t p_stride, const T* v, const int64_t* offs, int64_t ctx,
+                         const __mmask16* mask, const float* inv_sum, T* out, int64_t head_dim) {
+  __m512 acc[NH][CH];
+  for (int i = 0; i < NH; ++i)
+    for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < ctx; ++t) {
-    const T* vp = v + pages[t / page_size] * page_stride + (t % page_size) * head_dim;
-    const __m512 pt = _mm512_set1_ps(p[t]);
-    for (int c = 0; c < CH; ++c) acc[c] = _mm512_fmadd_ps(pt, load(vp + c * VEC, mask[c]), acc[c]);
+    __m512 vt[CH];
+    for (int c = 0; c < CH; ++c) vt[c] = load(v + offs[t] + c * VEC, mask[c]);
+    for (int i = 0; i < NH; ++i) {
+      const __m512 pt = _mm512_set1_ps(p[i * p_stride + t]);
+      for (int c = 0; c < CH; ++c) acc[i][c] = _mm512_fmadd_ps(pt, vt[c], acc[i][c]);
+    }
   }
-  for (int c = 0; c < CH; ++c) store(out + c * VEC, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)), mask[c]);
+  for (int i = 0; i < NH; ++i)
+    for (int c = 0; c < CH; ++c)
+      store(out + i * head_dim + c * VEC, _mm512_mul_ps(acc[i][c], _mm512_set1_ps(inv_sum[i])), mask[c]);
 }
 
 // Softmax of s[0 .. ctx) in place (exponentials, not yet divided); returns 1 / their sum.
@@ -89,29 +105,55 @@ inline float softmax_unnormalised(float* s, int64_t ctx) {
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-// One (row, kv head) pair: its `group` query heads, one at a time (their keys and values stay in
-// L1/L2 between heads).
+constexpr int HEADS_PER_PASS = 4;  // query heads that share one pass over the keys and one over the values
+
+// NH query heads of a pair (q and out at the first of them): scores, softmax, values.
+template <typename T, int CH, int NH>
+void attend_heads(const T* q, const T* k, const T* v, const int64_t* offs, int64_t ctx, int64_t head_dim, float scale,
+                  const __mmask16* mask, T* out, float* s) {
+  __m512 qf[NH * CH];  // masked lanes are 0, so they add nothing to a dot product
+  for (int i = 0; i < NH; ++i)
+    for (int c = 0; c < CH; ++c)
+      qf[i * CH + c] = _mm512_mul_ps(load(q + i * head_dim + c * VEC, mask[c]), _mm512_set1_ps(scale));
+  const int64_t s_stride = ctx + VEC;
+  heads_scores<T, CH, NH>(qf, k, offs, ctx, mask, s, s_stride);
+  float inv_sum[NH];
+  for (int i = 0; i < NH; ++i) inv_sum[i] = softmax_unnormalised(s + i * s_stride, ctx);
+  heads_values<T, CH, NH>(s, s_stride, v, offs, ctx, mask, inv_sum, out, head_dim);
+}
+
+// One (row, kv head) pair: its `group` query heads, up to HEADS_PER_PASS at a time. The keys' and
+// values' offsets are computed once per pair (page lookups without a division per key).
 template <typename T, int CH>
 void attend_pair(const T* q, const T* k, const T* v, const int32_t* pages, int64_t ctx, int64_t group,
                  int64_t head_dim, int64_t page_size, int64_t page_stride, float scale, T* out,
-                 std::vector<float>& scores) {
+                 std::vector<float>& scores, std::vector<int64_t>& offsets) {
   __mmask16 mask[CH];
   for (int c = 0; c < CH; ++c) mask[c] = lanes(c, head_dim);
-  scores.resize(ctx + VEC);
+  offsets.resize(ctx);
+  int64_t* offs = offsets.data();
+  for (int64_t t = 0, page = 0; t < ctx; ++page)
+    for (int64_t o = 0, base = pages[page] * page_stride; o < page_size && t < ctx; ++o, ++t)
+      offs[t] = base + o * head_dim;
+  scores.resize(HEADS_PER_PASS * (ctx + VEC));
   float* s = scores.data();
-  for (int64_t i = 0; i < group; ++i) {
-    __m512 qf[CH];  // masked lanes are 0, so they add nothing to a dot product
-    for (int c = 0; c < CH; ++c)
-      qf[c] = _mm512_mul_ps(load(q + i * head_dim + c * VEC, mask[c]), _mm512_set1_ps(scale));
-    head_scores<T, CH>(qf, k, pages, ctx, page_size, page_stride, head_dim, mask, s);
-    const float inv_sum = softmax_unnormalised(s, ctx);
-    head_values<T, CH>(s, v, pages, ctx, page_size, page_stride, head_dim, mask, inv_sum, out + i * head_dim);
+  for (int64_t i = 0; i < group;) {
+    const int64_t nh = group - i < HEADS_PER_PASS ? group - i : HEADS_PER_PASS;
+    const T* qi = q + i * head_dim;
+    T* oi = out + i * head_dim;
+    switch (nh) {
+      case 1: attend_heads<T, CH, 1>(qi, k, v, offs, ctx, head_dim, scale, mask, oi, s); break;
+      case 2: attend_heads<T, CH, 2>(qi, k, v, offs, ctx, head_dim, scale, mask, oi, s); break;
+      case 3: attend_heads<T, CH, 3>(qi, k, v, offs, ctx, head_dim, scale, mask, oi, s); break;
+      default: attend_heads<T, CH, HEADS_PER_PASS>(qi, k, v, offs, ctx, head_dim, scale, mask, oi, s); break;
+    }
+    i += nh;
   }
 }
 
 template <typename T>
 using PairFn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        float, T*, std::vector<float>&);
+                        float, T*, std::vector<float>&, std::vector<int64_t>&);
 
 template <typename T, int CH>
 PairFn<T> pair_fn_at_least(int64_t chunks) {  // the instance for `chunks` vectors per head
@@ -131,12 +173,13 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* k, const T* v, 
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
+    std::vector<int64_t> offsets;
 #pragma omp for schedule(static)
     for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
       const int64_t r = pair / kv_heads, j = pair % kv_heads;
       attend(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
                      block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
-                     out + r * out_row_stride + j * group * head_dim, scores);
+                     out + r * out_row_stride + j * group * head_dim, scores, offsets);
     }
   }
 }

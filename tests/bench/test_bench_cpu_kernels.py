@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from chip_child.cpu_kernels import bf16_linear
+from chip_child.cpu_kernels import bf16_linear, decode_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,4 +48,18 @@ def test_bench_cpu_gemm_times_our_kernel_against_a_past_revision() -> None:
                          check=True, cwd=ROOT).stdout
     rows = [line.split() for line in out.splitlines() if line.startswith("rows")]
     assert [(r[1], r[2]) for r in rows] == [("1", "l3worker"), ("1", "@HEAD"), ("8", "l3worker"), ("8", "@HEAD")]
+    assert "differ" not in out and rows[0][-1] == "x1.000"
+
+
+@pytest.mark.skipif(not decode_attention.KERNEL.usable(),
+                    reason=f"kernel unusable here: {decode_attention.KERNEL.why_not()}")
+def test_bench_cpu_attention_times_the_kernel_against_a_past_revision() -> None:
+    """--against builds decode_attention.cpp from git and alternates it with the working tree's on
+    the same caches: against HEAD both are timed, at each row count, and give the same bits."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_cpu_attention.py"), "--layers", "1", "--rows",
+                          "1,3", "--repeats", "1", "--kv-heads", "2", "--group", "3", "--page-size", "16",
+                          "--max-context", "40", "--shuffle", "--against", "HEAD"], capture_output=True, text=True,
+                         timeout=300, check=True, cwd=ROOT).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith("rows")]
+    assert [(r[1], r[2]) for r in rows] == [("1", "l3worker"), ("1", "@HEAD"), ("3", "l3worker"), ("3", "@HEAD")]
     assert "differ" not in out and rows[0][-1] == "x1.000"
