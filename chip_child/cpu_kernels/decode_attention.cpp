@@ -1,6 +1,6 @@
 // Decode attention on the cpu: one new query token per row, its keys and values read in place
 // from the paged cache (no gather, no dense copy), in fp32 from bf16 or fp32 storage.
-// Threads split the (row, kv head) pairs; each pair's grouped query heads share one pass over
+// Threads take the (row, kv head) pairs two at a time; each pair's grouped query heads share one pass over
 // the keys and one over the values. Scores and softmax stay in fp32; the output is rounded once.
 // Cache layout, per layer: k and v each [kv_heads, pages, page_size, head_dim].
 #include <math.h>
@@ -197,7 +197,8 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* k, const T* v, 
   {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
-#pragma omp for schedule(static)
+// dynamic: rows differ in context, and a thread that other processes preempt holds back only its pairs
+#pragma omp for schedule(dynamic, 2)
     for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
       const int64_t r = pair / kv_heads, j = pair % kv_heads;
       attend(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
