@@ -1,7 +1,7 @@
 // Decode attention on the cpu: one new query token per row, its keys and values read in place
 // from the paged cache (no gather, no dense copy), in fp32 from bf16 or fp32 storage.
-// Threads take the (row, kv head) pairs two at a time; each pair's grouped query heads share one pass over
-// the keys and one over the values. Scores and softmax stay in fp32; the output is rounded once.
+// Threads take the (row, kv head) pairs two at a time; each pair's grouped query heads share one
+// pass over the keys and one over the values. Scores and softmax stay in fp32; the output is rounded once.
 // Cache layout, per layer: k and v each [kv_heads, pages, page_size, head_dim].
 #include <math.h>
 #include <stdint.h>

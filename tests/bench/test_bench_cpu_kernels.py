@@ -38,17 +38,23 @@ def test_bench_cpu_gemm_prints_each_kernel() -> None:
     assert {"prepacked", "plain"} <= names
 
 
+def assert_times_both_against_head(script: str, args: list[str], rows: tuple[str, str]) -> None:
+    """`script --against HEAD`: the working tree's kernel and HEAD's are timed at each row count,
+    in that order, and give the same bits (the first is the base of the ratios)."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args, "--against", "HEAD"],
+                         capture_output=True, text=True, timeout=300, check=True, cwd=ROOT).stdout
+    printed = [line.split() for line in out.splitlines() if line.startswith("rows")]
+    assert [(r[1], r[2]) for r in printed] == [(m, name) for m in rows for name in ("l3worker", "@HEAD")]
+    assert "differ" not in out and printed[0][-1] == "x1.000"
+
+
 @pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
 def test_bench_cpu_gemm_times_our_kernel_against_a_past_revision() -> None:
     """--against builds the kernel from git and alternates it with the working tree's: against
     HEAD (the same layout) both are timed and give the same bits."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_cpu_gemm.py"), "--layers", "1", "--rows", "1,8",
-                          "--repeats", "1", "--hidden", "128", "--intermediate", "256", "--heads", "2",
-                          "--kv-heads", "1", "--against", "HEAD"], capture_output=True, text=True, timeout=300,
-                         check=True, cwd=ROOT).stdout
-    rows = [line.split() for line in out.splitlines() if line.startswith("rows")]
-    assert [(r[1], r[2]) for r in rows] == [("1", "l3worker"), ("1", "@HEAD"), ("8", "l3worker"), ("8", "@HEAD")]
-    assert "differ" not in out and rows[0][-1] == "x1.000"
+    assert_times_both_against_head("bench_cpu_gemm.py", ["--layers", "1", "--rows", "1,8", "--repeats", "1", "--hidden",
+                                                         "128", "--intermediate", "256", "--heads", "2", "--kv-heads",
+                                                         "1"], ("1", "8"))
 
 
 @pytest.mark.skipif(not decode_attention.KERNEL.usable(),
@@ -56,10 +62,6 @@ def test_bench_cpu_gemm_times_our_kernel_against_a_past_revision() -> None:
 def test_bench_cpu_attention_times_the_kernel_against_a_past_revision() -> None:
     """--against builds decode_attention.cpp from git and alternates it with the working tree's on
     the same caches: against HEAD both are timed, at each row count, and give the same bits."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_cpu_attention.py"), "--layers", "1", "--rows",
-                          "1,3", "--repeats", "1", "--kv-heads", "2", "--group", "3", "--page-size", "16",
-                          "--max-context", "40", "--shuffle", "--against", "HEAD"], capture_output=True, text=True,
-                         timeout=300, check=True, cwd=ROOT).stdout
-    rows = [line.split() for line in out.splitlines() if line.startswith("rows")]
-    assert [(r[1], r[2]) for r in rows] == [("1", "l3worker"), ("1", "@HEAD"), ("3", "l3worker"), ("3", "@HEAD")]
-    assert "differ" not in out and rows[0][-1] == "x1.000"
+    assert_times_both_against_head("bench_cpu_attention.py", ["--layers", "1", "--rows", "1,3", "--repeats", "1",
+                                                              "--kv-heads", "2", "--group", "3", "--page-size", "16",
+                                                              "--max-context", "40", "--shuffle"], ("1", "3"))
