@@ -16,6 +16,7 @@ import ctypes
 import torch
 
 from chip_child.cpu_kernels.build import CheckedKernel
+from chip_child.cpu_kernels.huge_pages import huge_page_empty
 
 # Largest error allowed against the float32 reference, relative to its largest magnitude: the
 # kernel rounds its fp32 sums to bf16 once (2^-8 relative) and sums in another order than torch.
@@ -34,11 +35,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
-    """The [out, in] bf16 matrix in the kernel's blocked layout, a flat tensor."""
+    """The [out, in] bf16 matrix in the kernel's blocked layout, a flat tensor on huge pages
+    where the system gives them (every decode step streams it: chip_child.cpu_kernels.huge_pages)."""
     n, k = weight.shape
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    packed = torch.empty(lib.l3_bf16_packed_elements(n, k), dtype=torch.bfloat16)
+    packed = huge_page_empty(lib.l3_bf16_packed_elements(n, k), torch.bfloat16)
     lib.l3_bf16_pack(weight.data_ptr(), weight.stride(0), n, k, packed.data_ptr(), torch.get_num_threads())
     return packed
 

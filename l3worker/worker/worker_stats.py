@@ -28,6 +28,8 @@ def worker_stats(worker) -> dict:
         "fused_kernels": info.get("fused_kernels"),  # "triton" or "torch" (chip_child.models.fused)
         "cpu_prepack": info.get("cpu_prepack"),  # linear layers prepacked at load (chip_child.models.prepack)
         "cpu_linear": info.get("cpu_linear"),  # what runs them: "avx512_bf16" (ours), "onednn"; None: torch.mm
+        # our kernel's packed weights on huge pages: chip_child.cpu_kernels.huge_pages.HugePageStats
+        "cpu_huge_pages": info.get("cpu_huge_pages"),
         "moe_experts": info.get("moe_experts"),  # [first, count] held by rank 0; None: not a MoE model
         "kv_pages_total": worker.runtime_config.total_pages - 1,
         "kv_pages_free": worker.engine.scheduler.pages.num_free if worker.engine.scheduler else None,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from chip_child.cpu_kernels import bf16_linear, decode_attention
+from chip_child.cpu_kernels import bf16_linear, decode_attention, huge_pages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,3 +65,16 @@ def test_bench_cpu_attention_times_the_kernel_against_a_past_revision() -> None:
     assert_times_both_against_head("bench_cpu_attention.py", ["--layers", "1", "--rows", "1,3", "--repeats", "1",
                                                               "--kv-heads", "2", "--group", "3", "--page-size", "16",
                                                               "--max-context", "40", "--shuffle"], ("1", "3"))
+
+
+@pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
+@pytest.mark.skipif(huge_pages.STATS.setting not in ("always", "madvise"), reason="no transparent huge pages here")
+def test_bench_cpu_huge_pages_times_both_copies(make_checkpoint) -> None:
+    ck = make_checkpoint("bench_huge_pages", hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_cpu_huge_pages.py"), "--model", str(ck), "--rows",
+                          "1,2", "--repeats", "2", "--steps", "2", "--prompt-len", "4"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    lines = [line for line in out.splitlines() if line.startswith("rows") and "huge / small" in line]
+    assert [line.split()[1] for line in lines] == ["1:", "2:"]
+    assert all(len(line.split("per repeat")[1].split(",")) == 2 for line in lines)
