@@ -9,7 +9,10 @@
 #   REPEATS=3 scripts/bench_peers.sh 128m # repeated runs (each a full alternation of the three engines)
 #
 # Each run prints the driver's table and keeps every log under PEERS_BUILD/runs/<size>-<n>/.
-# Extra l3worker serve flags: L3WORKER_FLAGS="--cpu-layout spare_core". About 15-25 min a model and run.
+# l3worker serve gets the KV memory share the kit gives vLLM (--gpu-memory-utilization 0.3): each
+# run's 16-client requests repeat its 1-client prompts, which vLLM's and llama.cpp's caches keep.
+# Extra l3worker serve flags: L3WORKER_FLAGS="--cpu-layout spare_core". Prompt and output lengths:
+# INPUT_LEN and OUTPUT_LEN (default 128 each). About 15-25 min a model and run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PEERS=${PEERS:-$ROOT/../shared/peers}
@@ -30,6 +33,6 @@ for size in "${sizes[@]}"; do
     echo "== $size, run $n ($(date -u +%FT%TZ), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg))"
     # shellcheck disable=SC2086  # L3WORKER_FLAGS is a list of flags
     VV="$BUILD/vllm-venv" LV="$LV" LCPP="$BUILD/llama" bash "$PEERS/vs_vllm.sh" "$ck" "$out" bfloat16 \
-      --served-model-name "$ck" ${L3WORKER_FLAGS:-}
+      --served-model-name "$ck" --gpu-memory-utilization 0.3 ${L3WORKER_FLAGS:-}
   done
 done
