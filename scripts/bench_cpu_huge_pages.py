@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
-    if huge_pages.STATS.setting not in ("always", "madvise"):
+    if not huge_pages.STATS.system_allows:
         sys.exit(f"transparent huge pages are {huge_pages.STATS.setting} here: nothing to compare")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model

@@ -36,6 +36,11 @@ class HugePageStats:
     small_page_tensors: int = 0
     refused: str | None = None  # the last OSError from madvise
 
+    @property
+    def system_allows(self) -> bool:
+        """Whether the system gives huge pages to a mapping that asks (THP `always` or `madvise`)."""
+        return self.setting in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -56,9 +61,9 @@ STATS = HugePageStats(setting=thp_setting())
 def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised flat CPU tensor of `numel` elements whose bytes lie on huge pages where the
     system gives them (the tail under half a huge page excepted); a plain torch.empty otherwise."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     huge_bytes = (nbytes + HUGE_PAGE // 2) // HUGE_PAGE * HUGE_PAGE
-    if huge_bytes == 0 or STATS.setting not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_bytes == 0 or not STATS.system_allows:
         STATS.small_page_tensors += 1
         return torch.empty(numel, dtype=dtype)
     # One huge page more than needed, so a 2 MiB aligned start lies inside the mapping.

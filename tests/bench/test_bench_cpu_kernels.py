@@ -68,7 +68,7 @@ def test_bench_cpu_attention_times_the_kernel_against_a_past_revision() -> None:
 
 
 @pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
-@pytest.mark.skipif(huge_pages.STATS.setting not in ("always", "madvise"), reason="no transparent huge pages here")
+@pytest.mark.skipif(not huge_pages.STATS.system_allows, reason="no transparent huge pages here")
 def test_bench_cpu_huge_pages_times_both_copies(make_checkpoint) -> None:
     ck = make_checkpoint("bench_huge_pages", hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)

@@ -16,8 +16,7 @@ from chip_child.step.runtime import ChipRuntime, RuntimeConfig
 from chip_child.step.sleep import weight_leaves
 from l3worker import DistributedWorker
 
-HUGE_PAGES_ON = huge_pages.STATS.setting in ("always", "madvise")
-needs_huge_pages = pytest.mark.skipif(not HUGE_PAGES_ON, reason=f"transparent huge pages: {huge_pages.STATS.setting}")
+needs_huge_pages = pytest.mark.skipif(not huge_pages.STATS.system_allows, reason=f"transparent huge pages: {huge_pages.STATS.setting}")
 
 
 @pytest.fixture
