@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The CPU decode step's projections alone, cold: a loop over every layer's own weights (too many
-to stay in cache, as in a model), bf16, on l3worker's AVX-512 BF16 kernel (the runtime's default
-where it runs, chip_child/cpu_kernels/bf16_linear.cpp), prepacked for oneDNN, and plain F.linear,
+to stay in cache, as in a model), bf16, on l3worker's AVX-512 BF16 kernel (chip_child/cpu_kernels/
+bf16_linear.cpp), on its AMX kernel where the cpu has AMX (bf16_amx.cpp, then the runtime's
+default for these shapes), prepacked for oneDNN, and plain F.linear,
 at a few row counts. Printed per variant: ms for all layers, the weight
 read rate and the GEMM rate. This is the floor a decode step's projections could reach with
 today's kernels; compare it with the step time `scripts/step_breakdown.py` reports.
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # chip_child, run from anywhere
-from chip_child.cpu_kernels import bf16_linear  # noqa: E402
+from chip_child.cpu_kernels import bf16_amx, bf16_linear  # noqa: E402
 from bench_common import past_cpu_kernel  # noqa: E402
 
 
@@ -78,6 +79,7 @@ def main() -> None:
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
     lib = bf16_linear.KERNEL.library()
     ours = [[bf16_linear.pack(lib, w) for w in ws] for ws in plain] if lib is not None else None
+    amx = bf16_amx.KERNEL.library() if all(bf16_amx.fits(k) for _, k in shapes) else None
     weight_bytes = sum(n * k * 2 for n, k in shapes) * a.layers
     print(f"{a.layers} layers, {weight_bytes / 1e6:.0f} MB of bf16 projections, {a.threads} threads")
     if a.against:
@@ -106,7 +108,14 @@ def main() -> None:
                 for x, w, (n, _) in zip(xs, ws, shapes):
                     bf16_linear.linear(lib, x, w, n)
 
+        def run_amx() -> None:
+            for ws in ours:
+                for x, w, (n, _) in zip(xs, ws, shapes):
+                    bf16_amx.linear(amx, x, w, n)
+
         variants = [("l3worker", run_ours)] if ours is not None else []
+        if ours is not None and amx is not None:
+            variants.append(("amx", run_amx))
         for name, fn in (*variants, ("prepacked", run_packed), ("plain", run_plain)):
             fn()
             t0 = time.perf_counter()

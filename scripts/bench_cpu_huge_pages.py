@@ -7,7 +7,7 @@ side by side: hidden 768, 12 layers, vocabulary 32,000, tied embeddings) or --mo
 second copy of every packed matrix on small pages (MADV_NOHUGEPAGE); the two copies take turns
 under the same runtime, alternated each repeat, and each turn times the median greedy decode step
 with every row active (ChipRuntime.time_steps). Printed per row count: each copy's median step
-in ms and the median of the per-repeat ratios huge / small. Needs the AVX-512 BF16 linear kernel.
+in ms and the median of the per-repeat ratios huge / small. Needs l3worker's bf16 linear kernels.
 
     python scripts/bench_cpu_huge_pages.py                        # rows 1 and 16, 7 repeats
     python scripts/bench_cpu_huge_pages.py --model /path/to/qwen3 --rows 1 --repeats 9
@@ -57,7 +57,7 @@ def bench(model_dir: str, rows: int, args) -> dict[str, list[float]]:
                                    max_seq_len=args.prompt_len + args.steps + 8, page_size=16,
                                    max_prefill_tokens=rows * args.prompt_len, num_threads=args.threads))
     try:
-        if rt.cpu_linear != "avx512_bf16":
+        if rt.cpu_linear not in ("amx_bf16", "avx512_bf16"):
             sys.exit(f"the packed weights are not l3worker's kernel's here (cpu_linear={rt.cpu_linear})")
         packed = weight_leaves(rt.weights)[1]
         copies = {"huge": {id(p): p.weight for p in packed},

@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 
-KERNELS = ("cpu_bf16_linear", "cpu_decode_attention", "cpu_layer_ops")
+KERNELS = ("cpu_bf16_amx", "cpu_bf16_linear", "cpu_decode_attention", "cpu_layer_ops")  # no_bf16_linear: AMX off too
 VARIANTS = {"all_on": "", **{f"no_{k.removeprefix('cpu_')}": k for k in KERNELS}, "all_off": ",".join(KERNELS)}
 
 

@@ -10,15 +10,17 @@
 #include <string.h>
 
 #include "avx512_common.h"
+#include "bf16_packing.h"
 
 namespace {
 
 using l3::VEC;
 constexpr int NV = 4;             // output vectors per block
 constexpr int BLOCK = NV * VEC;   // output columns per block
+static_assert(BLOCK == l3::PACK_BLOCK, "the packed layout's block");
 constexpr int MR = 4;             // x rows per micro-tile: NV * MR accumulators + NV weights + 1 broadcast
 
-inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
+using l3::pairs_of;
 
 constexpr int KC = 32;            // k pairs per chunk when several micro-tiles share a block (8 KB of it)
 constexpr int MG = 64;            // most x rows that take the block in chunks: their fp32 sums fit 16 KB
@@ -132,24 +134,6 @@ inline void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
 }  // namespace
 
 extern "C" {
-
-// Elements (uint16) of the packed copy of an [N, K] matrix.
-int64_t l3_bf16_packed_elements(int64_t N, int64_t K) { return (N + BLOCK - 1) / BLOCK * pairs_of(K) * BLOCK * 2; }
-
-// w [N, K] with row stride ldw -> packed [N / BLOCK][K / 2][BLOCK][2], zero where N or K runs out.
-void l3_bf16_pack(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, uint16_t* packed, int threads) {
-  const int64_t blocks = (N + BLOCK - 1) / BLOCK, pairs = pairs_of(K);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint16_t* out = packed + b * pairs * BLOCK * 2;
-    for (int64_t p = 0; p < pairs; ++p)
-      for (int64_t j = 0; j < BLOCK; ++j)
-        for (int64_t h = 0; h < 2; ++h) {
-          const int64_t n = b * BLOCK + j, k = 2 * p + h;
-          out[(p * BLOCK + j) * 2 + h] = (n < N && k < K) ? w[n * ldw + k] : 0;
-        }
-  }
-}
 
 // x [M, K] with row stride ldx, the packed weight of l3_bf16_pack, bias [N] or null,
 // y [M, N] with row stride ldy, on `threads` OpenMP threads (torch's pool: the same libgomp).

@@ -48,12 +48,7 @@ def pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
 def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in] bf16 @ the packed [out, in] matrix^T (+ bias [out]) -> [rows, out] bf16."""
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"the bf16 linear kernel takes bfloat16 inputs, got {x.dtype}")
-    if x.stride(-1) != 1 or x.dim() != 2:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-        bias = bias.to(torch.bfloat16).contiguous()
+    x, bias = prepare_inputs(x, bias)
     rows, k = x.shape
     y = torch.empty(rows, out_features, dtype=torch.bfloat16)
     if rows:
@@ -62,20 +57,36 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_features
     return y
 
 
-def check_error(lib: ctypes.CDLL) -> float:
-    """The kernel's largest relative error against a float32 matmul over CHECK_SHAPES."""
+def prepare_inputs(x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x as 2-d rows of unit stride and bias as contiguous bf16, as both kernels read them."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the bf16 linear kernel takes bfloat16 inputs, got {x.dtype}")
+    if x.stride(-1) != 1 or x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        bias = bias.to(torch.bfloat16).contiguous()
+    return x, bias
+
+
+def worst_error(lib: ctypes.CDLL, linear_fn, shapes) -> float:
+    """A kernel's largest relative error against a float32 matmul over `shapes` (rows, out, in),
+    each with and without a bias, its input not at the start of its storage."""
     g = torch.Generator().manual_seed(0)
     worst = 0.0
-    for rows, n, k in CHECK_SHAPES:
+    for rows, n, k in shapes:
         w, x, b = (torch.randn(*s, generator=g).bfloat16() for s in ((n, k), (rows + 1, k), (n,)))
         x = x[1:]  # an input that does not start its storage
         for bias in (None, b):
             want = x.float() @ w.float().t() + (0 if bias is None else bias.float())
-            got = linear(lib, x, pack(lib, w), n, bias).float()
+            got = linear_fn(lib, x, pack(lib, w), n, bias).float()
             if not torch.isfinite(got).all():
                 return float("inf")
             worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
     return worst
+
+
+def check_error(lib: ctypes.CDLL) -> float:
+    return worst_error(lib, linear, CHECK_SHAPES)
 
 
 KERNEL = CheckedKernel("cpu_bf16_linear", "bf16_linear.cpp", "bf16 projections run on oneDNN", _bind, check_error,

@@ -11,9 +11,11 @@ prefill chunks take it too. The packed copy replaces the plain one, except for a
 whose plain matrix the embedding still reads. A oneDNN call costs about 12 us more than MKL's
 (measured here, one thread), more than packing saves on a small matrix: those stay on torch.mm.
 
-Our kernel reads a bf16 weight at 1 row about 1.4x as fast as oneDNN's and computes at least as
-fast from 16 rows up; on a cpu without AVX-512 BF16 (or with `L3WORKER_REFERENCE_KERNELS=
-cpu_bf16_linear`) bf16 stays on oneDNN, as float32 always does.
+Our kernel reads a bf16 weight at 1 row about 1.4x as fast as oneDNN's and, without AMX, computes at
+least as fast from 16 rows up. Where the cpu has AMX, a matrix whose K is a multiple of 32 runs on
+our AMX kernel instead (chip_child.cpu_kernels.bf16_amx) at every row count, from the same packed
+copy: one kernel per matrix, so its bits never depend on the batch. On a cpu without AVX-512 BF16
+(or with `L3WORKER_REFERENCE_KERNELS=cpu_bf16_linear`) bf16 stays on oneDNN, as float32 always does.
 
 `cpu_prepack=None` in RuntimeConfig turns it on for the cpu where oneDNN supports the dtype;
 True elsewhere is a ValueError naming the field; False keeps torch.mm (the benchmark baseline).
@@ -24,7 +26,7 @@ import ctypes
 
 import torch
 
-from chip_child.cpu_kernels import bf16_linear
+from chip_child.cpu_kernels import bf16_amx, bf16_linear
 from chip_child.device import check_optional_bool
 
 # Weight elements below which a matrix stays plain: at 256 x 256 torch.mm is faster at 1 to 16
@@ -61,10 +63,18 @@ def _our_kernel(dtype: torch.dtype) -> ctypes.CDLL | None:
     return bf16_linear.KERNEL.library() if dtype == torch.bfloat16 else None
 
 
+def _amx_kernel(dtype: torch.dtype) -> ctypes.CDLL | None:
+    """Our AMX kernel's library, where our bf16 kernel runs too and the cpu has AMX; else None."""
+    return bf16_amx.KERNEL.library() if _our_kernel(dtype) is not None else None
+
+
 def cpu_linear_kernel(prepack: bool, dtype: torch.dtype) -> str | None:
-    """What runs the packed projections: "avx512_bf16" (ours), "onednn", or None (torch.mm)."""
+    """What runs the packed projections: "amx_bf16" (ours on AMX, the matrices whose K fits; the
+    others on ours on AVX-512), "avx512_bf16" (ours), "onednn", or None (torch.mm)."""
     if not prepack:
         return None
+    if _amx_kernel(dtype) is not None:
+        return "amx_bf16"
     return "avx512_bf16" if _our_kernel(dtype) is not None else "onednn"
 
 
@@ -77,16 +87,18 @@ def prepacked(weight_t: torch.Tensor) -> "torch.Tensor | PackedLinear":
 
 
 class PackedLinear:
-    """y = x @ W^T (+ bias) with W [out, in] packed once here: for our bf16 kernel where it runs
-    (`kernel` "avx512_bf16"), else in oneDNN's blocked layout (`kernel` "onednn"). Called like
-    model.linear's weight: `packed(x, bias)`."""
+    """y = x @ W^T (+ bias) with W [out, in] packed once here: for our bf16 kernels where they run
+    (`kernel` "amx_bf16" or "avx512_bf16"), else in oneDNN's blocked layout (`kernel` "onednn").
+    Called like model.linear's weight: `packed(x, bias)`."""
 
-    __slots__ = ("weight", "out_features", "in_features", "_op", "_lib")
+    __slots__ = ("weight", "out_features", "in_features", "_op", "_lib", "_amx")
 
     def __init__(self, weight_t: torch.Tensor):
         """`weight_t`: the [in, out] view model.LayerWeights keeps (a transposed [out, in] matrix)."""
         self.in_features, self.out_features = weight_t.shape
         self._lib = _our_kernel(weight_t.dtype)
+        amx = _amx_kernel(weight_t.dtype)
+        self._amx = amx if amx is not None and bf16_amx.fits(self.in_features) else None
         if self._lib is not None:
             self.weight = bf16_linear.pack(self._lib, weight_t.t())
         else:
@@ -96,9 +108,13 @@ class PackedLinear:
 
     @property
     def kernel(self) -> str:
+        if self._amx is not None:
+            return "amx_bf16"
         return "avx512_bf16" if self._lib is not None else "onednn"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._amx is not None:
+            return bf16_amx.linear(self._amx, x, self.weight, self.out_features, bias)
         if self._lib is not None:
             return bf16_linear.linear(self._lib, x, self.weight, self.out_features, bias)
         return self._op(x, self.weight, bias, "none", [], "")

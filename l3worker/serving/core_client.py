@@ -98,7 +98,10 @@ class CoreClient:
         self.cpu_layout: str | None = None  # what the core's cpu children run with (its ready reply); None off the cpu
         self._on_shutdown = on_shutdown  # the launching API server's: stops the processes it started
         self._ctx = zmq.asyncio.Context()
-        self._pull = self._ctx.socket(zmq.PULL)
+        # A plain socket read from the event loop's own reader on its fd (_on_outputs): every
+        # token of every stream passes here, and pyzmq's asyncio wrapper spends a future, a
+        # callback and a poller update on each message.
+        self._pull = zmq.Socket(self._ctx, zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(outputs)  # before the cores start: nothing they send is lost
@@ -188,8 +191,9 @@ class CoreClient:
                     break
         # Data-parallel engines on a cpu each run their own layout: one word when they agree.
         self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
+        loop.add_reader(self._pull.FD, self._on_outputs)
+        self._on_outputs()  # what came before the reader: its fd signals only new arrivals
         self._tasks = [*(asyncio.ensure_future(self._read_control(e)) for e in range(len(self._controls))),
-                       asyncio.ensure_future(self._read_outputs()),
                        *(self.kv_feed.tasks() if self.kv_feed else ())]
 
     async def generate(self, prompt: list[int], params: SamplingParams | None = None,
@@ -292,6 +296,8 @@ class CoreClient:
             task.cancel()
         for engine in range(len(self._pidfds)):
             self._unwatch(engine)
+        asyncio.get_running_loop().remove_reader(self._pull.FD)
+        self._pull.close()  # not the context's: destroy() closes only the sockets it made
         self._ctx.destroy(linger=0)
 
     async def send_shutdown(self, engine: int) -> None:
@@ -299,9 +305,12 @@ class CoreClient:
         await self._controls[engine].send(pack(["shutdown"]))
 
     # -- readers -----------------------------------------------------------------------------------
-    async def _read_outputs(self) -> None:
-        while True:
-            msg = unpack(await self._pull.recv())
+    def _on_outputs(self) -> None:
+        """Takes every message waiting on the outputs socket (its fd only says that something
+        changed, so the socket is drained each time)."""
+        pull = self._pull
+        while not self._closed and pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = unpack(pull.recv(zmq.NOBLOCK))
             if msg[0] == "out":
                 for item in msg[1]:
                     queue = self._queues.get(item[0])

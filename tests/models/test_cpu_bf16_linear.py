@@ -1,7 +1,8 @@
 """The AVX-512 BF16 projection kernel (chip_child.cpu_kernels.bf16_linear): it agrees with a
 float32 matmul at every tile edge, a row's result does not depend on the rows beside it, the
 model's projections take it in bf16 and give the tokens of torch.mm, and where it cannot be used
-the projections stay on oneDNN with the reason said."""
+the projections stay on oneDNN with the reason said. The AMX kernel, which takes the matrices it
+fits where the cpu has AMX, is off here (tests/models/test_cpu_bf16_amx.py has it)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chip_child.cpu_kernels import bf16_linear, build
+from chip_child.cpu_kernels import bf16_amx, bf16_linear, build
 from chip_child.local import LocalDriver, LocalRequest
 from chip_child.models.prepack import PackedLinear
 from chip_child.models.qwen3 import PROJECTIONS
@@ -20,6 +21,12 @@ from kernel_helpers import decide_again  # noqa: E402
 needs_kernel = pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
 # bf16 output: one rounding of an fp32 sum (2^-8 relative), summed in another order than torch.
 REL_TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def avx512_only(monkeypatch) -> None:
+    decide_again(monkeypatch, bf16_amx.KERNEL)
+    monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_bf16_amx")
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
