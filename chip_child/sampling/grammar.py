@@ -7,7 +7,8 @@ receives exactly that text in a row's admit, and the parent compiles the same te
 the request and to follow its tokens.
 
 - `GrammarCompiler` (one per tokenizer) compiles in a thread pool, cached by spec or text; the
-  tokenizer's token trie (seconds for a 150k vocabulary) is built in that pool too, once.
+  tokenizer's token trie (seconds for a 150k vocabulary) is built once, by `warm` or the first
+  compile.
 - `Matcher` follows one sequence's tokens and fills its row of the packed int32 bitmask
   ([ceil(V / 32)] words, bit i of word w allows token 32 * w + i, the layout both llguidance and
   xgrammar use); `apply_bitmask` applies it to logits on any device.
@@ -15,6 +16,7 @@ the request and to follow its tokens.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -127,9 +129,27 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
             return self._tokenizer
 
-    def warm(self) -> Future:
-        """Builds the tokenizer on the pool now, so that the first compile does not wait for it."""
-        return self._pool.submit(lambda: self.tokenizer)
+    def warm(self, niceness: int = 0) -> Future:
+        """Builds the tokenizer now, on a thread of its own, so that the first compile does not
+        wait for it. `niceness` > 0 lowers that thread alone (Linux schedules threads apart): on
+        a cpu the build (seconds for a large vocabulary; llguidance lets the interpreter go
+        meanwhile) then yields to the step's threads. A compile that needs the tokenizer first
+        waits for this build."""
+        done: Future = Future()
+
+        def build() -> None:
+            if niceness:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+                except (OSError, AttributeError):
+                    pass  # no per-thread priority here: it builds at the process's
+            try:
+                done.set_result(self.tokenizer)
+            except BaseException as e:  # a compile raises it again, with the request's context
+                done.set_exception(e)
+
+        threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
+        return done
 
     def submit(self, spec: Hashable) -> Future[CompiledGrammar]:
         """The compiled grammar, as a Future (done at once on a cache hit). A grammar the

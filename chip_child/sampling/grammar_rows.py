@@ -62,15 +62,18 @@ class ConstrainedRows:
 
     @staticmethod
     def compiler_for(model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarCompiler | None:
-        """The checkpoint's compiler, its token trie already building on the pool; None without a
+        """The checkpoint's compiler (its token trie not built yet: see warm); None without a
         tokenizer.json (the parent sends grammars only where there is one; warm-up's then allows
         any token)."""
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             return None
-        compiler = GrammarCompiler(path, vocab_size, eos_token_ids)
-        compiler.warm()
-        return compiler
+        return GrammarCompiler(path, vocab_size, eos_token_ids)
+
+    def warm(self, niceness: int = 0) -> None:
+        """Starts building the compiler's token trie (GrammarCompiler.warm), where there is one."""
+        if self.compiler is not None:
+            self.compiler.warm(niceness)
 
     def admit(self, row: int, grammar: bytes, after: int, replay: np.ndarray) -> None:
         """A sequence takes `row` with this grammar text; `replay`: the tokens it already produced."""

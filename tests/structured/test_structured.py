@@ -4,16 +4,21 @@ always produces text that the constraint accepts."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 from pathlib import Path
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from chip_child.models.tiny_model import ensure_tiny_model
+from chip_child.sampling import grammar
 from chip_child.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from chip_child.sampling.grammar_rows import ConstrainedRows
 from l3worker.structured.specs import StructuredSpec, tool_choice_spec
 from l3worker.structured.tool_parsers import parse_tool_calls
 from schemas import SCHEMA
@@ -258,3 +263,29 @@ def test_apply_bitmask_matches_a_per_token_reference() -> None:
     wide = torch.zeros(1, 100)  # logits wider than the mask: ids past it are disallowed
     apply_bitmask(wide, torch.full((1, 2), -1, dtype=torch.int32))
     assert torch.isinf(wide[0, 64:]).all() and (wide[0, :64] == 0).all()
+
+
+def test_warm_builds_the_token_trie_on_a_thread_of_its_own_niced(vocab: Vocab, monkeypatch) -> None:
+    """A cpu chip-child warms after its ready report with the build thread alone lowered, so the
+    build (seconds for a large vocabulary) yields to the step's threads; nothing builds before."""
+    seen = []
+    real = llguidance.LLTokenizer
+
+    def recording(*args, **kwargs):
+        seen.append((threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grammar.llguidance, "LLTokenizer", recording)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    compiler = ConstrainedRows.compiler_for(Path(vocab.path).parent, vocab.vocab_size, [vocab.eos])
+    try:
+        assert compiler is not None and compiler._tokenizer is None  # nothing built at construction
+        rows = ConstrainedRows(compiler, torch.zeros(1, (vocab.vocab_size + 31) // 32, dtype=torch.int32))
+        rows.warm(10)
+        compiler.warm(10).result(timeout=60)  # already built: the second warm returns it at once
+        assert len(seen) == 1
+        tid, nice = seen[0]
+        assert tid != threading.get_native_id() and nice == min(mine + 10, 19)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # this thread untouched
+    finally:
+        compiler.close()
