@@ -116,7 +116,7 @@ class ChipRuntime:
         self.ops, self.kernel_checks = checked_ops(self.ops, self.weights, self.rope, mc.num_heads, mc.num_kv_heads,
                                                    self.device, self.dtype)
         self.limits = replace(cfg.limits(), vocab_size=mc.vocab_size)
-        self.pool = TensorPool(self.device)
+        self.pool = TensorPool(self.device, resizable=cfg.enable_sleep_mode)
         # One step function; two names, so a step's kind shows in dispatch (and fault injection).
         self._callables = {"prefill": self._step, "decode": self._step}
         self._h2d_copies = 0
@@ -488,7 +488,7 @@ class ChipRuntime:
     def reset(self) -> None:
         """With no row active: every row's tables and the KV cache zeroed, as warm-up leaves them."""
         self.rows.reset()
-        self.state["kv_cache"].zero_()
+        self.pool.zero(self.state["kv_cache"])
         self.attn.invalidate()
 
     def capture_graphs(self, graphs: DecodeGraphs) -> None:

@@ -18,7 +18,17 @@ if TYPE_CHECKING:
 
 def warm_up(rt: StepHost) -> None:
     """Steps through every code path (a prefill with every optional sampling stage, a mixed step
-    of a chunk beside a decoding row, then plain ones), finishing the rows it used."""
+    of a chunk beside a decoding row, then plain ones), finishing the rows it used. Its grammar
+    row takes the path of a row without a compiler (a mask allowing every token): compiling
+    would wait for the tokenizer's token trie, seconds of start-up for a large vocabulary."""
+    compiler, rt.grammars.compiler = rt.grammars.compiler, None
+    try:
+        _warm_up_steps(rt)
+    finally:
+        rt.grammars.compiler = compiler
+
+
+def _warm_up_steps(rt: StepHost) -> None:
     b = rt.cfg.max_batch_size
     out = torch.zeros(b, dtype=torch.int32)
     outputs = StepOutputs.allocate(b, 2)

@@ -4,6 +4,7 @@ the wire protocol's validation."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import msgpack
@@ -27,7 +28,7 @@ from chip_child.protocol import (
     encode,
     prefill_command,
 )
-from chip_child.step.pool import TaskArg, TensorPool
+from chip_child.step.pool import LAZY_ZERO_BYTES, TaskArg, TensorPool
 from chip_child.step.runtime import ChipRuntime, StepResult
 
 from parity import assert_matches_transformers  # noqa: E402
@@ -451,3 +452,29 @@ def test_runtime_limits_match_its_config(default_ckpt: Path) -> None:
     assert rt.limits == Limits(3, 3, 3 * 3 + 1, 40, 2048, 16, vocab_size=300)
     with pytest.raises(ProtocolError, match="page id outside"):
         decode(encode(Command(step=0, new_pages=np.array([[0, 0, 10]], np.int32))), rt.limits)
+
+
+def test_a_large_host_tensor_is_zeroed_by_the_os_at_first_touch_not_at_start() -> None:
+    """The KV cache's size comes from a memory share (gigabytes): its pages are not written at
+    allocation; every element still reads 0. Sleep mode's pool keeps resizable storage."""
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    shape = (LAZY_ZERO_BYTES // 2 + 8,)  # bf16 elements: just over the threshold
+    before = rss()
+    pool = TensorPool(torch.device("cpu"))
+    big = pool.get("kv", "cache", shape, torch.bfloat16)
+    assert rss() - before < LAZY_ZERO_BYTES // 4  # nothing written yet
+    assert not big.untyped_storage().resizable()
+    assert big[-1].item() == 0 and big[::4096].abs().sum().item() == 0
+    big[7] = 3.0
+    assert big[7].item() == 3.0 and big.count_nonzero().item() == 1
+    big.fill_(1.0)  # every page written ...
+    assert rss() - before > LAZY_ZERO_BYTES // 2
+    pool.zero(big)  # ... and handed back: zeros again, without writing them
+    assert big.count_nonzero().item() == 0 and rss() - before < LAZY_ZERO_BYTES // 4
+    small = TensorPool(torch.device("cpu")).get("kv", "cache", (16,), torch.float32)
+    kept = TensorPool(torch.device("cpu"), resizable=True).get("kv", "cache", shape, torch.bfloat16)
+    assert small.untyped_storage().resizable() and kept.untyped_storage().resizable()
+    assert kept.count_nonzero().item() == 0
