@@ -25,15 +25,10 @@ from chip_child.cpu_kernels.build import AVX512_BF16, AVX512_BF16_FLAGS, Checked
 K_MULTIPLE = 32  # the k of one tile: other matrices stay on the AVX-512 kernel
 CHECK_SHAPES = ((1, 67, 64), (5, 130, 96), (16, 64, 768), (21, 200, 1024))  # (rows, out, in)
 
-_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-
-
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.l3_bf16_packed_elements.argtypes, lib.l3_bf16_packed_elements.restype = [_I64, _I64], _I64
-    lib.l3_bf16_pack.argtypes, lib.l3_bf16_pack.restype = [_PTR, _I64, _I64, _I64, _PTR, _INT], None
-    lib.l3_bf16_amx_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT]
-    lib.l3_bf16_amx_linear.restype = None
-    lib.l3_amx_init.argtypes, lib.l3_amx_init.restype = [], _INT
+    bf16_linear.bind_packing(lib)
+    lib.l3_bf16_amx_linear.argtypes, lib.l3_bf16_amx_linear.restype = bf16_linear.LINEAR_ARGTYPES, None
+    lib.l3_amx_init.argtypes, lib.l3_amx_init.restype = [], ctypes.c_int
     code = lib.l3_amx_init()
     if code:
         raise KernelBuildError(f"the kernel refused this process AMX tiles ({errno.errorcode.get(code, code)}: "

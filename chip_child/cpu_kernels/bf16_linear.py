@@ -26,11 +26,19 @@ CHECK_SHAPES = ((1, 67, 33), (5, 130, 64), (16, 64, 768))  # (rows, out, in)
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+# (x, ldx, packed, bias, y, ldy, M, N, K, threads): both kernels' linear functions
+LINEAR_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT]
+
+
+def bind_packing(lib: ctypes.CDLL) -> None:
+    """The packing functions bf16_packing.h gives each kernel's library."""
     lib.l3_bf16_packed_elements.argtypes, lib.l3_bf16_packed_elements.restype = [_I64, _I64], _I64
     lib.l3_bf16_pack.argtypes, lib.l3_bf16_pack.restype = [_PTR, _I64, _I64, _I64, _PTR, _INT], None
-    lib.l3_bf16_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT]
-    lib.l3_bf16_linear.restype = None
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    bind_packing(lib)
+    lib.l3_bf16_linear.argtypes, lib.l3_bf16_linear.restype = LINEAR_ARGTYPES, None
     return lib
 
 

@@ -12,19 +12,12 @@ import torch
 
 from chip_child.cpu_kernels import bf16_amx, bf16_linear, build
 from chip_child.cpu_kernels.build import KernelBuildError
-from chip_child.local import LocalDriver, LocalRequest
 from chip_child.models.prepack import PackedLinear
-from chip_child.models.qwen3 import PROJECTIONS
-from chip_child.step.runtime import ChipRuntime, RuntimeConfig
 
-from kernel_helpers import decide_again  # noqa: E402
+from kernel_helpers import (assert_bf16_model_matches_torch_mm, assert_packed_linear_matches_float32,  # noqa: E402
+                            assert_rows_independent, decide_again)
 
 needs_amx = pytest.mark.skipif(not bf16_amx.KERNEL.usable(), reason=f"AMX kernel unusable here: {bf16_amx.KERNEL.why_not()}")
-REL_TOL = 1e-2  # bf16 output: one rounding of an fp32 sum (2^-8 relative), summed in another order than torch
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want).abs().max() / want.abs().max()).item()
 
 
 @needs_amx
@@ -34,31 +27,13 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_kernel_matches_float32(rows: int, out_in: tuple[int, int], bias: bool) -> None:
     """C tiles of 16 outputs in blocks of 64 (a partial last block at 67, 130, 1000), A tiles of
     16 rows (partial at 1, 15, 17, 33), k in tiles of 32 (one at 32, three at 96)."""
-    n, k = out_in
-    g = torch.Generator().manual_seed(rows * 7 + n)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    x = torch.randn(rows, k + 3, generator=g).bfloat16()[:, 2:k + 2]  # strided rows, offset start
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    layer = PackedLinear(w.t())
-    assert layer.kernel == "amx_bf16"
-    got = layer(x, b)
-    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    if rows:
-        want = x.float() @ w.float().t() + (b.float() if bias else 0)
-        assert rel_error(got, want) <= REL_TOL
+    assert_packed_linear_matches_float32("amx_bf16", rows, *out_in, bias)
 
 
 @needs_amx
 def test_a_rows_result_is_the_same_bits_at_every_batch_size() -> None:
     """A decode row alone, with 4 others, in a full tile, past it, and in a prompt chunk of 70."""
-    g = torch.Generator().manual_seed(1)
-    w, x = torch.randn(200, 320, generator=g).bfloat16(), torch.randn(70, 320, generator=g).bfloat16()
-    layer = PackedLinear(w.t())
-    whole = layer(x)
-    for i in (0, 15, 16, 69):
-        assert torch.equal(layer(x[i:i + 1]), whole[i:i + 1])
-    for lo, hi in ((2, 7), (0, 16), (0, 17), (20, 53)):
-        assert torch.equal(layer(x[lo:hi]), whole[lo:hi])
+    assert_rows_independent(320, (0, 15, 16, 69), ((2, 7), (0, 16), (0, 17), (20, 53)))
 
 
 @needs_amx
@@ -72,23 +47,7 @@ def test_a_k_the_tiles_do_not_fit_stays_on_the_avx512_kernel() -> None:
 @needs_amx
 def test_model_in_bf16_on_amx_gives_the_tokens_of_torch_mm(make_checkpoint) -> None:
     """Every projection and the lm_head on AMX (the default checkpoint's sizes are multiples of 32)."""
-    path = make_checkpoint("default")
-    requests = [LocalRequest(list(range(3, 3 + n)), 16) for n in (1, 6, 17)]
-    results = {}
-    for on in (False, True):
-        rt = ChipRuntime(RuntimeConfig(str(path), device="cpu", dtype="bfloat16", max_batch_size=4,
-                                       max_seq_len=96, page_size=4, cpu_prepack=on))
-        try:
-            if on:
-                assert rt.cpu_linear == "amx_bf16"
-                layers = [getattr(lw, p) for lw in rt.weights.layers for p in PROJECTIONS]
-                assert {layer.kernel for layer in [*layers, rt.weights.lm_head]} == {"amx_bf16"}
-            results[on] = LocalDriver(rt).run(requests, keep_logits=True)
-        finally:
-            rt.close()
-    assert results[True].token_ids == results[False].token_ids
-    for mine, theirs in zip(results[True].logits, results[False].logits):
-        assert rel_error(mine[0], theirs[0].float()) <= 5e-2
+    assert_bf16_model_matches_torch_mm(make_checkpoint("default"), "amx_bf16")
 
 
 @needs_amx

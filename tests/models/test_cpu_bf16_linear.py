@@ -5,32 +5,22 @@ the projections stay on oneDNN with the reason said. The AMX kernel, which takes
 fits where the cpu has AMX, is off here (tests/models/test_cpu_bf16_amx.py has it)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from chip_child.cpu_kernels import bf16_amx, bf16_linear, build
-from chip_child.local import LocalDriver, LocalRequest
 from chip_child.models.prepack import PackedLinear
-from chip_child.models.qwen3 import PROJECTIONS
-from chip_child.step.runtime import ChipRuntime, RuntimeConfig
 
-from kernel_helpers import decide_again  # noqa: E402
+from kernel_helpers import (assert_bf16_model_matches_torch_mm, assert_packed_linear_matches_float32,  # noqa: E402
+                            assert_rows_independent, decide_again)
 
 needs_kernel = pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
-# bf16 output: one rounding of an fp32 sum (2^-8 relative), summed in another order than torch.
-REL_TOL = 1e-2
 
 
 @pytest.fixture(autouse=True)
 def avx512_only(monkeypatch) -> None:
     decide_again(monkeypatch, bf16_amx.KERNEL)
     monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_bf16_amx")
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want).abs().max() / want.abs().max()).item()
 
 
 @needs_kernel
@@ -41,32 +31,14 @@ def test_kernel_matches_float32(rows: int, out_in: tuple[int, int], bias: bool) 
     """Blocks of 64 outputs (a partial last block at 67, 130, 1000), k in pairs (an odd 33 and 129),
     micro-tiles of 4 rows (partial at 3, 5, 17, 65, 70), from 5 to 64 rows k in chunks of 32 pairs
     (129: two and the odd last k)."""
-    n, k = out_in
-    g = torch.Generator().manual_seed(rows * 7 + n)
-    w = torch.randn(n, k, generator=g).bfloat16()
-    x = torch.randn(rows, k + 3, generator=g).bfloat16()[:, 2:k + 2]  # strided rows, offset start
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    layer = PackedLinear(w.t())
-    assert layer.kernel == "avx512_bf16"
-    got = layer(x, b)
-    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    if rows:
-        want = x.float() @ w.float().t() + (b.float() if bias else 0)
-        assert rel_error(got, want) <= REL_TOL
+    assert_packed_linear_matches_float32("avx512_bf16", rows, *out_in, bias)
 
 
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
     """Batch invariance: the same row alone, in a batch of 5, of 37 (k in chunks) and of 70 (whole
     k) gives the same bits."""
-    g = torch.Generator().manual_seed(1)
-    w, x = torch.randn(200, 321, generator=g).bfloat16(), torch.randn(70, 321, generator=g).bfloat16()
-    layer = PackedLinear(w.t())
-    whole = layer(x)
-    for i in (0, 3, 36, 69):
-        assert torch.equal(layer(x[i:i + 1]), whole[i:i + 1])
-    assert torch.equal(layer(x[2:7]), whole[2:7])
-    assert torch.equal(layer(x[:37]), whole[:37])
+    assert_rows_independent(321, (0, 3, 36, 69), ((2, 7), (0, 37)))
 
 
 @needs_kernel
@@ -80,33 +52,11 @@ def test_float32_stays_on_onednn() -> None:
     assert PackedLinear(torch.randn(64, 32)).kernel == "onednn"
 
 
-def bf16_runtime(path: Path, cpu_prepack: bool) -> ChipRuntime:
-    return ChipRuntime(RuntimeConfig(str(path), device="cpu", dtype="bfloat16", max_batch_size=4,
-                                     max_seq_len=96, page_size=4, cpu_prepack=cpu_prepack))
-
-
 @needs_kernel
 def test_model_in_bf16_gives_the_tokens_of_torch_mm(make_checkpoint) -> None:
     """Every projection and the lm_head on the kernel (small ones too: its call is cheaper than
     torch.mm's), the greedy tokens of the plain torch.mm path, logits within bf16 rounding."""
-    path = make_checkpoint("default")
-    requests = [LocalRequest(list(range(3, 3 + n)), 16) for n in (1, 6, 17)]
-    results = {}
-    for on in (False, True):
-        rt = bf16_runtime(path, on)
-        try:
-            if on:
-                assert rt.cpu_linear == "avx512_bf16"
-                kinds = {type(getattr(lw, p)) for lw in rt.weights.layers for p in PROJECTIONS}
-                assert kinds == {PackedLinear} and type(rt.weights.lm_head) is PackedLinear
-            else:
-                assert rt.cpu_linear is None
-            results[on] = LocalDriver(rt).run(requests, keep_logits=True)
-        finally:
-            rt.close()
-    assert results[True].token_ids == results[False].token_ids
-    for mine, theirs in zip(results[True].logits, results[False].logits):
-        assert rel_error(mine[0], theirs[0].float()) <= 5e-2
+    assert_bf16_model_matches_torch_mm(make_checkpoint("default"), "avx512_bf16")
 
 
 def test_forced_reference_keeps_onednn_and_says_why(monkeypatch, capsys) -> None:
