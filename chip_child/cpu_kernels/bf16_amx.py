@@ -25,6 +25,7 @@ from chip_child.cpu_kernels.build import AVX512_BF16, AVX512_BF16_FLAGS, Checked
 K_MULTIPLE = 32  # the k of one tile: other matrices stay on the AVX-512 kernel
 CHECK_SHAPES = ((1, 67, 64), (5, 130, 96), (16, 64, 768), (21, 200, 1024))  # (rows, out, in)
 
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     bf16_linear.bind_packing(lib)
     lib.l3_bf16_amx_linear.argtypes, lib.l3_bf16_amx_linear.restype = bf16_linear.LINEAR_ARGTYPES, None
