@@ -36,7 +36,6 @@ from chip_child.child_spec import ChildSpec
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
-GRAMMAR_WARM_NICENESS = 10  # about a tenth of a core while the steps fill them, all of an idle one
 # The start-up layout trial (cpu_layout="auto"), per layout and round: a prefill step of up to
 # this many tokens (the step budget, if smaller), then at most this many decode steps timed, fewer
 # past this many seconds.
@@ -359,10 +358,6 @@ def serve(spec: ChildSpec) -> None:
             return
         ring = map_ring(spec)
         sock.send(ready_message(rt, layout))
-        if rt.device.type == "cpu":
-            # The grammar token trie: seconds of a core, which before now would have slowed the
-            # start and skewed the layout trial; niced, it yields to the steps' threads.
-            rt.grammars.warm(GRAMMAR_WARM_NICENESS)
         overlap = spec.overlap_steps if spec.overlap_steps is not None else rt.device.type != "cpu"
         if overlap and rt.spec is not None:  # a speculative step's lengths come from the one before
             print("chip-child: speculative decoding runs its steps in order (overlap_steps off)", file=sys.stderr,

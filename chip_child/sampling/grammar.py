@@ -7,8 +7,8 @@ receives exactly that text in a row's admit, and the parent compiles the same te
 the request and to follow its tokens.
 
 - `GrammarCompiler` (one per tokenizer) compiles in a thread pool, cached by spec or text; the
-  tokenizer's token trie (seconds for a 150k vocabulary) is built once, by `warm` or the first
-  compile.
+  tokenizer's token trie is built once, by `warm` or the first compile, holding the interpreter
+  lock throughout.
 - `Matcher` follows one sequence's tokens and fills its row of the packed int32 bitmask
   ([ceil(V / 32)] words, bit i of word w allows token 32 * w + i, the layout both llguidance and
   xgrammar use); `apply_bitmask` applies it to logits on any device.
@@ -16,7 +16,6 @@ the request and to follow its tokens.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -119,6 +118,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
         self.stats = CompileStats()
+        self._warming: Future | None = None  # warm()'s build
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -129,27 +129,30 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
             return self._tokenizer
 
-    def warm(self, niceness: int = 0) -> Future:
-        """Builds the tokenizer now, on a thread of its own, so that the first compile does not
-        wait for it. `niceness` > 0 lowers that thread alone (Linux schedules threads apart): on
-        a cpu the build (seconds for a large vocabulary; llguidance lets the interpreter go
-        meanwhile) then yields to the step's threads. A compile that needs the tokenizer first
-        waits for this build."""
+    def warm(self) -> Future:
+        """Starts building the tokenizer on a thread of its own; the Future is done when it is
+        built. llguidance holds the interpreter lock for the whole build (about 0.25 s for a 64k BPE
+        vocabulary, seconds where a tokenizer has tens of thousands of added tokens), so no thread
+        of this process runs Python meanwhile: callers build it while they wait for something else,
+        and before they serve (see GrammarCompiler.ready). A compile that comes first waits for
+        this build."""
         done: Future = Future()
 
         def build() -> None:
-            if niceness:
-                try:
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-                except (OSError, AttributeError):
-                    pass  # no per-thread priority here: it builds at the process's
             try:
                 done.set_result(self.tokenizer)
             except BaseException as e:  # a compile raises it again, with the request's context
                 done.set_exception(e)
 
         threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
+        self._warming = done
         return done
+
+    def ready(self) -> None:
+        """Waits for a build warm() started (nothing if none did). A failed build is not raised
+        here: the compiles that need the tokenizer raise it, each with its request's context."""
+        if self._warming is not None:
+            self._warming.exception()
 
     def submit(self, spec: Hashable) -> Future[CompiledGrammar]:
         """The compiled grammar, as a Future (done at once on a cache hit). A grammar the

@@ -62,18 +62,21 @@ class ConstrainedRows:
 
     @staticmethod
     def compiler_for(model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarCompiler | None:
-        """The checkpoint's compiler (its token trie not built yet: see warm); None without a
-        tokenizer.json (the parent sends grammars only where there is one; warm-up's then allows
-        any token)."""
+        """The checkpoint's compiler, its token trie building on a thread (GrammarCompiler.warm;
+        `ready` waits for it); None without a tokenizer.json (the parent sends grammars only where
+        there is one; warm-up's then allows any token)."""
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             return None
-        return GrammarCompiler(path, vocab_size, eos_token_ids)
+        compiler = GrammarCompiler(path, vocab_size, eos_token_ids)
+        compiler.warm()
+        return compiler
 
-    def warm(self, niceness: int = 0) -> None:
-        """Starts building the compiler's token trie (GrammarCompiler.warm), where there is one."""
+    def ready(self) -> None:
+        """Waits for that build: the child reports ready only after it, since the build holds the
+        interpreter lock and would stall the first steps (GrammarCompiler.warm)."""
         if self.compiler is not None:
-            self.compiler.warm(niceness)
+            self.compiler.ready()
 
     def admit(self, row: int, grammar: bytes, after: int, replay: np.ndarray) -> None:
         """A sequence takes `row` with this grammar text; `replay`: the tokens it already produced."""

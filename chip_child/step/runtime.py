@@ -85,10 +85,9 @@ class ChipRuntime:
         self.dtype = resolve_dtype(cfg.dtype, self.device.type, full_cfg)
         # this rank's heads and MLP slice (its experts under expert parallelism)
         self.model_cfg: ModelConfig = shard_config(full_cfg, cfg.tp_size, cfg.enable_expert_parallel)
+        # its token trie builds while the weights load (waited for below)
         grammar_compiler = ConstrainedRows.compiler_for(cfg.model_dir, self.model_cfg.vocab_size,
                                                         full_cfg.eos_token_ids)
-        if grammar_compiler is not None and self.device.type != "cpu":  # the cpu's: chip_child.serve, once ready
-            grammar_compiler.warm()  # the token trie (seconds for a large vocabulary) builds while the weights load
         self.all_reduce = tensor_parallel_all_reduce(self.device.type, cfg.dist_init, cfg.tp_rank, cfg.tp_size)
         # Fuse and shard on the host (memory-mapped), so only this rank's weights reach the device.
         host = load_weights(cfg.model_dir, full_cfg, self.dtype, "cpu",
@@ -176,6 +175,7 @@ class ChipRuntime:
         if self._pending_graphs is not None:  # every row idle: the captures write to the scratch page only
             self.capture_graphs(self._pending_graphs)
         self.reset()
+        self.grammars.ready()  # before any timed or served step: the build holds the interpreter lock
         self.warm_pool_allocations = self.pool.allocations
         self.setup_s = time.perf_counter() - t0
 

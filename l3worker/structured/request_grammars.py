@@ -22,8 +22,9 @@ from chip_child.sampling.grammar import CompiledGrammar, GrammarCompiler, Matche
 
 
 class ParentGrammars:
-    """The engine's grammar compiler, made at the first constrained request (its token trie is
-    built on the compiler's pool, so even that request does not hold up the caller)."""
+    """The engine's grammar compiler. `warm` builds its token trie while the worker's children
+    start (the build holds the interpreter lock, which under traffic would stall the step loop);
+    otherwise it is made at the first constrained request."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]):
         self.path = Path(model_dir) / "tokenizer.json"
@@ -36,11 +37,24 @@ class ParentGrammars:
     def available(self) -> bool:
         return self.path.is_file()
 
-    def submit(self, spec) -> Future[CompiledGrammar]:
+    def _get(self) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 self._compiler = GrammarCompiler(self.path, self.vocab_size, self.eos_token_ids)
-        return self._compiler.submit(spec)
+            return self._compiler
+
+    def warm(self) -> None:
+        """Starts building the token trie on a thread (GrammarCompiler.warm), where there is a tokenizer."""
+        if self.available:
+            self._get().warm()
+
+    def ready(self) -> None:
+        """Waits for the build warm() started."""
+        if self._compiler is not None:
+            self._compiler.ready()
+
+    def submit(self, spec) -> Future[CompiledGrammar]:
+        return self._get().submit(spec)
 
     def close(self) -> None:
         if self._compiler is not None:

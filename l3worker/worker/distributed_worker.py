@@ -250,7 +250,10 @@ class DistributedWorker(RolloutControls, LoraControls):
             _live_workers.add(self)
             if plan:
                 pin_socket_threads(self._ctx, plan.service)  # before the first socket starts its threads
+            grammars = self.engine.input_processor.grammars
+            grammars.warm()  # the token trie builds while the children start
             self._launch()
+            grammars.ready()
         except BaseException:
             self.close()
             raise

@@ -4,9 +4,9 @@ always produces text that the constraint accepts."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import jsonschema
@@ -15,10 +15,12 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from chip_child.config import RuntimeConfig
 from chip_child.models.tiny_model import ensure_tiny_model
 from chip_child.sampling import grammar
 from chip_child.sampling.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 from chip_child.sampling.grammar_rows import ConstrainedRows
+from chip_child.step.runtime import ChipRuntime
 from l3worker.structured.specs import StructuredSpec, tool_choice_spec
 from l3worker.structured.tool_parsers import parse_tool_calls
 from schemas import SCHEMA
@@ -265,27 +267,41 @@ def test_apply_bitmask_matches_a_per_token_reference() -> None:
     assert torch.isinf(wide[0, 64:]).all() and (wide[0, :64] == 0).all()
 
 
-def test_warm_builds_the_token_trie_on_a_thread_of_its_own_niced(vocab: Vocab, monkeypatch) -> None:
-    """A cpu chip-child warms after its ready report with the build thread alone lowered, so the
-    build (seconds for a large vocabulary) yields to the step's threads; nothing builds before."""
-    seen = []
+def _slow_builds(monkeypatch, seconds: float) -> list[int]:
+    """Makes every token trie build take `seconds` longer; returns the ids of the threads that built."""
+    seen: list[int] = []
     real = llguidance.LLTokenizer
 
-    def recording(*args, **kwargs):
-        seen.append((threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    def slow(*args, **kwargs):
+        seen.append(threading.get_native_id())
+        time.sleep(seconds)  # widens the window in which a caller that did not wait would go on
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(grammar.llguidance, "LLTokenizer", recording)
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    monkeypatch.setattr(grammar.llguidance, "LLTokenizer", slow)
+    return seen
+
+
+def test_the_token_trie_builds_once_on_a_thread_of_its_own_and_ready_waits_for_it(vocab: Vocab, monkeypatch) -> None:
+    """compiler_for starts the build on another thread; ready() returns only once it is built (the
+    build holds the interpreter lock, so a child must not report ready before it); compiles reuse it."""
+    seen = _slow_builds(monkeypatch, 0.5)
     compiler = ConstrainedRows.compiler_for(Path(vocab.path).parent, vocab.vocab_size, [vocab.eos])
     try:
-        assert compiler is not None and compiler._tokenizer is None  # nothing built at construction
         rows = ConstrainedRows(compiler, torch.zeros(1, (vocab.vocab_size + 31) // 32, dtype=torch.int32))
-        rows.warm(10)
-        compiler.warm(10).result(timeout=60)  # already built: the second warm returns it at once
-        assert len(seen) == 1
-        tid, nice = seen[0]
-        assert tid != threading.get_native_id() and nice == min(mine + 10, 19)
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # this thread untouched
+        rows.ready()
+        assert compiler._tokenizer is not None
+        compiler.compile(StructuredSpec.of({"regex": "a+"}))
+        assert seen and set(seen) != {threading.get_native_id()} and len(seen) == 1
     finally:
         compiler.close()
+
+
+def test_a_runtime_is_built_only_once_its_token_trie_is(monkeypatch) -> None:
+    """ChipRuntime() (a chip-child's start, before its ready report) returns with the trie built."""
+    _slow_builds(monkeypatch, 1.0)
+    rt = ChipRuntime(RuntimeConfig(str(ensure_tiny_model()), device="cpu", max_batch_size=2, max_seq_len=64,
+                                   page_size=16))
+    try:
+        assert rt.grammars.compiler is not None and rt.grammars.compiler._tokenizer is not None
+    finally:
+        rt.close()

@@ -166,3 +166,24 @@ def test_close_ends_the_grammar_compile_threads() -> None:
         w.generate(["Hi"], params(temperature=0.0, max_new_tokens=30))
         assert set(compile_threads()) - before  # the engine's compiler pool ran the request's grammar
     assert not set(compile_threads()) - before
+
+
+def test_prepare_returns_with_the_parents_token_trie_built(monkeypatch) -> None:
+    """The parent builds its compiler's trie while its children start, and prepare() waits for it:
+    built at the first constrained request instead, it would hold the interpreter lock, and so the
+    step loop, for the whole build under traffic."""
+    from chip_child.sampling import grammar
+
+    built: list[int] = []
+    real = grammar.llguidance.LLTokenizer
+
+    def counting(*args, **kwargs):
+        built.append(threading.get_native_id())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grammar.llguidance, "LLTokenizer", counting)
+    with DistributedWorker(**WORKER) as w:
+        compiler = w.engine.input_processor.grammars._compiler
+        assert compiler is not None and compiler._tokenizer is not None and len(built) == 1
+        w.generate(["Hi"], params(max_new_tokens=8))
+        assert len(built) == 1  # the request's compile used it
