@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from chip_child.protocol import Chunk
 from chip_child.step.row_state import RowState
@@ -75,11 +76,15 @@ class ChunkPlan:
     prompt_asks: list[tuple[int, int, int, int]]  # (first packed index, targets, staging offset, top N)
 
 
-def plan_chunks(chunks: list[Chunk], staging: np.ndarray, rows: RowState,
-                want_logprobs: bool) -> tuple[ChunkPlan, np.ndarray]:
+def plan_chunks(chunks: list[Chunk], staging: np.ndarray, rows: RowState, want_logprobs: bool,
+                every_lane: bool = False) -> tuple[ChunkPlan, np.ndarray]:
     """Marks the rows whose prompt ends here as decoding from this step's sample on, and lays
-    out the chunks' ids, positions and metadata after the step's lanes (which now include those
-    rows): the plan, and the chunk ints for one copy to the device."""
+    out the chunks' ids, positions and metadata after the lanes the forward runs: the plan, and
+    the chunk ints for one copy to the device. Those lanes end at the highest row that decoded
+    before this step (none on an idle engine): the lanes above it hold idle rows or rows whose
+    prompt ends here, whose hidden state comes from their chunk. A 128-token prompt alone is then
+    128 rows, not 129, which costs AMX's 16-row tiles a ninth tile. `every_lane`: all the step's
+    lanes (speculation reads the forward's captures at those offsets)."""
     lens = [c.length for c in chunks]
     for c in chunks:
         if rows.active[c.row]:
@@ -100,9 +105,10 @@ def plan_chunks(chunks: list[Chunk], staging: np.ndarray, rows: RowState,
             asks.append((int(s), count, c.staging_offset, top))
             targets.append(staging[c.staging_offset + 1:c.staging_offset + 1 + count])
     last = [(c, int(s)) for c, s in zip(chunks, starts) if c.last]
+    decoding = np.flatnonzero(rows.active)
     # The input position a row's first sample counts from: its prompt's last.
     rows.start_decoding([c.row for c, _ in last], [c.start + c.length - 1 for c, _ in last])
-    n = rows.facts().lanes
+    n = rows.facts().lanes if every_lane else int(decoding[-1]) + 1 if decoding.size else 0
     seq_lens = [c.start + c.length for c in chunks]
     layout = ChunkLayout(sum(lens), len(chunks), n, len(last))
     ints = layout.pack(ChunkInts(
@@ -117,3 +123,12 @@ def plan_chunks(chunks: list[Chunk], staging: np.ndarray, rows: RowState,
         targets=np.concatenate(targets) if targets else np.zeros(0, np.int64)))
     host_lens = rows.positions[:n] + 1
     return ChunkPlan(layout, max(lens), [1] * n + lens, host_lens.tolist() + seq_lens, penalized, asks), ints
+
+
+def lane_hidden(hidden: torch.Tensor, forward_lanes: int, lanes: int) -> torch.Tensor:
+    """The step's `lanes` rows of hidden state from a forward that ran `forward_lanes` of them
+    first (plan_chunks): zeros above those, where only rows whose prompt ends here sample (their
+    chunk's last token is copied in) and idle rows' samples are never read."""
+    if forward_lanes == lanes:
+        return hidden[:lanes]
+    return torch.cat([hidden[:forward_lanes], hidden.new_zeros(lanes - forward_lanes, hidden.shape[1])])

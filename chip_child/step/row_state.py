@@ -230,3 +230,10 @@ class RowState:
 
     def _mask_stops(self, rows: np.ndarray, ids: np.ndarray) -> None:
         self.state["stop_mask"].view(-1)[self._h2d(rows * self.vocab_size + ids)] = True
+
+    def token_adapters(self, chunks: list, lanes: int) -> np.ndarray:
+        """Each packed token's adapter slot (-1: none): the forward's `lanes` lanes', then every
+        chunk's tokens'."""
+        host = self.host["lora_slot"]
+        lane_slots = np.where(self.active[:lanes], host[:lanes], -1)
+        return np.concatenate([lane_slots, np.repeat(host[[c.row for c in chunks]], [c.length for c in chunks])])

@@ -11,7 +11,8 @@ not decoding writes to the scratch page and its token is ignored), then the toke
 chunk. A chunk that ends its prompt hands its last hidden state to its row's lane, so one
 sampler call serves decode rows and rows that just finished their prefill alike. A step runs
 lanes [0, n) only, n the lane bucket of its highest active row (chip_child.step.graphs); the rows
-above are idle and untouched. On cuda and npu the decode-only step's forward is a captured graph
+above are idle and untouched. A step with chunks runs fewer lanes in its forward: those up to the
+highest row that was decoding before it (chip_child.step.chunk_layout.plan_chunks). On cuda and npu the decode-only step's forward is a captured graph
 per bucket, replayed without copying anything (chip_child.step.graphs). On cuda the elementwise
 stages between the matmuls are fused Triton kernels (chip_child.models.fused).
 
@@ -51,7 +52,7 @@ from chip_child.sampling.prompt_logprobs import prompt_logprobs
 from chip_child.models.kernel_checks import KernelVerdict, check_fp8_gemms, checked_ops
 from chip_child.models.moe_npu import npu_moe
 from chip_child.models.qwen3 import TORCH_OPS, Qwen3Weights, final_logits, forward, rope_table, shard_config
-from chip_child.step.chunk_layout import ChunkInts, ChunkPlan, plan_chunks
+from chip_child.step.chunk_layout import ChunkInts, ChunkPlan, lane_hidden, plan_chunks
 from chip_child.sampling.grammar_rows import ConstrainedRows
 from chip_child.step.pool import TaskArg, TensorPool
 from chip_child.step.task_args import LANE_SLOTS, step_task_args
@@ -321,7 +322,7 @@ class ChipRuntime:
         rows = self.rows
         plan = None
         if chunks:
-            plan, ints = plan_chunks(chunks, staging, rows, want_logprobs)
+            plan, ints = plan_chunks(chunks, staging, rows, want_logprobs, every_lane=self.spec is not None)
             self.prefill_state["chunk_ints"][:len(ints)].copy_(self.h2d(ints))
         facts = rows.facts()
         features = None if facts.plain else facts.features(want_logprobs)
@@ -345,7 +346,8 @@ class ChipRuntime:
                                plan=plan, lanes=lanes, lane_lens=rows.positions[:lanes] + 1,
                                max_lane_len=facts.furthest + 1, any_random=facts.any_random,
                                any_filter=facts.any_filter, slots=slots, features=features,
-                               lora=self.lora and self.lora.grouped_step(self._token_adapters(chunks, lanes), self.device))
+                               lora=self.lora and self.lora.grouped_step(
+                                   rows.token_adapters(chunks, plan.layout.lanes if plan else lanes), self.device))
         rows.advance()
         if self.spec is not None:
             self.spec.after_plain_step(lanes, plan, chunks, ints if chunks else None)
@@ -367,14 +369,15 @@ class ChipRuntime:
             self._lane_slots(v, slots)
             torch.add(v["positions"], 1, out=v["lane_seq_lens"])
             ints = plan.layout.unpack(chunk_ints)
-            hidden = self._forward_chunks(plan, lanes, v, tokens, token_positions, token_slots, ints, lora)
-            row_hidden = hidden[:lanes]
+            hidden = self._forward_chunks(plan, v, tokens, token_positions, token_slots, ints, lora)
+            n = plan.layout.lanes  # the lanes in the forward: those above only sample, where a prompt ended
+            row_hidden = lane_hidden(hidden, n, lanes)
             if plan.layout.last:  # a row whose prompt ends here samples from its last token
                 row_hidden.index_copy_(0, ints.last_rows, hidden.index_select(0, ints.last_index))
                 v["positions"][ints.last_rows] = token_positions.index_select(0, ints.last_index)
                 v["active"][ints.last_rows] = True
             # Chunk rows not ending their prompt may sit above the lanes: the full per-row state.
-            self._chunk_side_effects(plan, lanes, hidden, tokens, ints.targets, pooled["output_counts"],
+            self._chunk_side_effects(plan, n, hidden, tokens, ints.targets, pooled["output_counts"],
                                      pooled["prompt_seen"], prompt_lp_values, prompt_lp_ids)
             final_logits(self.weights, row_hidden, out=v["logits"], ops=self.ops)
         if features is not None and features.grammar:  # host work while the forward runs on an accelerator
@@ -403,12 +406,6 @@ class ChipRuntime:
             torch.mul(blocks * page + positions % page, v["active"], out=v["slot_mapping"])
         elif slots == "advance":
             v["slot_mapping"].add_(v["active"])  # no active row crosses a page boundary this step
-
-    def _token_adapters(self, chunks: list[Chunk], lanes: int) -> np.ndarray:
-        """Each packed token's adapter slot (-1: none): the lanes', then every chunk's tokens'."""
-        host, active = self.rows.host["lora_slot"], self.rows.active
-        lane_slots = np.where(active[:lanes], host[:lanes], -1)
-        return np.concatenate([lane_slots, np.repeat(host[[c.row for c in chunks]], [c.length for c in chunks])])
 
     def _decode_logits(self, v: dict[str, torch.Tensor], slots: str, max_seq_len: int,
                        seq_lens_host: np.ndarray | None, lora: object = "masked") -> None:
@@ -439,20 +436,20 @@ class ChipRuntime:
                 v["output_counts"].scatter_add_(1, input_ids[:, None], active[:, None].to(torch.float32))
         positions.add_(active)
 
-    def _forward_chunks(self, plan: ChunkPlan, lanes: int, v: dict[str, torch.Tensor], tokens, token_positions,
+    def _forward_chunks(self, plan: ChunkPlan, v: dict[str, torch.Tensor], tokens, token_positions,
                         token_slots, ints: ChunkInts, lora=None) -> torch.Tensor:
-        """The forward of a step with chunks: `lanes` lanes and the chunk tokens on one packed axis."""
+        """The forward of a step with chunks: the plan's lanes and the chunk tokens on one packed axis."""
         page = self.cfg.page_size
-        n, total = lanes, lanes + plan.layout.tokens
+        n, total = plan.layout.lanes, plan.layout.lanes + plan.layout.tokens
         block_table = self.state["block_table"]  # chunk rows may sit above the lanes
-        tokens[:n].copy_(v["input_ids"])
+        tokens[:n].copy_(v["input_ids"][:n])
         tokens[n:total].copy_(ints.ids)
-        token_positions[:n].copy_(v["positions"])
+        token_positions[:n].copy_(v["positions"][:n])
         token_positions[n:total].copy_(ints.positions)
-        token_slots[:n].copy_(v["slot_mapping"])
+        token_slots[:n].copy_(v["slot_mapping"][:n])
         torch.add(block_table[ints.rows, ints.positions // page].long() * page, ints.positions % page,
                   out=token_slots[n:total])
-        seq_lens = torch.cat([v["lane_seq_lens"], ints.seq_lens.to(torch.int32)])
+        seq_lens = torch.cat([v["lane_seq_lens"][:n], ints.seq_lens.to(torch.int32)])
         max_len = max(plan.seq_lens)
         width = -(-max_len // page)
         meta = AttentionMetadata(ints.query_starts.to(torch.int32), seq_lens,
@@ -465,7 +462,7 @@ class ChipRuntime:
     def _chunk_side_effects(self, plan: ChunkPlan, lanes: int, hidden, tokens, targets, output_counts, prompt_seen,
                             prompt_lp_values, prompt_lp_ids) -> None:
         """Penalty state from the chunks' ids (prompt part: seen; past prompt_len: output counts),
-        and prompt log-probabilities for the chunks that asked."""
+        and prompt log-probabilities for the chunks that asked; `lanes`: those before the chunks."""
         for row, first, in_prompt, in_output in plan.penalized:
             ids = tokens[lanes + first:lanes + first + in_prompt + in_output]
             if in_prompt:

@@ -29,6 +29,7 @@ from chip_child.protocol import (
     prefill_command,
 )
 from chip_child.step.pool import LAZY_ZERO_BYTES, TaskArg, TensorPool
+from chip_child.step import runtime as runtime_module
 from chip_child.step.runtime import ChipRuntime, StepResult
 
 from parity import assert_matches_transformers  # noqa: E402
@@ -342,6 +343,45 @@ def test_seeded_request_admitted_mid_generation_matches_alone(default_ckpt: Path
     for _ in range(11):
         busy.decode()
     assert busy.tokens[3] == alone.tokens[0]
+
+
+def test_a_chunk_steps_forward_runs_only_the_lanes_up_to_the_highest_decoding_row(default_ckpt: Path,
+                                                                                  monkeypatch) -> None:
+    """A prompt on an idle runtime is its own tokens in the forward (no lane: a 128-token prompt
+    is 128 rows, not 129); beside decoding rows, the lanes up to the highest of them. Every row's
+    greedy tokens equal its own run alone, whether its row is inside those lanes or above them."""
+    rows_seen: list[int] = []
+    real = runtime_module.forward
+
+    def counting(cfg, weights, attn, plan, rope, tokens, *args, **kwargs):
+        rows_seen.append(tokens.shape[0])
+        return real(cfg, weights, attn, plan, rope, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(runtime_module, "forward", counting)
+    prompts = {1: [5, 6, 7, 8, 9], 0: [12, 13, 14], 3: [21, 22, 23, 24]}
+
+    def alone(prompt: list[int]) -> list[int]:
+        s = Stepper(make_runtime(default_ckpt))
+        s.admit({0: prompt})
+        for _ in range(6):
+            s.decode()
+        return s.tokens[0][:4]
+
+    expected = {row: alone(p) for row, p in prompts.items()}
+    s = Stepper(make_runtime(default_ckpt))
+    rows_seen.clear()
+    s.admit({1: prompts[1]})
+    assert rows_seen[0] == 5  # nothing decoded before: no lane
+    s.decode()
+    rows_seen.clear()
+    s.admit({0: prompts[0]})  # below the decoding row 1: lanes 0 and 1, then the chunk
+    assert rows_seen[0] == 2 + 3
+    rows_seen.clear()
+    s.admit({3: prompts[3]})  # above the decoding rows 0 and 1
+    assert rows_seen[0] == 2 + 4
+    for _ in range(4):
+        s.decode()
+    assert {row: s.tokens[row][:4] for row in prompts} == expected
 
 
 def test_top_k_one_equals_greedy(default_ckpt: Path) -> None:
