@@ -9,10 +9,13 @@
 // whatever M is, so a matrix gives the same bits at every batch size. K must be a multiple of 32
 // (the caller keeps other matrices on the AVX-512 kernel).
 #include <errno.h>
+#include <omp.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include "avx512_common.h"
 #include "bf16_packing.h"
@@ -42,20 +45,28 @@ void configure(int rows) {
   _tile_loadconfig(&c);
 }
 
+constexpr int64_t CHUNK = TILE_PAIRS * BLOCK * 2;  // uint16 per chunk of a block (4 KB)
+
 // `rows` (<= 16) rows of x against one packed block over all of K, into y[rows][0 .. cols).
-// The next chunk of the block (4 KB) is prefetched while this one computes.
+// The first row tile of a block prefetches the block's next chunk into L1 while this one computes.
+// A later one finds the block in L2 and instead prefetches `ahead` (the next block, its
+// `ahead_lines` cache lines from `ahead_from` on) into L2, a share per chunk: the next block's
+// read from memory then overlaps this block's compute instead of following it.
 void block_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t chunks, const uint16_t* bias, uint16_t* y,
-                int64_t ldy, int64_t rows, int64_t cols, float* c_buf) {
-  constexpr int64_t CHUNK = TILE_PAIRS * BLOCK * 2;  // uint16 per chunk of the block
+                int64_t ldy, int64_t rows, int64_t cols, float* c_buf, bool first, const char* ahead,
+                int64_t ahead_from, int64_t ahead_lines) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const int64_t share = ahead ? (ahead_lines + chunks - 1) / chunks : 0;
   for (int64_t c = 0; c < chunks; ++c) {
     const uint16_t* wc = wb + c * CHUNK;
-    if (c + 1 < chunks)
+    if (first && c + 1 < chunks)
       for (int l = 0; l < CHUNK * 2 / 64; l += 4) {
         const char* next = (const char*)(wc + CHUNK) + l * 64;
         _mm_prefetch(next, _MM_HINT_T0); _mm_prefetch(next + 64, _MM_HINT_T0);
         _mm_prefetch(next + 128, _MM_HINT_T0); _mm_prefetch(next + 192, _MM_HINT_T0);
       }
+    for (int64_t l = ahead_from + c * share, end = ahead_from + (c + 1) * share; ahead && l < end; ++l)
+      _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
     _tile_loadd(4, x + c * TILE_PAIRS * 2, ldx * 2);
     _tile_loadd(5, wc + 0 * TILE_N * 2, BLOCK * 4);
     _tile_dpbf16ps(0, 4, 5);
@@ -91,28 +102,40 @@ int l3_amx_init() {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : errno;
 }
 
-// As l3_bf16_linear (bf16_linear.cpp), K a multiple of 32. Threads take blocks two at a time as they
-// come free; each configures its tiles for a full row tile and, where M has a remainder, for that,
-// and releases them at the end (a thread holding tiles costs every context switch 8 KB more).
+// As l3_bf16_linear (bf16_linear.cpp), K a multiple of 32. With one row tile (decode) threads take
+// blocks two at a time as they come free; with more, each takes a contiguous range of blocks, so
+// it knows the block it reads next and its later row tiles prefetch that one. Each configures its
+// tiles for a full row tile and, where M has a remainder, for that, and releases them at the end
+// (a thread holding tiles costs every context switch 8 KB more).
 void l3_bf16_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
                         int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t blocks = (N + BLOCK - 1) / BLOCK, pairs = K / 2, chunks = pairs / TILE_PAIRS;
   const int64_t block_elems = pairs * BLOCK * 2, full = M / TILE_M, rest = M % TILE_M;
+  const int64_t tiles = full + (rest ? 1 : 0), block_lines = block_elems * 2 / 64;
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) float c_buf[TILE_M * BLOCK];
     int configured = 0;  // rows of the loaded config
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t b = 0; b < blocks; ++b) {
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t mine_from = tiles > 1 ? blocks * me / nt : 0, mine_to = tiles > 1 ? blocks * (me + 1) / nt : 0;
+    auto run_block = [&](int64_t b, bool ahead_known) {
       const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
       const uint16_t* wb = packed + b * block_elems;
-      for (int64_t t = 0; t <= full; ++t) {
+      const char* ahead = ahead_known && b + 1 < mine_to ? (const char*)(packed + (b + 1) * block_elems) : nullptr;
+      const int64_t per_tile = tiles > 1 ? (block_lines + tiles - 2) / (tiles - 1) : 0;
+      for (int64_t t = 0; t < tiles; ++t) {
         const int rows = t < full ? TILE_M : (int)rest;
-        if (!rows) break;
         if (rows != configured) { configure(rows); configured = rows; }
         block_tile(x + t * TILE_M * ldx, ldx, wb, chunks, bias ? bias + n0 : nullptr, y + t * TILE_M * ldy + n0, ldy,
-                   rows, cols, c_buf);
+                   rows, cols, c_buf, t == 0, t > 0 ? ahead : nullptr, (t - 1) * per_tile,
+                   t > 0 ? std::max<int64_t>(0, std::min(per_tile, block_lines - (t - 1) * per_tile)) : 0);
       }
+    };
+    if (tiles > 1) {
+      for (int64_t b = mine_from; b < mine_to; ++b) run_block(b, true);
+    } else {
+#pragma omp for schedule(dynamic, 2)
+      for (int64_t b = 0; b < blocks; ++b) run_block(b, false);
     }
     if (configured) _tile_release();
   }
