@@ -1,5 +1,5 @@
-"""Smoke tests of scripts/bench_cpu_kernels.py and scripts/bench_cpu_gemm.py: the tiniest runs
-print a figure for every variant asked for."""
+"""Smoke tests of scripts/bench_cpu_kernels.py, scripts/bench_cpu_gemm.py and scripts/bench_prefill.py:
+the tiniest runs print a figure for every variant asked for."""
 from __future__ import annotations
 
 import subprocess
@@ -36,6 +36,18 @@ def test_bench_cpu_gemm_prints_each_kernel() -> None:
                           "--kv-heads", "1"], capture_output=True, text=True, timeout=300, check=True).stdout
     names = {line.split()[2] for line in out.splitlines() if line.startswith("rows")}
     assert {"prepacked", "plain"} <= names
+
+
+def test_bench_prefill_prints_the_step_and_each_projection_shape() -> None:
+    """The built-in model's prompt of 24 tokens: one line per projection shape, each with all of
+    the prompt's rows (no idle lane beside them) or, for the lm_head, the last token's."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_prefill.py"), "--input-len", "24", "--repeats", "2",
+                          "--dtype", "float32"], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.startswith("prefill of 24 tokens, float32")
+    shapes = [line.split(":")[0].split() for line in out.splitlines() if " x " in line.split(":")[0]]
+    rows = {int(s[0]) for s in shapes}
+    assert 24 in rows and rows <= {24, 1} and len(shapes) >= 2
+    assert float(out.rsplit("projections:", 1)[1].split()[0]) > 0
 
 
 def assert_times_both_against_head(script: str, args: list[str], rows: tuple[str, str]) -> None:

@@ -13,6 +13,7 @@ from chip_child.sampling.sampler import (
     apply_penalties,
     filter_min_p,
     filter_top_k_top_p,
+    first_max,
     mask_stop_tokens,
     sample,
     sample_with_features,
@@ -135,6 +136,21 @@ def test_greedy_rows_and_top_k_one_take_the_argmax() -> None:
     argmax = logits.argmax(-1)
     assert ids[:3].tolist() == argmax[:3].tolist()
     assert sample(logits, *args, any_random=False, any_filter=False).tolist() == argmax.tolist()
+
+
+def test_first_max_gives_argmaxs_index_on_ties_nan_and_all_minus_inf() -> None:
+    """The sampler's argmax (max(dim).indices, faster on the cpu) picks the first largest value,
+    a NaN first of all, and index 0 of a row that is all -inf, as argmax does."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        x = torch.randint(-3, 4, (4, 50), generator=g).float()  # many ties
+        if trial % 3 == 0:
+            x[trial % 4, (trial * 7) % 50] = float("nan")
+        if trial % 5 == 0:
+            x[trial % 4] = float("-inf")
+        assert torch.equal(first_max(x), x.argmax(-1))
+    wide = torch.randn(16, 32000, generator=g)
+    assert torch.equal(first_max(wide), wide.argmax(-1))
 
 
 @pytest.mark.parametrize("min_p,expected", [
