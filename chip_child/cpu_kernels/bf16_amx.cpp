@@ -49,14 +49,14 @@ constexpr int64_t CHUNK = TILE_PAIRS * BLOCK * 2;  // uint16 per chunk of a bloc
 
 // `rows` (<= 16) rows of x against one packed block over all of K, into y[rows][0 .. cols).
 // The first row tile of a block prefetches the block's next chunk into L1 while this one computes.
-// A later one finds the block in L2 and instead prefetches `ahead` (the next block, its
-// `ahead_lines` cache lines from `ahead_from` on) into L2, a share per chunk: the next block's
-// read from memory then overlaps this block's compute instead of following it.
+// A later one finds the block in L2 and instead prefetches `ahead_lines` cache lines from `ahead`
+// (its share of the next block) into L2, a share per chunk: the next block's read from memory
+// then overlaps this block's compute instead of following it.
 void block_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t chunks, const uint16_t* bias, uint16_t* y,
                 int64_t ldy, int64_t rows, int64_t cols, float* c_buf, bool first, const char* ahead,
-                int64_t ahead_from, int64_t ahead_lines) {
+                int64_t ahead_lines) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  const int64_t share = ahead ? (ahead_lines + chunks - 1) / chunks : 0;
+  const int64_t share = (ahead_lines + chunks - 1) / chunks;
   for (int64_t c = 0; c < chunks; ++c) {
     const uint16_t* wc = wb + c * CHUNK;
     if (first && c + 1 < chunks)
@@ -65,7 +65,7 @@ void block_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t chun
         _mm_prefetch(next, _MM_HINT_T0); _mm_prefetch(next + 64, _MM_HINT_T0);
         _mm_prefetch(next + 128, _MM_HINT_T0); _mm_prefetch(next + 192, _MM_HINT_T0);
       }
-    for (int64_t l = ahead_from + c * share, end = ahead_from + (c + 1) * share; ahead && l < end; ++l)
+    for (int64_t l = c * share, end = std::min((c + 1) * share, ahead_lines); l < end; ++l)
       _mm_prefetch(ahead + l * 64, _MM_HINT_T1);
     _tile_loadd(4, x + c * TILE_PAIRS * 2, ldx * 2);
     _tile_loadd(5, wc + 0 * TILE_N * 2, BLOCK * 4);
@@ -116,26 +116,28 @@ void l3_bf16_amx_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, 
   {
     alignas(64) float c_buf[TILE_M * BLOCK];
     int configured = 0;  // rows of the loaded config
+    // With several row tiles, row tiles 1 .. tiles - 1 each prefetch `per_tile` lines of the next block.
     const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t mine_from = tiles > 1 ? blocks * me / nt : 0, mine_to = tiles > 1 ? blocks * (me + 1) / nt : 0;
-    auto run_block = [&](int64_t b, bool ahead_known) {
+    const int64_t mine_to = tiles > 1 ? blocks * (me + 1) / nt : 0;
+    const int64_t per_tile = tiles > 1 ? (block_lines + tiles - 2) / (tiles - 1) : 0;
+    auto run_block = [&](int64_t b) {
       const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
       const uint16_t* wb = packed + b * block_elems;
-      const char* ahead = ahead_known && b + 1 < mine_to ? (const char*)(packed + (b + 1) * block_elems) : nullptr;
-      const int64_t per_tile = tiles > 1 ? (block_lines + tiles - 2) / (tiles - 1) : 0;
+      const char* next = (const char*)(wb + block_elems);  // read only where b + 1 < mine_to
       for (int64_t t = 0; t < tiles; ++t) {
         const int rows = t < full ? TILE_M : (int)rest;
         if (rows != configured) { configure(rows); configured = rows; }
+        const int64_t from = std::min((t > 0 ? t - 1 : 0) * per_tile, block_lines), to = std::min(t * per_tile, block_lines);
+        const bool ahead = t > 0 && b + 1 < mine_to;
         block_tile(x + t * TILE_M * ldx, ldx, wb, chunks, bias ? bias + n0 : nullptr, y + t * TILE_M * ldy + n0, ldy,
-                   rows, cols, c_buf, t == 0, t > 0 ? ahead : nullptr, (t - 1) * per_tile,
-                   t > 0 ? std::max<int64_t>(0, std::min(per_tile, block_lines - (t - 1) * per_tile)) : 0);
+                   rows, cols, c_buf, t == 0, next + from * 64, ahead ? to - from : 0);
       }
     };
     if (tiles > 1) {
-      for (int64_t b = mine_from; b < mine_to; ++b) run_block(b, true);
+      for (int64_t b = blocks * me / nt; b < mine_to; ++b) run_block(b);
     } else {
 #pragma omp for schedule(dynamic, 2)
-      for (int64_t b = 0; b < blocks; ++b) run_block(b, false);
+      for (int64_t b = 0; b < blocks; ++b) run_block(b);
     }
     if (configured) _tile_release();
   }

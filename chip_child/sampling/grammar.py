@@ -129,12 +129,12 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
             return self._tokenizer
 
-    def warm(self) -> Future:
-        """Starts building the tokenizer on a thread of its own; the Future is done when it is
-        built. llguidance holds the interpreter lock for the whole build (about 0.25 s for a 64k BPE
+    def warm(self) -> None:
+        """Starts building the tokenizer on a thread of its own (`ready` waits for it).
+        llguidance holds the interpreter lock for the whole build (about 0.25 s for a 64k BPE
         vocabulary, seconds where a tokenizer has tens of thousands of added tokens), so no thread
         of this process runs Python meanwhile: callers build it while they wait for something else,
-        and before they serve (see GrammarCompiler.ready). A compile that comes first waits for
+        and before they serve. A compile that comes first waits for
         this build."""
         done: Future = Future()
 
@@ -146,7 +146,6 @@ class GrammarCompiler:
 
         threading.Thread(target=build, name="grammar-tokenizer", daemon=True).start()
         self._warming = done
-        return done
 
     def ready(self) -> None:
         """Waits for a build warm() started (nothing if none did). A failed build is not raised

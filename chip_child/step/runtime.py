@@ -377,7 +377,7 @@ class ChipRuntime:
                 v["positions"][ints.last_rows] = token_positions.index_select(0, ints.last_index)
                 v["active"][ints.last_rows] = True
             # Chunk rows not ending their prompt may sit above the lanes: the full per-row state.
-            self._chunk_side_effects(plan, n, hidden, tokens, ints.targets, pooled["output_counts"],
+            self._chunk_side_effects(plan, hidden, tokens, ints.targets, pooled["output_counts"],
                                      pooled["prompt_seen"], prompt_lp_values, prompt_lp_ids)
             final_logits(self.weights, row_hidden, out=v["logits"], ops=self.ops)
         if features is not None and features.grammar:  # host work while the forward runs on an accelerator
@@ -459,10 +459,11 @@ class ChipRuntime:
         return forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, tokens[:total],
                        token_positions[:total], self.all_reduce, self.ops, self.spec and self.spec.aux(), lora)
 
-    def _chunk_side_effects(self, plan: ChunkPlan, lanes: int, hidden, tokens, targets, output_counts, prompt_seen,
+    def _chunk_side_effects(self, plan: ChunkPlan, hidden, tokens, targets, output_counts, prompt_seen,
                             prompt_lp_values, prompt_lp_ids) -> None:
         """Penalty state from the chunks' ids (prompt part: seen; past prompt_len: output counts),
-        and prompt log-probabilities for the chunks that asked; `lanes`: those before the chunks."""
+        and prompt log-probabilities for the chunks that asked."""
+        lanes = plan.layout.lanes  # the forward's lanes, before the chunks on the packed axis
         for row, first, in_prompt, in_output in plan.penalized:
             ids = tokens[lanes + first:lanes + first + in_prompt + in_output]
             if in_prompt:
