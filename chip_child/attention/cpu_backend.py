@@ -47,14 +47,18 @@ class CpuAttention(TorchAttention):
         self._check_capacity(meta)
         step = StepPlan(meta)
         step.extra["kernel_decode"] = True
+        step.extra["slots"] = meta.slot_mapping.to(torch.int64).contiguous()  # the kernel reads int64, once a step
         return step
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepPlan,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         if not step.extra.get("kernel_decode"):
             return super().forward(layer, q, k, v, step, out)
-        self.write_kv(layer, k, v, step.meta.slot_mapping)
-        return self._attend_in_place(layer, q, step, out)
+        if self.decode_mirror:
+            self.write_kv(layer, k, v, step.meta.slot_mapping)
+            return self._attend_in_place(layer, q, step, out)
+        self._check_bound()
+        return self._attend_in_place(layer, q, step, out, (k, v, step.extra["slots"]))  # the kernel writes k, v
 
     def attend(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None = None,
                k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,11 +67,12 @@ class CpuAttention(TorchAttention):
         self._check_bound()
         return self._attend_in_place(layer, q, step, out)
 
-    def _attend_in_place(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None) -> torch.Tensor:
+    def _attend_in_place(self, layer: int, q: torch.Tensor, step: StepPlan, out: torch.Tensor | None,
+                         new_kv: tuple | None = None) -> torch.Tensor:
         meta, kv = step.meta, self._layers[layer]  # [2, kv_heads, pages, page_size, head_dim]
         table = meta.block_table if meta.block_table.stride(-1) == 1 else meta.block_table.contiguous()
         return decode_attention.attend(self._lib, q, kv[0], kv[1], table, meta.seq_lens.contiguous(),
-                                       self.spec.softmax_scale, self._out(q, out))
+                                       self.spec.softmax_scale, self._out(q, out), new_kv)
 
     # A mixed step's decode rows (TorchAttention._attend_general): their lengths and pages, then the kernel.
     def _decode_view(self, block_table: torch.Tensor, seq_lens: torch.Tensor, blocks: int) -> dict:

@@ -5,6 +5,7 @@
 // Cache layout, per layer: k and v each [kv_heads, pages, page_size, head_dim].
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <vector>
 
@@ -14,6 +15,16 @@ namespace {
 
 using l3::VEC;
 constexpr int MAX_HEAD_DIM = 256;
+
+// The step's new keys and values, each written by the pair that reads it first (a pair reads only
+// its own row's cache for its own kv head, so no thread waits on another's write): one kernel call
+// per layer instead of a cache write and then the attention. slots null: already in the cache.
+struct NewKV {
+  const void* k;  // [rows, kv_heads, head_dim], heads contiguous; row stride k_row_stride elements
+  const void* v;
+  int64_t k_row_stride, v_row_stride;
+  const int64_t* slots;  // [rows]: page * page_size + offset
+};
 
 // Loads and stores of 16 lanes, masked: a head size that is not a multiple of 16 ends in a partial vector.
 inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -187,11 +198,23 @@ PairFn<T> pair_fn_at_least(int64_t chunks) {  // the instance for `chunks` vecto
   }
 }
 
+// The new token's key and value of the pair (row r, kv head j) into its slot of the head's cache.
 template <typename T>
-void decode_attention(const T* q, int64_t q_row_stride, const T* k, const T* v, int64_t head_stride,
+inline void write_new(const NewKV& nkv, int64_t r, int64_t j, T* k, T* v, int64_t page_stride, int64_t page_size,
+                      int64_t head_dim) {
+  const int64_t slot = nkv.slots[r];
+  const int64_t at = slot / page_size * page_stride + slot % page_size * head_dim;
+  const T* nk = (const T*)nkv.k + r * nkv.k_row_stride + j * head_dim;
+  const T* nv = (const T*)nkv.v + r * nkv.v_row_stride + j * head_dim;
+  memcpy(k + at, nk, head_dim * sizeof(T));
+  memcpy(v + at, nv, head_dim * sizeof(T));
+}
+
+template <typename T>
+void decode_attention(const T* q, int64_t q_row_stride, T* k, T* v, int64_t head_stride,
                       int64_t page_stride, const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens,
                       int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t page_size, float scale,
-                      T* out, int64_t out_row_stride, int threads) {
+                      T* out, int64_t out_row_stride, const NewKV& nkv, int threads) {
   const PairFn<T> attend = pair_fn_at_least<T, 1>((head_dim + VEC - 1) / VEC);
 #pragma omp parallel num_threads(threads)
   {
@@ -201,6 +224,7 @@ void decode_attention(const T* q, int64_t q_row_stride, const T* k, const T* v, 
 #pragma omp for schedule(dynamic, 2)
     for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
       const int64_t r = pair / kv_heads, j = pair % kv_heads;
+      if (nkv.slots) write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
       attend(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
                      block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
                      out + r * out_row_stride + j * group * head_dim, scores, offsets);
@@ -218,19 +242,24 @@ int l3_decode_attention_max_head_dim(void) { return MAX_HEAD_DIM; }
 // q [rows, kv_heads * group, head_dim] (row stride q_row_stride elements); k, v one layer's
 // [kv_heads, pages, page_size, head_dim] (head_stride, page_stride elements); block_table int32
 // [rows, >= pages of the row] (table_stride); seq_lens int32 [rows], each >= 1 and counting the new
-// token, already in the cache; out like q. `bf16`: 1 for bfloat16 storage, 0 for float32.
-void l3_decode_attention(int bf16, const void* q, int64_t q_row_stride, const void* k, const void* v,
+// token; out like q. `bf16`: 1 for bfloat16 storage, 0 for float32. new_slots null: the new
+// tokens' keys and values are in the cache already; else new_k and new_v [rows, kv_heads, head_dim]
+// (row strides in elements) are written to int64 new_slots [rows] first.
+void l3_decode_attention(int bf16, const void* q, int64_t q_row_stride, void* k, void* v,
                          int64_t head_stride, int64_t page_stride, const int32_t* block_table, int64_t table_stride,
                          const int32_t* seq_lens, int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim,
-                         int64_t page_size, float scale, void* out, int64_t out_row_stride, int threads) {
+                         int64_t page_size, float scale, void* out, int64_t out_row_stride, const void* new_k,
+                         int64_t new_k_row_stride, const void* new_v, int64_t new_v_row_stride,
+                         const int64_t* new_slots, int threads) {
+  const NewKV nkv{new_k, new_v, new_k_row_stride, new_v_row_stride, new_slots};
   if (bf16)
-    decode_attention<uint16_t>((const uint16_t*)q, q_row_stride, (const uint16_t*)k, (const uint16_t*)v, head_stride,
+    decode_attention<uint16_t>((const uint16_t*)q, q_row_stride, (uint16_t*)k, (uint16_t*)v, head_stride,
                                page_stride, block_table, table_stride, seq_lens, rows, kv_heads, group, head_dim,
-                               page_size, scale, (uint16_t*)out, out_row_stride, threads);
+                               page_size, scale, (uint16_t*)out, out_row_stride, nkv, threads);
   else
-    decode_attention<float>((const float*)q, q_row_stride, (const float*)k, (const float*)v, head_stride, page_stride,
+    decode_attention<float>((const float*)q, q_row_stride, (float*)k, (float*)v, head_stride, page_stride,
                             block_table, table_stride, seq_lens, rows, kv_heads, group, head_dim, page_size, scale,
-                            (float*)out, out_row_stride, threads);
+                            (float*)out, out_row_stride, nkv, threads);
 }
 
 }  // extern "C"

@@ -19,7 +19,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.l3_decode_attention.argtypes = [_INT, _PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64,
-                                        _I64, _I64, _F32, _PTR, _I64, _INT]
+                                        _I64, _I64, _F32, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _INT]
     lib.l3_decode_attention.restype = None
     return lib
 
@@ -29,21 +29,38 @@ def supports(lib: ctypes.CDLL, dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in DTYPES and head_dim <= lib.l3_decode_attention_max_head_dim()
 
 
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, head_dim] with each row's heads contiguous (rows may be strided)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def attend(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [rows, heads, head_dim]; k_cache, v_cache one layer's [kv_heads, pages, page_size,
     head_dim] (contiguous from the page on); block_table int32 [rows, >= pages a row uses]; seq_lens
-    int32 [rows], the new token included and already written; out like q."""
+    int32 [rows], the new token included; out like q. The new tokens' keys and values are in the
+    cache already, or `new_kv` = (k, v [rows, kv_heads, head_dim], slots [rows]) has the kernel
+    write them first (page * page_size + offset, as a slot mapping)."""
     rows, heads, hd = q.shape
     kvh, _, page_size, _ = k_cache.shape
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:  # read through raw pointers
         raise ValueError(f"block_table and seq_lens must be int32, got {block_table.dtype} and {seq_lens.dtype}")
-    if q.stride(2) != 1 or q.stride(1) != hd:
-        q = q.contiguous()
+    q = _heads_contiguous(q)
+    nk = nv = slots = None
+    if new_kv is not None:
+        nk, nv = (_heads_contiguous(x.to(k_cache.dtype)) for x in new_kv[:2])
+        slots = new_kv[2].to(torch.int64).contiguous()
+        if nk.shape != (rows, kvh, hd) or nv.shape != nk.shape or slots.shape != (rows,):
+            raise ValueError(f"new_kv: k and v must be [{rows}, {kvh}, {hd}] and slots [{rows}], got "
+                             f"{tuple(nk.shape)}, {tuple(nv.shape)} and {tuple(slots.shape)}")
     lib.l3_decode_attention(int(q.dtype == torch.bfloat16), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
                             v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), block_table.data_ptr(),
                             block_table.stride(0), seq_lens.data_ptr(), rows, kvh, heads // kvh, hd, page_size, scale,
-                            out.data_ptr(), out.stride(0), torch.get_num_threads())
+                            out.data_ptr(), out.stride(0), None if nk is None else nk.data_ptr(),
+                            0 if nk is None else nk.stride(0), None if nv is None else nv.data_ptr(),
+                            0 if nv is None else nv.stride(0), None if slots is None else slots.data_ptr(),
+                            torch.get_num_threads())
     return out
 
 
@@ -65,7 +82,9 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
 
 def check_error(lib: ctypes.CDLL) -> float:
     """Largest relative error against `reference` over both dtypes, a GQA group of 3, partial
-    last pages, context lengths from 1 to 61 (16 pages of 4), pages in shuffled order."""
+    last pages, context lengths from 1 to 61 (16 pages of 4), pages in shuffled order; infinite
+    where the kernel's own write of the new keys and values (`new_kv`) differs from the cache's
+    bits or changes the output."""
     g = torch.Generator().manual_seed(0)
     worst = 0.0
     for dtype in DTYPES:
@@ -74,9 +93,18 @@ def check_error(lib: ctypes.CDLL) -> float:
         table = torch.randperm(pages, generator=g).to(torch.int32).view(4, 16)
         k, v = (torch.randn(kvh, pages, page, hd, generator=g).to(dtype) for _ in range(2))
         q = torch.randn(4, kvh * group, hd, generator=g).to(dtype)
-        got = attend(lib, q, k, v, table, lens, 0.125, torch.empty_like(q)).float()
         want = reference(q, k, v, table, lens, 0.125)
-        if not torch.isfinite(got).all():
+        got = attend(lib, q, k, v, table, lens, 0.125, torch.empty_like(q)).float()
+        # The same with each row's last key and value handed to the kernel: the cache must get their bits.
+        last = (lens.long() - 1)
+        slots = table[torch.arange(4), last // page].long() * page + last % page
+        k_rows, v_rows = (x.permute(1, 2, 0, 3).reshape(pages * page, kvh, hd) for x in (k, v))
+        new = (k_rows[slots].clone(), v_rows[slots].clone(), slots)
+        k2, v2 = k.clone(), v.clone()
+        for x in (k2, v2):
+            x.view(kvh, pages * page, hd)[:, slots] = 0
+        got_new = attend(lib, q, k2, v2, table, lens, 0.125, torch.empty_like(q), new_kv=new).float()
+        if not (torch.isfinite(got).all() and torch.equal(k2, k) and torch.equal(v2, v) and torch.equal(got_new, got)):
             return float("inf")
         error = ((got - want).abs().max() / want.abs().max()).item()
         worst = max(worst, error * CHECK_TOLERANCE[torch.float32] / CHECK_TOLERANCE[dtype])  # in float32's terms

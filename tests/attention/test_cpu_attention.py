@@ -126,3 +126,33 @@ def test_the_kernel_refuses_lengths_it_would_misread() -> None:
     with pytest.raises(ValueError, match="block_table and seq_lens must be int32, got torch.int64 and torch.int32"):
         decode_attention.attend(decode_attention.KERNEL.library(), q, k, v, torch.zeros(1, 4, dtype=torch.int64),
                                 torch.ones(1, dtype=torch.int32), 0.25, torch.empty_like(q))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_kernel_writes_the_new_keys_and_values_as_a_cache_write_would(dtype) -> None:
+    """Handed the step's new keys and values (strided slices of a qkv row, as the model gives them),
+    the kernel leaves the cache with the bits an index_copy_ by slot leaves, and the output that
+    attending after that write gives."""
+    g = torch.Generator().manual_seed(7)
+    kv_heads, group, hd, page, pages = 2, 3, 64, 8, 48
+    lens = torch.tensor([1, 8, 9, 95], dtype=torch.int32)
+    table = torch.randperm(pages, generator=g).to(torch.int32).view(4, 12)
+    cache = torch.randn(2, kv_heads, pages, page, hd, generator=g).to(dtype)
+    qkv = torch.randn(4, kv_heads * (group + 2), hd, generator=g).to(dtype)
+    q, k, v = qkv.split_with_sizes((kv_heads * group, kv_heads, kv_heads), 1)
+    last = lens.long() - 1
+    slots = (table[torch.arange(4), last // page].long() * page + last % page).to(torch.int32)
+    written = cache.clone()
+    for i, x in enumerate((k, v)):  # the torch backend's write: rows by slot, [pages * page, kv_heads, hd]
+        rows = written[i].permute(1, 2, 0, 3).reshape(pages * page, kv_heads, hd).index_copy(0, slots.long(), x)
+        written[i] = rows.view(pages, page, kv_heads, hd).permute(2, 0, 1, 3)
+    lib = decode_attention.KERNEL.library()
+    want = decode_attention.attend(lib, q, written[0], written[1], table, lens, hd ** -0.5, torch.empty_like(q))
+    got = decode_attention.attend(lib, q, cache[0], cache[1], table, lens, hd ** -0.5, torch.empty_like(q),
+                                  new_kv=(k, v, slots))
+    assert torch.equal(cache, written)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"new_kv: k and v must be \[4, 2, 64\] and slots \[4\]"):
+        decode_attention.attend(lib, q, cache[0], cache[1], table, lens, hd ** -0.5, torch.empty_like(q),
+                                new_kv=(k[:3], v[:3], slots[:3]))
