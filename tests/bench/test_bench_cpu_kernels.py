@@ -90,3 +90,50 @@ def test_bench_cpu_huge_pages_times_both_copies(make_checkpoint) -> None:
     lines = [line for line in out.splitlines() if line.startswith("rows") and "huge / small" in line]
     assert [line.split()[1] for line in lines] == ["1:", "2:"]
     assert all(len(line.split("per repeat")[1].split(",")) == 2 for line in lines)
+
+
+def _compute_limit_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_compute_limit", ROOT / "scripts/bench_compute_limit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compute_limit_counts_decode_passes_prompt_chunks_and_lm_head_rows() -> None:
+    """With pass times fixed: 5 prompts, 2 at a time, are 3 waves of (output-len - 1) decode
+    passes; 5 x 12 prompt tokens are 60 / 4 chunk passes; each prompt adds one lm_head row."""
+    bench = _compute_limit_module()
+
+    class Fixed:
+        name, bytes, layer_flops = "fixed", 1e6, 1e6
+
+        def time_pass(self, rows: int, lm_head: bool, repeats: int) -> float:
+            return {(2, True): 0.010, (4, False): 0.020, (1, True): 0.0035, (1, False): 0.0030}[(rows, lm_head)]
+
+    args = bench.argparse.Namespace(num_prompts=5, input_len=12, output_len=7, max_num_seqs=2, chunk=4, repeats=3)
+    got = bench.limit(Fixed(), args)
+    seconds = 3 * 6 * 0.010 + 60 / 4 * 0.020 + 5 * 0.0005
+    assert got["seconds"] == pytest.approx(seconds)
+    assert got["tok_s"] == pytest.approx(5 * 7 / seconds)
+
+
+@pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
+def test_bench_compute_limit_prints_the_limit_and_offline_against_it(make_checkpoint) -> None:
+    ck = make_checkpoint("bench_limit", hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_compute_limit.py"), str(ck), "--offline", "1",
+                          "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--max-num-seqs", "2",
+                          "--chunk", "8", "--repeats", "1"], capture_output=True, text=True, timeout=300, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("round 1:"))
+    limit = float(line.split("limit ")[1].split()[0])
+    offline = float(line.split("offline ")[1].split()[0])
+    assert limit > 0 and offline > 0
+    assert float(line.split(", ")[-1].split()[0]) == pytest.approx(offline / limit, abs=0.01)
+
+
+def test_bench_compute_limit_refuses_a_zero_batch(tmp_path) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/bench_compute_limit.py"), str(tmp_path),
+                           "--max-num-seqs", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--max-num-seqs must be at least 1, got 0" in done.stderr
