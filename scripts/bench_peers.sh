@@ -43,7 +43,7 @@ for size in "${sizes[@]}"; do
     offline=$(sed -n 's/^Throughput: .*, \([0-9.]*\) output tokens\/s.*/\1/p' "$out/l_tput.log")
     if [ -n "$limit" ] && [ -n "$offline" ]; then
       echo "compute limit (scripts/bench_compute_limit.py, before the run): $limit output tok/s;" \
-        "l3worker offline / limit: $(echo "scale=2; $offline / $limit" | bc)"
+        "l3worker offline / limit: $(printf '%.2f' "$(echo "scale=4; $offline / $limit" | bc)")"
     else
       echo "compute limit: not measured (see $out/compute_limit.log)"
     fi
