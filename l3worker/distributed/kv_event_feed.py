@@ -3,7 +3,10 @@ server's event loop, each batch applied to its Router as it comes (l3worker/engi
 says what an engine publishes; l3worker/distributed/router.py what the router does with it).
 
 A batch lost on the way (a sequence number skipped) is counted and logged once: the router then
-keeps its own guess for what that batch said, as it does without events.
+keeps its own guess for what that batch said, as it does without events. A PUB socket drops what
+it sends before a subscription reaches it, so the API server waits (`subscribed`) until each SUB
+socket has shaken hands with its engine's publisher before it serves; a batch that still goes
+before the subscription (the handshake and the subscription are a moment apart) is counted.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from l3worker.distributed.router import Router
 from l3worker.engine.kv_events import offset_port
 
 log = logging.getLogger("l3worker.router")
+SUBSCRIBED_TIMEOUT_S = 10.0  # how long the API server waits for the subscriptions before serving anyway
 
 
 def subscriber_endpoints(endpoint: str, num_engines: int) -> tuple[str, ...]:
@@ -67,14 +71,36 @@ class KVEventFeed:
         self.events = 0  # applied
         self.missed_batches = 0  # sequence numbers skipped: the router guessed for those
         self._next_seq: list[int | None] = [None] * router.config.num_engines
-        self._subs = []
+        self._subs, self._monitors = [], []
         for endpoint in router.config.events_endpoints:
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, 0)
             sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            sub.connect(endpoint)  # before the engines serve: their first batch is not lost
+            self._monitors.append(sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))  # before connect: no event missed
+            sub.connect(endpoint)
             self._subs.append(sub)
+
+    async def subscribed(self, timeout_s: float = SUBSCRIBED_TIMEOUT_S) -> bool:
+        """Waits until every SUB socket has shaken hands with its engine's publisher (the
+        subscription goes out with the handshake, before any request's batch). False, with a
+        warning, past `timeout_s`: the router then guesses for what it missed."""
+        async def handshake(sub, monitor) -> None:
+            try:
+                await monitor.recv_multipart()  # the monitor reports only EVENT_HANDSHAKE_SUCCEEDED
+            finally:
+                sub.disable_monitor()
+                monitor.close(0)
+
+        pending = list(zip(self._subs, self._monitors))
+        self._monitors = []
+        try:
+            await asyncio.wait_for(asyncio.gather(*(handshake(s, m) for s, m in pending)), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            log.warning("router: not subscribed to every engine's KV events after %.0f s; it guesses for what "
+                        "it misses", timeout_s)
+            return False
 
     def exposition(self, api_server: int) -> bytes:
         """This API server's router series, in Prometheus' text format."""
@@ -90,8 +116,8 @@ class KVEventFeed:
         while True:
             _topic, seq_bytes, payload = await sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
-            expected = self._next_seq[engine]
-            if expected is not None and seq > expected:
+            expected = self._next_seq[engine] or 0  # an engine numbers its batches from 0: before the first, lost
+            if seq > expected:
                 if not self.missed_batches:
                     log.warning("router: %d KV event batches of engine %d were lost; it guesses for them",
                                 seq - expected, engine)

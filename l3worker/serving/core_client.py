@@ -195,6 +195,8 @@ class CoreClient:
         self._on_outputs()  # what came before the reader: its fd signals only new arrivals
         self._tasks = [*(asyncio.ensure_future(self._read_control(e)) for e in range(len(self._controls))),
                        *(self.kv_feed.tasks() if self.kv_feed else ())]
+        if self.kv_feed:  # the engines publish from their first request: be subscribed by then
+            await self.kv_feed.subscribed()
 
     async def generate(self, prompt: list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:

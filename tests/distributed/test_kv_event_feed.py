@@ -42,7 +42,8 @@ def test_the_router_holds_what_the_publishing_pool_holds(tmp_path) -> None:
             pool.events = []
             rng = np.random.default_rng(0)
             prompts = [rng.integers(0, 50, PS * 2).astype(np.int32) for _ in range(6)]
-            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            assert await feed.subscribed(0.3) is False  # engine 0 never answers
+            await asyncio.sleep(0.3)  # the subscription follows engine 1's handshake closely
             for k, ids in enumerate(prompts):
                 commit(pool, ids)
                 if k == 3:
@@ -57,6 +58,40 @@ def test_the_router_holds_what_the_publishing_pool_holds(tmp_path) -> None:
             in_pool = {k for k, ids in enumerate(prompts) if pool.lookup(ids).pages}
             assert pool.evicted_pages > 0 and held == in_pool and not router.pages[0]
             assert feed.missed_batches == 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            ctx.destroy(linger=0)
+            publisher.close()
+
+    asyncio.run(run())
+
+
+def test_subscribed_waits_for_the_publisher_and_batches_before_the_first_received_count_as_lost(tmp_path) -> None:
+    """`subscribed()` is True once the SUB socket has shaken hands with the engine's publisher, and
+    False after its timeout where no publisher answers. Batches the engine published before the
+    first one the router received are counted as lost, not silently skipped."""
+    async def run() -> None:
+        publisher = KVEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:0"), PS)
+        ctx = zmq.asyncio.Context()
+        router = Router(RouterConfig(1, PS, 100, events_endpoints=(publisher.endpoint,)))
+        feed = KVEventFeed(ctx, router)
+        tasks = feed.tasks()
+        try:
+            assert await feed.subscribed(30.0)
+            publisher._seq += 3  # three batches that went out before this router listened
+            pool = PagePool(6, PS)
+            for k in range(500):  # until one arrives: the subscription follows the handshake closely
+                pool.events = []
+                commit(pool, np.arange(1 + k, 1 + k + 2 * PS, dtype=np.int32))
+                publisher.publish(pool.events)
+                await asyncio.sleep(0.01)
+                if feed.events:
+                    break
+            first = feed._next_seq[0] - 1
+            assert first >= 3 and feed.missed_batches == first
+            silent = KVEventFeed(ctx, Router(RouterConfig(1, PS, 100, events_endpoints=(f"ipc://{tmp_path}/none",))))
+            assert not await silent.subscribed(0.2)
         finally:
             for task in tasks:
                 task.cancel()
