@@ -29,35 +29,17 @@ def commit(pool: PagePool, ids: np.ndarray) -> None:
     pool.free(hit.pages + pages)
 
 
-def test_the_router_holds_what_the_publishing_pool_holds(tmp_path) -> None:
+def with_feed(body, silent: tuple[str, ...] = ()) -> None:
+    """Runs `await body(publisher, feed, router, ctx)`: a real publisher as the last engine, the
+    `silent` endpoints (which publish nothing) as the engines before it, and a feed following all."""
     async def run() -> None:
         publisher = KVEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:0"), PS)
         ctx = zmq.asyncio.Context()
-        silent = f"ipc://{tmp_path}/engine-0"  # engine 0 publishes nothing
-        router = Router(RouterConfig(2, PS, 100, events_endpoints=(silent, publisher.endpoint)))
+        router = Router(RouterConfig(len(silent) + 1, PS, 100, events_endpoints=(*silent, publisher.endpoint)))
         feed = KVEventFeed(ctx, router)
         tasks = feed.tasks()
         try:
-            pool = PagePool(6, PS)
-            pool.events = []
-            rng = np.random.default_rng(0)
-            prompts = [rng.integers(0, 50, PS * 2).astype(np.int32) for _ in range(6)]
-            assert await feed.subscribed(0.3) is False  # engine 0 never answers
-            await asyncio.sleep(0.3)  # the subscription follows engine 1's handshake closely
-            for k, ids in enumerate(prompts):
-                commit(pool, ids)
-                if k == 3:
-                    publisher._seq += 1  # a batch lost on the way
-                publisher.publish(pool.events)
-                pool.events = []
-            for _ in range(100):
-                if feed.events >= 1 and router.pages[1] and feed._next_seq[1] == publisher._seq:
-                    break
-                await asyncio.sleep(0.02)
-            held = {k for k, ids in enumerate(prompts) if router.matched_pages(1, chain_hashes(ids.tolist(), PS)) == 2}
-            in_pool = {k for k, ids in enumerate(prompts) if pool.lookup(ids).pages}
-            assert pool.evicted_pages > 0 and held == in_pool and not router.pages[0]
-            assert feed.missed_batches == 1
+            await body(publisher, feed, router, ctx)
         finally:
             for task in tasks:
                 task.cancel()
@@ -65,37 +47,52 @@ def test_the_router_holds_what_the_publishing_pool_holds(tmp_path) -> None:
             publisher.close()
 
     asyncio.run(run())
+
+
+def test_the_router_holds_what_the_publishing_pool_holds(tmp_path) -> None:
+    async def body(publisher, feed, router, ctx) -> None:
+        pool = PagePool(6, PS)
+        pool.events = []
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, 50, PS * 2).astype(np.int32) for _ in range(6)]
+        assert await feed.subscribed(0.3) is False  # engine 0 never answers
+        await asyncio.sleep(0.3)  # the subscription follows engine 1's handshake closely
+        for k, ids in enumerate(prompts):
+            commit(pool, ids)
+            if k == 3:
+                publisher._seq += 1  # a batch lost on the way
+            publisher.publish(pool.events)
+            pool.events = []
+        for _ in range(100):
+            if feed.events >= 1 and router.pages[1] and feed._next_seq[1] == publisher._seq:
+                break
+            await asyncio.sleep(0.02)
+        held = {k for k, ids in enumerate(prompts) if router.matched_pages(1, chain_hashes(ids.tolist(), PS)) == 2}
+        in_pool = {k for k, ids in enumerate(prompts) if pool.lookup(ids).pages}
+        assert pool.evicted_pages > 0 and held == in_pool and not router.pages[0]
+        assert feed.missed_batches == 1
+
+    with_feed(body, silent=(f"ipc://{tmp_path}/engine-0",))  # engine 0 publishes nothing
 
 
 def test_subscribed_waits_for_the_publisher_and_batches_before_the_first_received_count_as_lost(tmp_path) -> None:
     """`subscribed()` is True once the SUB socket has shaken hands with the engine's publisher, and
     False after its timeout where no publisher answers. Batches the engine published before the
     first one the router received are counted as lost, not silently skipped."""
-    async def run() -> None:
-        publisher = KVEventPublisher(KVEventsConfig(True, "zmq", "tcp://127.0.0.1:0"), PS)
-        ctx = zmq.asyncio.Context()
-        router = Router(RouterConfig(1, PS, 100, events_endpoints=(publisher.endpoint,)))
-        feed = KVEventFeed(ctx, router)
-        tasks = feed.tasks()
-        try:
-            assert await feed.subscribed(30.0)
-            publisher._seq += 3  # three batches that went out before this router listened
-            pool = PagePool(6, PS)
-            for k in range(500):  # until one arrives: the subscription follows the handshake closely
-                pool.events = []
-                commit(pool, np.arange(1 + k, 1 + k + 2 * PS, dtype=np.int32))
-                publisher.publish(pool.events)
-                await asyncio.sleep(0.01)
-                if feed.events:
-                    break
-            first = feed._next_seq[0] - 1
-            assert first >= 3 and feed.missed_batches == first
-            silent = KVEventFeed(ctx, Router(RouterConfig(1, PS, 100, events_endpoints=(f"ipc://{tmp_path}/none",))))
-            assert not await silent.subscribed(0.2)
-        finally:
-            for task in tasks:
-                task.cancel()
-            ctx.destroy(linger=0)
-            publisher.close()
+    async def body(publisher, feed, router, ctx) -> None:
+        assert await feed.subscribed(30.0)
+        publisher._seq += 3  # three batches that went out before this router listened
+        pool = PagePool(6, PS)
+        for k in range(500):  # until one arrives: the subscription follows the handshake closely
+            pool.events = []
+            commit(pool, np.arange(1 + k, 1 + k + 2 * PS, dtype=np.int32))
+            publisher.publish(pool.events)
+            await asyncio.sleep(0.01)
+            if feed.events:
+                break
+        first = feed._next_seq[0] - 1
+        assert first >= 3 and feed.missed_batches == first
+        silent = KVEventFeed(ctx, Router(RouterConfig(1, PS, 100, events_endpoints=(f"ipc://{tmp_path}/none",))))
+        assert not await silent.subscribed(0.2)
 
-    asyncio.run(run())
+    with_feed(body)
