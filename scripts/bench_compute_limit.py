@@ -67,14 +67,14 @@ class Projections:
         self.layer_flops = 2 * sum(n * k for n, k in layer) * len(self.layers)  # per row
         self.bytes = 2 * (sum(n * k for n, k in layer) * len(self.layers) + self.head[0] * self.head[1])
 
-    def time_pass(self, rows: int, lm_head: bool, repeats: int) -> float:
-        """Median seconds of one pass over every layer's projections (and the lm_head) at `rows`."""
+    def time_pass(self, rows: int, layers: bool, lm_head: bool, repeats: int) -> float:
+        """Median seconds of one pass at `rows` over every layer's projections and/or the lm_head."""
         xs = [torch.randn(rows, k).bfloat16() for _, k in self.layer]
         xh = torch.randn(rows, self.head[1]).bfloat16()
 
         def once() -> float:
             t0 = time.perf_counter()
-            for ws in self.layers:
+            for ws in self.layers if layers else ():
                 for x, w, (n, _) in zip(xs, ws, self.layer):
                     self.run_one(x, w, n)
             if lm_head:
@@ -87,13 +87,13 @@ class Projections:
 
 def limit(p: Projections, a: argparse.Namespace) -> dict:
     """Output tokens per second that the projections alone allow for the workload."""
-    decode_s = p.time_pass(a.max_num_seqs, True, a.repeats)
-    chunk_s = p.time_pass(a.chunk, False, max(2, a.repeats // 3))
-    head_row_s = p.time_pass(1, True, a.repeats) - p.time_pass(1, False, a.repeats)
+    decode_s = p.time_pass(a.max_num_seqs, True, True, a.repeats)
+    chunk_s = p.time_pass(a.chunk, True, False, max(2, a.repeats // 3))
+    head_row_s = p.time_pass(1, False, True, a.repeats)  # a prompt's last token through the lm_head
     waves = math.ceil(a.num_prompts / a.max_num_seqs)
     prompt_tokens = a.num_prompts * a.input_len
     total_s = (waves * (a.output_len - 1) * decode_s + prompt_tokens / a.chunk * chunk_s
-               + a.num_prompts * max(head_row_s, 0.0))
+               + a.num_prompts * head_row_s)
     return {"kernel": p.name, "decode_step_ms": decode_s * 1e3, "weights_gb_s": p.bytes / decode_s / 1e9,
             "prompt_gflops": p.layer_flops * a.chunk / chunk_s / 1e9, "seconds": total_s,
             "tok_s": a.num_prompts * a.output_len / total_s}
@@ -101,11 +101,10 @@ def limit(p: Projections, a: argparse.Namespace) -> dict:
 
 def offline(a: argparse.Namespace) -> float:
     """`l3worker bench throughput` on the workload: its output tokens per second."""
-    cmd = [sys.executable, "-c", "import sys; from l3worker.serving.cli import main; sys.exit(main())", "bench", "throughput", "--model", a.model,
-           "--dtype", "bfloat16", "--max-num-seqs", str(a.max_num_seqs),
-           "--max-model-len", str(a.input_len + a.output_len + 256), "--dataset-name", "random",
-           "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-           "--num-prompts", str(a.num_prompts)]
+    cmd = [sys.executable, "-m", "l3worker", "bench", "throughput", "--model", a.model, "--dtype", "bfloat16",
+           "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.input_len + a.output_len + 256),
+           "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
+           str(a.output_len), "--num-prompts", str(a.num_prompts)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     found = re.search(r"([0-9.]+) output tokens/s", out.stdout)
     if out.returncode or not found:

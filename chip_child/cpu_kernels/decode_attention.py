@@ -96,10 +96,10 @@ def check_error(lib: ctypes.CDLL) -> float:
         want = reference(q, k, v, table, lens, 0.125)
         got = attend(lib, q, k, v, table, lens, 0.125, torch.empty_like(q)).float()
         # The same with each row's last key and value handed to the kernel: the cache must get their bits.
-        last = (lens.long() - 1)
+        last = lens.long() - 1
         slots = table[torch.arange(4), last // page].long() * page + last % page
         k_rows, v_rows = (x.permute(1, 2, 0, 3).reshape(pages * page, kvh, hd) for x in (k, v))
-        new = (k_rows[slots].clone(), v_rows[slots].clone(), slots)
+        new = (k_rows[slots], v_rows[slots], slots)  # copies: indexing by a tensor gathers
         k2, v2 = k.clone(), v.clone()
         for x in (k2, v2):
             x.view(kvh, pages * page, hd)[:, slots] = 0

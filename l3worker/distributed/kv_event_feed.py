@@ -70,14 +70,15 @@ class KVEventFeed:
         self.router = router
         self.events = 0  # applied
         self.missed_batches = 0  # sequence numbers skipped: the router guessed for those
-        self._next_seq: list[int | None] = [None] * router.config.num_engines
+        self._next_seq = [0] * router.config.num_engines  # an engine numbers its batches from 0
         self._subs, self._monitors = [], []
         for endpoint in router.config.events_endpoints:
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, 0)
             sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            self._monitors.append(sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))  # before connect: no event missed
+            # The monitor goes on before the connect, so the handshake's event is not missed.
+            self._monitors.append(sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
             sub.connect(endpoint)
             self._subs.append(sub)
 
@@ -116,7 +117,7 @@ class KVEventFeed:
         while True:
             _topic, seq_bytes, payload = await sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
-            expected = self._next_seq[engine] or 0  # an engine numbers its batches from 0: before the first, lost
+            expected = self._next_seq[engine]  # batches before the first one received count as lost too
             if seq > expected:
                 if not self.missed_batches:
                     log.warning("router: %d KV event batches of engine %d were lost; it guesses for them",

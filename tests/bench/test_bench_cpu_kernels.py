@@ -109,8 +109,8 @@ def test_the_compute_limit_counts_decode_passes_prompt_chunks_and_lm_head_rows()
     class Fixed:
         name, bytes, layer_flops = "fixed", 1e6, 1e6
 
-        def time_pass(self, rows: int, lm_head: bool, repeats: int) -> float:
-            return {(2, True): 0.010, (4, False): 0.020, (1, True): 0.0035, (1, False): 0.0030}[(rows, lm_head)]
+        def time_pass(self, rows: int, layers: bool, lm_head: bool, repeats: int) -> float:
+            return {(2, True, True): 0.010, (4, True, False): 0.020, (1, False, True): 0.0005}[(rows, layers, lm_head)]
 
     args = bench.argparse.Namespace(num_prompts=5, input_len=12, output_len=7, max_num_seqs=2, chunk=4, repeats=3)
     got = bench.limit(Fixed(), args)
