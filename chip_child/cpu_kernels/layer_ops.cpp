@@ -56,11 +56,13 @@ void l3_add_rms_norm(const uint16_t* h, int64_t h_stride, const uint16_t* delta,
 }
 
 // qk [T, heads, hd] (strides in elements) -> out [T, heads, hd] contiguous: each head rms-normed
-// with weight [hd] (null: not normed), then rotate-half RoPE from rope [positions, 2, hd] (cos,
-// signed sin) at positions[t] (int64 when pos64, else int32). hd a multiple of 32, at most 512.
-void l3_qk_norm_rope(const uint16_t* qk, int64_t t_stride, int64_t h_stride, const uint16_t* weight, float eps,
-                     const uint16_t* rope, const void* positions, int pos64, uint16_t* out, int64_t T, int64_t heads,
-                     int64_t hd) {
+// with its row of weight (head h's at weight + h * w_stride: a model's q_norm rows then its k_norm
+// rows, or one row for all with w_stride 0; null: not normed), then rotate-half RoPE from rope
+// [positions, 2, hd] (cos, signed sin) at positions[t] (int64 when pos64, else int32). hd a
+// multiple of 32, at most 512.
+void l3_qk_norm_rope(const uint16_t* qk, int64_t t_stride, int64_t h_stride, const uint16_t* weight, int64_t w_stride,
+                     float eps, const uint16_t* rope, const void* positions, int pos64, uint16_t* out, int64_t T,
+                     int64_t heads, int64_t hd) {
 #pragma omp parallel for schedule(static) if (T * heads * hd > PARALLEL_ELEMENTS)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t pos = pos64 ? ((const int64_t*)positions)[t] : ((const int32_t*)positions)[t];
@@ -73,7 +75,7 @@ void l3_qk_norm_rope(const uint16_t* qk, int64_t t_stride, int64_t h_stride, con
       if (weight) {
         float row[512];
         for (int64_t i = 0; i < hd; i += VEC) _mm512_storeu_ps(row + i, load_bf16(src + i));
-        rms_norm_row(row, hd, weight, eps, normed);
+        rms_norm_row(row, hd, weight + h * w_stride, eps, normed);
         x = normed;
       }
       const int64_t half = hd / 2;

@@ -26,7 +26,7 @@ _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.l3_add_rms_norm.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _F32, _PTR, _I64, _PTR, _I64, _I64, _I64]
-    lib.l3_qk_norm_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _INT, _PTR, _I64, _I64, _I64]
+    lib.l3_qk_norm_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _F32, _PTR, _PTR, _INT, _PTR, _I64, _I64, _I64]
     lib.l3_silu_mul.argtypes = [_PTR, _I64, _PTR, _I64, _I64]
     for f in (lib.l3_add_rms_norm, lib.l3_qk_norm_rope, lib.l3_silu_mul):
         f.restype = None
@@ -49,6 +49,11 @@ def _rows(x: torch.Tensor) -> bool:
     return x.dtype == BF16 and x.dim() == 2 and x.stride(1) == 1
 
 
+def _head_rows(weight: torch.Tensor, heads: int, hd: int) -> bool:
+    """A contiguous bf16 norm weight of one row [hd] for every head, or a row per head [heads, hd]."""
+    return weight.dtype == BF16 and weight.is_contiguous() and weight.shape in ((hd,), (heads, hd))
+
+
 def make_ops(lib: ctypes.CDLL) -> LayerOps:
     def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, w: Qwen3Weights):
         t, n = h.shape
@@ -68,14 +73,14 @@ def make_ops(lib: ctypes.CDLL) -> LayerOps:
         rope, positions = rows
         t, heads, hd = qk.shape
         if not (qk.dtype == BF16 and rope.dtype == BF16 and qk.stride(2) == 1 and hd % 32 == 0 and hd <= 512
-                and rope.is_contiguous() and (weight is None or weight.dtype == BF16 and weight.is_contiguous())
+                and rope.is_contiguous() and (weight is None or _head_rows(weight, heads, hd))
                 and positions.dtype in (torch.int64, torch.int32) and positions.is_contiguous()):
             _reference("qk_norm_rope", (tuple(qk.shape), qk.dtype))
             return TORCH_OPS.qk_norm_rope(qk, weight, TORCH_OPS.rope_rows(rope, positions), w)
         out = torch.empty(t, heads, hd, dtype=BF16)
         if t:
             lib.l3_qk_norm_rope(qk.data_ptr(), qk.stride(0), qk.stride(1), None if weight is None else weight.data_ptr(),
-                                w.eps_value, rope.data_ptr(), positions.data_ptr(), int(positions.dtype == torch.int64),
+                                0 if weight is None or weight.dim() == 1 else hd, w.eps_value, rope.data_ptr(), positions.data_ptr(), int(positions.dtype == torch.int64),
                                 out.data_ptr(), t, heads, hd)
         return out
 
@@ -116,8 +121,9 @@ def check_error(lib: ctypes.CDLL) -> float:
     freqs = torch.arange(40)[:, None] / 10000 ** (torch.arange(32) / 32)
     emb = torch.cat([freqs, freqs], -1)
     rope = torch.stack([emb.cos(), emb.sin() * torch.cat([-torch.ones(32), torch.ones(32)])], 1).to(BF16)
-    qk, positions, head_weight = rand(5, 4, 64)[:, :3], torch.tensor([0, 3, 7, 11, 39]), rand(64)
-    for norm in (head_weight, None):
+    # A row per head (a model's q_norm rows, then its k_norm's), one row for all, none.
+    qk, positions, head_weights = rand(5, 4, 64)[:, :3], torch.tensor([0, 3, 7, 11, 39]), rand(3, 64)
+    for norm in (head_weights, head_weights[0].contiguous(), None):
         errors.append(_error(ops.qk_norm_rope(qk, norm, ops.rope_rows(rope, positions), w),
                              TORCH_OPS.qk_norm_rope(qk, norm, TORCH_OPS.rope_rows(rope, positions), w)))
     gate_up = rand(5, 2 * 101, scale=3.0)

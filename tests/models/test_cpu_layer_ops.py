@@ -54,9 +54,9 @@ def test_add_rms_norm(ops, tokens: int, hidden: int, with_delta: bool) -> None:
 @needs_kernel
 @pytest.mark.parametrize("tokens", [0, 1, 9])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("normed", ["no", "one row", "a row per head"])  # a model's q_norm rows, then k_norm's
 @pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32])
-def test_qk_norm_rope(ops, tokens: int, head_dim: int, normed: bool, pos_dtype: torch.dtype) -> None:
+def test_qk_norm_rope(ops, tokens: int, head_dim: int, normed: str, pos_dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(tokens * head_dim)
     heads = 6
     qkv = torch.randn(tokens, heads + 2, head_dim, generator=g).to(BF16)
@@ -66,7 +66,8 @@ def test_qk_norm_rope(ops, tokens: int, head_dim: int, normed: bool, pos_dtype: 
     emb = torch.cat([freqs, freqs], -1)
     rope = torch.stack([emb.cos(), emb.sin() * torch.cat([-torch.ones(half), torch.ones(half)])], 1).to(BF16)
     positions = (torch.arange(tokens) * 7 % 64).to(pos_dtype)
-    weight = torch.randn(head_dim, generator=g).to(BF16) if normed else None
+    rows = {"no": None, "one row": (head_dim,), "a row per head": (heads, head_dim)}[normed]
+    weight = None if rows is None else torch.randn(*rows, generator=g).to(BF16)
     w = norms(head_dim * heads, head_dim)
     got = ops.qk_norm_rope(qk, weight, ops.rope_rows(rope, positions), w)
     want = TORCH_OPS.qk_norm_rope(qk, weight, TORCH_OPS.rope_rows(rope, positions), w)
