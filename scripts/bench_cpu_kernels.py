@@ -16,7 +16,10 @@ import statistics
 import subprocess
 import sys
 
-KERNELS = ("cpu_bf16_amx", "cpu_bf16_linear", "cpu_decode_attention", "cpu_layer_ops")  # no_bf16_linear: AMX off too
+KERNELS = ("cpu_bf16_amx", "cpu_bf16_linear", "cpu_decode_attention", "cpu_layer_ops",
+           "cpu_decode_layers")
+# no_bf16_linear turns AMX off too; it, no_decode_attention and no_layer_ops turn the
+# one-call decode layers off as well (those call these kernels)
 VARIANTS = {"all_on": "", **{f"no_{k.removeprefix('cpu_')}": k for k in KERNELS}, "all_off": ",".join(KERNELS)}
 
 

@@ -40,6 +40,10 @@ class CpuAttention(TorchAttention):
     def uses_kernel(self) -> bool:
         return self._lib is not None
 
+    def layer_cache(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s [2, kv_heads, pages, page_size, head_dim] (chip_child.cpu_kernels.decode_layers)."""
+        return self._layers[layer]
+
     def plan(self, meta: AttentionMetadata) -> StepPlan:
         if self._lib is None or not (meta.max_query_len == 1 and meta.num_tokens == meta.num_seqs > 0):
             return super().plan(meta)

@@ -7,26 +7,23 @@ on the device. The one host synchronisation of a decode step is the copy of the 
 `out`.
 
 Every step is one forward over a packed token axis: the decode lanes first (a lane whose row is
-not decoding writes to the scratch page and its token is ignored), then the tokens of each prompt
-chunk. A chunk that ends its prompt hands its last hidden state to its row's lane, so one
-sampler call serves decode rows and rows that just finished their prefill alike. A step runs
-lanes [0, n) only, n the lane bucket of its highest active row (chip_child.step.graphs); the rows
-above are idle and untouched. A step with chunks runs fewer lanes in its forward: those up to the
-highest row that was decoding before it (chip_child.step.chunk_layout.plan_chunks). On cuda and npu the decode-only step's forward is a captured graph
-per bucket, replayed without copying anything (chip_child.step.graphs). On cuda the elementwise
-stages between the matmuls are fused Triton kernels (chip_child.models.fused).
+not decoding writes to the scratch page and its token is ignored), then each prompt chunk's
+tokens; a chunk that ends its prompt hands its last hidden state to its row's lane, so one
+sampler call serves both. A step runs lanes [0, n), n the lane bucket of its highest active row
+(chip_child.step.graphs), fewer in the forward of a step with chunks (chunk_layout.plan_chunks).
+A decode-only step's forward is a replayed graph per bucket on cuda and npu, one C call for
+every layer in bf16 on the cpu (chip_child.cpu_kernels.decode_layers); on cuda the elementwise
+stages are fused Triton kernels (chip_child.models.fused).
 
 Optional sampling stages (a grammar's token mask, penalties, min_p, the min_tokens stop-id mask,
 log-probabilities) run only in steps where some active row uses them, decided from host facts
 kept between admissions: a batch that uses none runs exactly the plain sampler. Their per-row
-state (output token counts, prompt tokens, stop ids) is set at admission and updated on the
-device from the sampled ids; a grammar's matcher is host state (chip_child.sampling.grammar_rows),
-advanced with the sampled ids, its mask filled while the forward runs.
+state is set at admission and updated on the device from the sampled ids; a grammar's matcher is
+host state (chip_child.sampling.grammar_rows), its mask filled while the forward runs.
 
 With speculative decoding configured (chip_child.spec.speculation), a decode-only step where some row
 has drafts runs the "verify" callable instead: each row moves on by 1 to k + 1 tokens (rows using
-penalties or a grammar get no drafts: 1), and the step's per-row tokens (with their
-log-probabilities, for rows asking) go to the ring beside the sampled ids.
+penalties or a grammar get no drafts: 1), its tokens (and log-probabilities) go beside the ids.
 """
 from __future__ import annotations
 
@@ -56,6 +53,7 @@ from chip_child.step.chunk_layout import ChunkInts, ChunkPlan, lane_hidden, plan
 from chip_child.sampling.grammar_rows import ConstrainedRows
 from chip_child.step.pool import TaskArg, TensorPool
 from chip_child.step.task_args import LANE_SLOTS, step_task_args
+from chip_child.cpu_kernels.decode_layers import DecodeLayers
 from chip_child.cpu_kernels.layer_ops import cpu_layer_ops
 from chip_child.models.prepack import cpu_linear_kernel, resolve_cpu_prepack
 from chip_child.protocol import Chunk, Command
@@ -171,6 +169,7 @@ class ChipRuntime:
         self.graphs: DecodeGraphs | None = None  # set once warm-up captured them; warm-up itself runs eagerly
         self.spec = Speculation(self, SpeculativeConfig.of(cfg.speculative)) if cfg.speculative else None
         self._pending_graphs = DecodeGraphs(graph_capturer or DeviceGraphs(self.device)) if graphs else None
+        self.decode_layers = DecodeLayers.of(self)  # a decode step's layers in one call (bf16 on the cpu)
 
         warm_up(self)
         if self._pending_graphs is not None:  # every row idle: the captures write to the scratch page only
@@ -416,9 +415,12 @@ class ChipRuntime:
         torch.add(v["positions"], 1, out=v["lane_seq_lens"])
         meta = AttentionMetadata(v["lane_starts"], v["lane_seq_lens"], v["block_table"], v["slot_mapping"], 1,
                                  max_seq_len, seq_lens_host=seq_lens_host)
-        hidden = forward(self.model_cfg, self.weights, self.attn, self.attn.plan(meta), self.rope, v["input_ids"],
-                         v["positions"], self.all_reduce, self.ops, self.spec and self.spec.aux(),
-                         (self.lora and self.lora.step(v["lora_slot"])) if lora == "masked" else lora)
+        step = self.attn.plan(meta)
+        run = partial(forward, self.model_cfg, self.weights, self.attn, step, self.rope, v["input_ids"], v["positions"],
+                      self.all_reduce, self.ops, self.spec and self.spec.aux(),
+                      (self.lora and self.lora.step(v["lora_slot"])) if lora == "masked" else lora)
+        fused = self.decode_layers  # None where LoRA, speculation or tensor parallelism runs
+        hidden = run() if fused is None else fused.forward(step, v["input_ids"], v["positions"], run)
         final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,

@@ -1,0 +1,207 @@
+"""A pure decode step's layers in one call (decode_layers.cpp): the kernels chip_child.models.qwen3.
+forward calls one by one from Python on the cpu (layer_ops, the packed projections, decode
+attention), called in the same order on the same buffers from C. The bits are the same; what goes
+is Python's cost per layer, its ten or so calls, views and allocations: about half of a 27M
+model's batch-1 step on the 2-core CI machine (docs/performance/cpu.md#one-call-per-decode-step).
+
+`DecodeLayers.of(rt)` takes a runtime whose model it can run: bf16, every layer dense, every
+projection packed for our kernels and without a bias, our layer ops and decode attention in use,
+one device, no LoRA slots, no speculation. Anything else runs forward as before and says why once
+on stderr. Its first step also runs forward and must give the same bits, or it is not used again
+(a KernelVerdict "decode_layers" in the runtime's kernel checks either way).
+`L3WORKER_REFERENCE_KERNELS=cpu_decode_layers` turns it off."""
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+from chip_child.attention import StepPlan
+from chip_child.cpu_kernels import bf16_amx, bf16_linear, decode_attention, layer_ops
+from chip_child.cpu_kernels.build import CheckedKernel
+from chip_child.models.kernel_checks import KernelVerdict
+from chip_child.models.prepack import PackedLinear
+from chip_child.models.qwen3 import PROJECTIONS, LayerWeights
+
+if TYPE_CHECKING:
+    from chip_child.step.runtime import ChipRuntime
+
+_PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+LAYER_OPS = ("add_rms_norm", "qk_norm_rope", "silu_mul")  # the kernel checks these must have passed
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("run", _PTR), ("packed", _PTR)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _PTR), ("qkv", _Projection), ("qk_norm", _PTR), ("o_proj", _Projection),
+                ("post_norm", _PTR), ("gate_up", _Projection), ("down", _Projection), ("k_cache", _PTR),
+                ("v_cache", _PTR)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("add_rms_norm", _PTR), ("qk_norm_rope", _PTR), ("silu_mul", _PTR), ("attention", _PTR),
+                ("layers", ctypes.POINTER(_Layer)), ("num_layers", _I64), ("hidden", _I64), ("heads", _I64),
+                ("kv_heads", _I64), ("head_dim", _I64), ("intermediate", _I64), ("head_stride", _I64),
+                ("page_stride", _I64), ("page_size", _I64), ("eps", _F32), ("scale", _F32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _I64), ("rope", _PTR), ("positions", _PTR), ("pos64", _INT), ("block_table", _PTR),
+                ("table_stride", _I64), ("seq_lens", _PTR), ("slots", _PTR), ("threads", _INT)]
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.l3_decode_layers_abi.argtypes, lib.l3_decode_layers_abi.restype = [_I64], _I64
+    lib.l3_decode_layers_work.argtypes, lib.l3_decode_layers_work.restype = [ctypes.POINTER(_Model)], _I64
+    lib.l3_decode_layers.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), _PTR, _PTR, _PTR]
+    lib.l3_decode_layers.restype = None
+    return lib
+
+
+def check_abi(lib: ctypes.CDLL) -> float:
+    """0 where the C structures are the sizes of their ctypes mirrors, else infinite: the driver
+    has no arithmetic of its own to check (the model-level check is DecodeLayers' first step)."""
+    sizes = [ctypes.sizeof(s) for s in (_Layer, _Model, _Step)]
+    return 0.0 if [lib.l3_decode_layers_abi(i) for i in range(3)] == sizes else float("inf")
+
+
+KERNEL = CheckedKernel("cpu_decode_layers", "decode_layers.cpp", "decode steps run layer by layer from Python",
+                       _bind, check_abi, 0.0)
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), _PTR).value
+
+
+def _why_not(rt: "ChipRuntime") -> str | None:
+    """Why the runtime's model cannot take the one-call decode layers; None: it can."""
+    w, cfg = rt.weights, rt.cfg
+    if cfg.tp_size > 1 or rt.lora is not None or rt.spec is not None:
+        return "tensor parallelism, LoRA slots and speculation take the layer-by-layer path"
+    if rt.ops.name != "cpu" or not all(v.used for v in rt.kernel_checks if v.kernel in LAYER_OPS):
+        return "the cpu layer ops are not all in use"
+    if not getattr(rt.attn, "uses_kernel", False) or rt.attn.decode_mirror:
+        return "decode attention is not on the cpu kernel"
+    mc = rt.model_cfg
+    if mc.hidden_size % 16 or mc.hidden_size > 16384 or mc.head_dim % 32 or mc.head_dim > 512:
+        return f"the layer ops take hidden sizes of 16n up to 16384 and head sizes of 32n up to 512, not " \
+               f"{mc.hidden_size} and {mc.head_dim}"
+    if not rt.rope.is_contiguous() or rt.rope.dtype != torch.bfloat16:
+        return "the rope table is not contiguous bf16"
+    for lw in w.layers:
+        if lw.moe is not None or lw.qkv_bias is not None or lw.o_bias is not None:
+            return "a layer has experts or biases"
+        for name in PROJECTIONS:
+            p = getattr(lw, name)
+            if type(p) is not PackedLinear or p.kernel not in ("amx_bf16", "avx512_bf16"):
+                return f"a {name} projection is not packed for our bf16 kernels"
+        norms = [n for n in (lw.input_norm, lw.post_norm, lw.qk_norm) if n is not None]
+        if not all(n.dtype == torch.bfloat16 and n.is_contiguous() for n in norms):
+            return "a norm weight is not contiguous bf16"
+        if lw.qk_norm is not None and lw.qk_norm.shape != (mc.num_heads + mc.num_kv_heads, mc.head_dim):
+            return f"a q/k norm weight is {tuple(lw.qk_norm.shape)}, not a row per head"
+    return None
+
+
+class DecodeLayers:
+    """The one-call decode layers of one runtime's model; `forward` stands in for qwen3.forward on a
+    pure decode step planned for the cpu attention kernel."""
+
+    def __init__(self, lib: ctypes.CDLL, rt: "ChipRuntime", verdicts: list[KernelVerdict]):
+        self.lib, self.rt, self.verdicts = lib, rt, verdicts
+        self.verified = False  # until the first step has matched forward
+        self._layers = self._model = None
+        # Each layer's key and value caches [kv_heads, pages, page_size, head_dim]: views made once,
+        # whose addresses follow their storage (sleep frees and reallocates it).
+        self._caches = [tuple(rt.attn.layer_cache(i).unbind(0)) for i in range(len(rt.weights.layers))]
+        self._built_for: tuple[int, ...] = ()  # the addresses the layer table holds
+        self._work_per_row = 0
+
+    @classmethod
+    def of(cls, rt: "ChipRuntime") -> "DecodeLayers | None":
+        """None for a model it cannot run (said once on stderr) and off the bf16 cpu path (silently:
+        float32 and accelerators have their own)."""
+        if rt.device.type != "cpu" or rt.dtype != torch.bfloat16:
+            return None
+        lib = KERNEL.library()
+        if lib is None:
+            return None
+        why = _why_not(rt)
+        if why is not None:
+            print(f"chip-child: decode steps run layer by layer from Python: {why}", file=sys.stderr, flush=True)
+            return None
+        return cls(lib, rt, rt.kernel_checks)
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Every address the layer table holds, in its order: read again each step (about 10 us for
+        12 layers), since a weight update, sleep or a test may move any of them."""
+        out = []
+        for lw, (k, v) in zip(self.rt.weights.layers, self._caches):
+            out += (lw.input_norm.data_ptr(), lw.qkv.weight.data_ptr(), 0 if lw.qk_norm is None else lw.qk_norm.data_ptr(),
+                    lw.o_proj.weight.data_ptr(), lw.post_norm.data_ptr(), lw.gate_up.weight.data_ptr(),
+                    lw.down.weight.data_ptr(), k.data_ptr(), v.data_ptr())
+        return tuple(out)
+
+    def _build(self, addresses: tuple[int, ...]) -> None:
+        rt, mc = self.rt, self.rt.model_cfg
+        ops_lib, attn_lib = layer_ops.KERNEL.library(), decode_attention.KERNEL.library()
+        runs = {"avx512_bf16": _address(bf16_linear.KERNEL.library(), "l3_bf16_linear")}
+        if bf16_amx.KERNEL.library() is not None:
+            runs["amx_bf16"] = _address(bf16_amx.KERNEL.library(), "l3_bf16_amx_linear")
+        layers = (_Layer * mc.num_layers)()
+        for i, lw in enumerate(rt.weights.layers):
+            lw: LayerWeights
+            a = addresses[9 * i:9 * i + 9]
+            layers[i] = _Layer(a[0], _Projection(runs[lw.qkv.kernel], a[1]), a[2] or None,
+                               _Projection(runs[lw.o_proj.kernel], a[3]), a[4], _Projection(runs[lw.gate_up.kernel], a[5]),
+                               _Projection(runs[lw.down.kernel], a[6]), a[7], a[8])
+        k = rt.attn.layer_cache(0)[0]
+        self._layers = layers  # the model points into it
+        self._model = _Model(_address(ops_lib, "l3_add_rms_norm"), _address(ops_lib, "l3_qk_norm_rope"),
+                             _address(ops_lib, "l3_silu_mul"), _address(attn_lib, "l3_decode_attention"), layers,
+                             mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                             mc.intermediate_size, k.stride(0), k.stride(1), k.shape[2], rt.weights.eps_value,
+                             rt.attn.spec.softmax_scale)
+        self._work_per_row = self.lib.l3_decode_layers_work(self._model)
+        self._built_for = addresses
+
+    def forward(self, step: StepPlan, tokens: torch.Tensor, positions: torch.Tensor,
+                reference: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The last layer's hidden states [rows, hidden], as qwen3.forward returns them. On the first
+        step `reference` (that forward) runs first: both write the same keys and values, and the
+        hidden states must be equal, or the layer-by-layer path serves from then on."""
+        if not step.extra.get("kernel_decode"):  # a step the cpu attention kernel does not take
+            return reference()
+        addresses = self._addresses()
+        if addresses != self._built_for:
+            self._build(addresses)
+        meta, rt = step.meta, self.rt
+        rows = tokens.shape[0]
+        table, lens = meta.block_table, meta.seq_lens
+        if table.stride(-1) != 1 or lens.dtype != torch.int32 or not lens.is_contiguous() or not positions.is_contiguous():
+            return reference()
+        want = None if self.verified else reference()
+        h = F.embedding(tokens, rt.weights.embed)
+        delta = torch.empty_like(h)
+        work = torch.empty(rows * self._work_per_row, dtype=torch.bfloat16)
+        s = _Step(rows, rt.rope.data_ptr(), positions.data_ptr(), int(positions.dtype == torch.int64),
+                  table.data_ptr(), table.stride(0), lens.data_ptr(), step.extra["slots"].data_ptr(),
+                  torch.get_num_threads())
+        self.lib.l3_decode_layers(self._model, s, h.data_ptr(), delta.data_ptr(), work.data_ptr())
+        hidden = h + delta
+        if want is not None:
+            same = torch.equal(hidden, want)
+            error = ((hidden.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            self.verdicts.append(KernelVerdict("decode_layers", error, same))
+            self.verified = True
+            if not same:
+                print("chip-child: the one-call decode layers differ from the layer-by-layer forward on this "
+                      "model: decode steps run layer by layer from now on", file=sys.stderr, flush=True)
+                self.rt.decode_layers = None
+                return want
+        return hidden
