@@ -14,8 +14,8 @@ typedef void (*AddRmsNormFn)(const uint16_t* h, int64_t h_stride, const uint16_t
                              const uint16_t* weight, float eps, uint16_t* h_out, int64_t ho_stride, uint16_t* x,
                              int64_t x_stride, int64_t T, int64_t n);
 typedef void (*QkNormRopeFn)(const uint16_t* qk, int64_t t_stride, int64_t h_stride, const uint16_t* weight,
-                             int64_t w_stride, float eps, const uint16_t* rope, const void* positions, int pos64, uint16_t* out, int64_t T,
-                             int64_t heads, int64_t hd);
+                             int64_t w_stride, float eps, const uint16_t* rope, const void* positions, int pos64,
+                             uint16_t* out, int64_t T, int64_t heads, int64_t hd);
 typedef void (*SiluMulFn)(const uint16_t* gate_up, int64_t stride, uint16_t* out, int64_t T, int64_t n);
 typedef void (*AttentionFn)(int bf16, const void* q, int64_t q_row_stride, void* k, void* v, int64_t head_stride,
                             int64_t page_stride, const int32_t* block_table, int64_t table_stride,

@@ -142,7 +142,8 @@ class DecodeLayers:
         12 layers), since a weight update, sleep or a test may move any of them."""
         out = []
         for lw, (k, v) in zip(self.rt.weights.layers, self._caches):
-            out += (lw.input_norm.data_ptr(), lw.qkv.weight.data_ptr(), 0 if lw.qk_norm is None else lw.qk_norm.data_ptr(),
+            qk_norm = 0 if lw.qk_norm is None else lw.qk_norm.data_ptr()
+            out += (lw.input_norm.data_ptr(), lw.qkv.weight.data_ptr(), qk_norm,
                     lw.o_proj.weight.data_ptr(), lw.post_norm.data_ptr(), lw.gate_up.weight.data_ptr(),
                     lw.down.weight.data_ptr(), k.data_ptr(), v.data_ptr())
         return tuple(out)
@@ -158,8 +159,9 @@ class DecodeLayers:
             lw: LayerWeights
             a = addresses[9 * i:9 * i + 9]
             layers[i] = _Layer(a[0], _Projection(runs[lw.qkv.kernel], a[1]), a[2] or None,
-                               _Projection(runs[lw.o_proj.kernel], a[3]), a[4], _Projection(runs[lw.gate_up.kernel], a[5]),
-                               _Projection(runs[lw.down.kernel], a[6]), a[7], a[8])
+                               _Projection(runs[lw.o_proj.kernel], a[3]), a[4],
+                               _Projection(runs[lw.gate_up.kernel], a[5]), _Projection(runs[lw.down.kernel], a[6]),
+                               a[7], a[8])
         k = rt.attn.layer_cache(0)[0]
         self._layers = layers  # the model points into it
         self._model = _Model(_address(ops_lib, "l3_add_rms_norm"), _address(ops_lib, "l3_qk_norm_rope"),
@@ -183,7 +185,8 @@ class DecodeLayers:
         meta, rt = step.meta, self.rt
         rows = tokens.shape[0]
         table, lens = meta.block_table, meta.seq_lens
-        if table.stride(-1) != 1 or lens.dtype != torch.int32 or not lens.is_contiguous() or not positions.is_contiguous():
+        if (table.stride(-1) != 1 or lens.dtype != torch.int32 or not lens.is_contiguous()
+                or not positions.is_contiguous()):
             return reference()
         want = None if self.verified else reference()
         h = F.embedding(tokens, rt.weights.embed)

@@ -79,8 +79,10 @@ def make_ops(lib: ctypes.CDLL) -> LayerOps:
             return TORCH_OPS.qk_norm_rope(qk, weight, TORCH_OPS.rope_rows(rope, positions), w)
         out = torch.empty(t, heads, hd, dtype=BF16)
         if t:
-            lib.l3_qk_norm_rope(qk.data_ptr(), qk.stride(0), qk.stride(1), None if weight is None else weight.data_ptr(),
-                                0 if weight is None or weight.dim() == 1 else hd, w.eps_value, rope.data_ptr(), positions.data_ptr(), int(positions.dtype == torch.int64),
+            w_ptr = None if weight is None else weight.data_ptr()
+            w_stride = 0 if weight is None or weight.dim() == 1 else hd  # one row for every head, or a row per head
+            lib.l3_qk_norm_rope(qk.data_ptr(), qk.stride(0), qk.stride(1), w_ptr, w_stride, w.eps_value,
+                                rope.data_ptr(), positions.data_ptr(), int(positions.dtype == torch.int64),
                                 out.data_ptr(), t, heads, hd)
         return out
 
@@ -117,7 +119,8 @@ def check_error(lib: ctypes.CDLL) -> float:
                         inv_head_dim=torch.tensor(1 / 64))
     ops = make_ops(lib)
     h, delta, weight = rand(5, 96), rand(5, 96), rand(96)
-    errors = [_error(a, b) for a, b in zip(ops.add_rms_norm(h, delta, weight, w), TORCH_OPS.add_rms_norm(h, delta, weight, w))]
+    pairs = zip(ops.add_rms_norm(h, delta, weight, w), TORCH_OPS.add_rms_norm(h, delta, weight, w))
+    errors = [_error(a, b) for a, b in pairs]
     freqs = torch.arange(40)[:, None] / 10000 ** (torch.arange(32) / 32)
     emb = torch.cat([freqs, freqs], -1)
     rope = torch.stack([emb.cos(), emb.sin() * torch.cat([-torch.ones(32), torch.ones(32)])], 1).to(BF16)
