@@ -141,7 +141,8 @@ def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
         "attention_backend": rt.attn.name, "decode_graphs": list(rt.graphs.lanes) if rt.graphs else [],
         "fused_kernels": rt.ops.name, "cpu_prepack": rt.cpu_prepack,
         "cpu_linear": rt.cpu_linear, "moe_experts": rt.weights.held_experts(),
-        "cpu_huge_pages": huge_pages.STATS.to_dict() if rt.cpu_linear in ("amx_bf16", "avx512_bf16") else None,
+        "cpu_huge_pages": (huge_pages.STATS.to_dict() if rt.cpu_linear in ("amx_bf16", "avx512_bf16", "avx2_bf16")
+                           else None),
         # per fused kernel: [name, relative error of its self-check (None: forced off), whether it runs]
         "kernel_checks": [[v.kernel, v.error, v.used] for v in rt.kernel_checks],
         "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

@@ -54,11 +54,13 @@ class Projections:
         torch.set_num_threads(threads)
         layer, self.head = projection_shapes(cfg)
         self.layer = layer
-        lib = bf16_linear.KERNEL.library()
-        if lib is None:
-            raise SystemExit(f"bench_compute_limit: the bf16 kernel does not run here: {bf16_linear.KERNEL.why_not()}")
-        amx = bf16_amx.KERNEL.library() if all(bf16_amx.fits(k) for _, k in layer + [self.head]) else None
-        self.name = "amx" if amx is not None else "avx512"
+        best = bf16_linear.best_kernel()  # AVX-512, else AVX2
+        if best is None:
+            raise SystemExit("bench_compute_limit: neither bf16 kernel runs here (the reasons are printed above)")
+        kernel, lib = best
+        fits = kernel == "avx512_bf16" and all(bf16_amx.fits(k) for _, k in layer + [self.head])
+        amx = bf16_amx.KERNEL.library() if fits else None
+        self.name = "amx" if amx is not None else kernel.removesuffix("_bf16")
         self.run_one = (lambda x, w, n: bf16_amx.linear(amx, x, w, n)) if amx is not None else (
             lambda x, w, n: bf16_linear.linear(lib, x, w, n))
         self.layers = [[bf16_linear.pack(lib, torch.randn(n, k).bfloat16()) for n, k in layer]

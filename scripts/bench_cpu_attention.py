@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The CPU decode attention kernel alone (chip_child/cpu_kernels/decode_attention.cpp), cold: one
+"""The CPU decode attention kernel alone (chip_child/cpu_kernels/decode_attention.cpp, or
+decode_attention_avx2.cpp on a cpu without AVX-512), cold: one
 call per layer on each layer's own paged K/V cache (too large to stay in cache, as in a model),
 bf16, at a few row counts. Each row's context is drawn from 128 to 256 tokens and its pages follow
 one another in the cache, as a fresh pool gives them (--shuffle: pages in random order). Printed
@@ -43,12 +44,14 @@ def main() -> None:
     p.add_argument("--against", default=None, metavar="REV", help="the kernel at this git revision, alternated")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    kernel = decode_attention.KERNEL
-    if not kernel.usable():
-        sys.exit(f"the decode attention kernel does not run here: {kernel.why_not()}")
-    kernels = {"l3worker": kernel.library()}
+    lib = decode_attention.library()  # the AVX-512 kernel, or the AVX2 one on a cpu without AVX-512
+    if lib is None:
+        sys.exit("neither decode attention kernel runs here (their reasons are printed above)")
+    kernels = {"l3worker": lib}
     with tempfile.TemporaryDirectory() as tmp:
         if a.against:
+            if lib is not decode_attention.KERNEL.library():
+                sys.exit("--against times decode_attention.cpp, which does not run here")
             kernels[f"@{a.against}"] = past_cpu_kernel("decode_attention.cpp", a.against, tmp,
                                                        decode_attention._bind_limits)
         for rows in (int(r) for r in a.rows.split(",")):

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The CPU decode step's projections alone, cold: a loop over every layer's own weights (too many
 to stay in cache, as in a model), bf16, on l3worker's AVX-512 BF16 kernel (chip_child/cpu_kernels/
-bf16_linear.cpp), on its AMX kernel where the cpu has AMX (bf16_amx.cpp, then the runtime's
-default for these shapes), prepacked for oneDNN, and plain F.linear,
-at a few row counts. Printed per variant: ms for all layers, the weight
+bf16_linear.cpp) or, on a cpu without it, its AVX2 one (bf16_linear_avx2.cpp), on its AMX kernel
+where the cpu has AMX (bf16_amx.cpp, then the runtime's default for these shapes), prepacked for
+oneDNN (where oneDNN has bf16 on this cpu), plain F.linear, and float32 prepacked for oneDNN (what
+a cpu without a bf16 kernel would run), at a few row counts. Printed per variant: ms for all layers, the weight
 read rate and the GEMM rate. This is the floor a decode step's projections could reach with
 today's kernels; compare it with the step time `scripts/step_breakdown.py` reports.
 
@@ -76,12 +77,16 @@ def main() -> None:
     h, hd = a.hidden, a.head_dim
     shapes = [((a.heads + 2 * a.kv_heads) * hd, h), (h, a.heads * hd), (2 * a.intermediate, h), (h, a.intermediate)]
     plain = [[torch.randn(n, k).bfloat16() for n, k in shapes] for _ in range(a.layers)]
-    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
-    lib = bf16_linear.KERNEL.library()
+    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain] if onednn_bf16 else None
+    packed_f32 = [[torch.ops.mkldnn._reorder_linear_weight(w.float(), None) for w in ws] for ws in plain]
+    kernel_name, lib = bf16_linear.best_kernel() or ("none", None)
     ours = [[bf16_linear.pack(lib, w) for w in ws] for ws in plain] if lib is not None else None
-    amx = bf16_amx.KERNEL.library() if all(bf16_amx.fits(k) for _, k in shapes) else None
+    amx_fits = kernel_name == "avx512_bf16" and all(bf16_amx.fits(k) for _, k in shapes)
+    amx = bf16_amx.KERNEL.library() if amx_fits else None
     weight_bytes = sum(n * k * 2 for n, k in shapes) * a.layers
-    print(f"{a.layers} layers, {weight_bytes / 1e6:.0f} MB of bf16 projections, {a.threads} threads")
+    print(f"{a.layers} layers, {weight_bytes / 1e6:.0f} MB of bf16 projections, {a.threads} threads, "
+          f"our kernel: {kernel_name} (GB/s: the bf16 bytes, twice that read in float32)")
     if a.against:
         if ours is None:
             sys.exit("--against: our kernel does not run here")
@@ -96,6 +101,13 @@ def main() -> None:
         def run_packed() -> None:
             for ws in packed:
                 for x, w in zip(xs, ws):
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        xs_f32 = [x.float() for x in xs]
+
+        def run_packed_f32() -> None:
+            for ws in packed_f32:
+                for x, w in zip(xs_f32, ws):
                     torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
         def run_plain() -> None:
@@ -116,7 +128,9 @@ def main() -> None:
         variants = [("l3worker", run_ours)] if ours is not None else []
         if ours is not None and amx is not None:
             variants.append(("amx", run_amx))
-        for name, fn in (*variants, ("prepacked", run_packed), ("plain", run_plain)):
+        if packed is not None:
+            variants.append(("prepacked", run_packed))
+        for name, fn in (*variants, ("plain", run_plain), ("f32-packed", run_packed_f32)):
             fn()
             t0 = time.perf_counter()
             for _ in range(a.repeats):

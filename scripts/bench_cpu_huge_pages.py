@@ -57,7 +57,7 @@ def bench(model_dir: str, rows: int, args) -> dict[str, list[float]]:
                                    max_seq_len=args.prompt_len + args.steps + 8, page_size=16,
                                    max_prefill_tokens=rows * args.prompt_len, num_threads=args.threads))
     try:
-        if rt.cpu_linear not in ("amx_bf16", "avx512_bf16"):
+        if rt.cpu_linear not in ("amx_bf16", "avx512_bf16", "avx2_bf16"):
             sys.exit(f"the packed weights are not l3worker's kernel's here (cpu_linear={rt.cpu_linear})")
         packed = weight_leaves(rt.weights)[1]
         copies = {"huge": {id(p): p.weight for p in packed},

@@ -16,9 +16,9 @@ import statistics
 import subprocess
 import sys
 
-KERNELS = ("cpu_bf16_amx", "cpu_bf16_linear", "cpu_decode_attention", "cpu_layer_ops",
+KERNELS = ("cpu_bf16_amx", "cpu_bf16_linear", "cpu_bf16_linear_avx2", "cpu_decode_attention", "cpu_layer_ops",
            "cpu_decode_layers")
-# no_bf16_linear turns AMX off too; it, no_decode_attention and no_layer_ops turn the
+# no_bf16_linear turns AMX and the AVX2 kernel off too; it, no_decode_attention and no_layer_ops turn the
 # one-call decode layers off as well (those call these kernels)
 VARIANTS = {"all_on": "", **{f"no_{k.removeprefix('cpu_')}": k for k in KERNELS}, "all_off": ",".join(KERNELS)}
 

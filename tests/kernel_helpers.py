@@ -6,6 +6,7 @@ import torch
 
 from chip_child.cpu_kernels.build import CheckedKernel
 from chip_child.local import LocalDriver, LocalRequest
+from chip_child.models import prepack
 from chip_child.models.prepack import PackedLinear
 from chip_child.models.qwen3 import PROJECTIONS
 from chip_child.step.runtime import ChipRuntime, RuntimeConfig
@@ -38,6 +39,18 @@ def decide_again(monkeypatch: pytest.MonkeyPatch, kernel: CheckedKernel) -> None
     """`kernel` decides again (build, check, environment) in this test; the process's verdict
     comes back after it."""
     for name, value in (("_decided", False), ("_lib", None), ("_why", None)):
+        monkeypatch.setattr(kernel, name, value)
+
+
+def bf16_without_our_kernels() -> str | None:
+    """What runs bf16 projections where neither of our bf16 kernels does: oneDNN where it has bf16
+    on this cpu, else torch.mm (None)."""
+    return "onednn" if prepack._dtype_supported(torch.bfloat16) else None
+
+
+def rule_out(monkeypatch: pytest.MonkeyPatch, kernel: CheckedKernel) -> None:
+    """`kernel` counts as unusable in this test, as on a cpu without its instructions."""
+    for name, value in (("_decided", True), ("_lib", None), ("_why", "ruled out by the test")):
         monkeypatch.setattr(kernel, name, value)
 
 

@@ -4,8 +4,9 @@ the paged cache: no per-layer gather into a workspace, no dense mirror to keep, 
 matmul copies. A pure decode step is one kernel call per layer; in a step that also carries
 prompt chunks, the decode rows take the kernel and the chunks TorchAttention's SDPA paths.
 
-Where the kernel cannot run (no AVX-512 BF16, no compiler, a failed check, a dtype or head shape
-it does not take, `L3WORKER_REFERENCE_KERNELS=cpu_decode_attention`), decode steps take the
+The kernel runs on AVX-512, or on AVX2 where the cpu has no AVX-512. Where neither can run (no
+AVX2, no compiler, a failed check, a dtype or head shape it does not take,
+`L3WORKER_REFERENCE_KERNELS=cpu_decode_attention`), decode steps take the
 torch backend's own paths, and the reason is printed once. What it is worth end to end:
 `python scripts/bench_cpu_kernels.py` (docs/performance/cpu.md)."""
 from __future__ import annotations
@@ -25,7 +26,7 @@ class CpuAttention(TorchAttention):
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cpu", decode_mirror: bool | None = None,
                  **options):
-        lib = decode_attention.KERNEL.library()
+        lib = decode_attention.library()
         fits = lib is not None and spec.kv_dtype == spec.dtype and decode_attention.supports(
             lib, spec.dtype, spec.head_dim)
         if lib is not None and not fits:

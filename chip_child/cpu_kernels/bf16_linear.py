@@ -1,22 +1,25 @@
-"""bf16 projections on AVX-512 BF16 (bf16_linear.cpp): the weight packed once at load, then any
-number of rows per call, each thread streaming its share of the weight once.
+"""bf16 projections on AVX-512 BF16 (bf16_linear.cpp), or on AVX2 + FMA (bf16_linear_avx2.cpp) where
+the cpu lacks AVX-512 BF16: the weight packed once at load, then any number of rows per call, each
+thread streaming its share of the weight once.
 
 Measured on the 2-core CI machine (`python scripts/bench_cpu_gemm.py`), the twelve layers of a
 128M Qwen3's projections: at 1 row it reads the weights at about 31 GB/s where oneDNN's prepacked
 op reaches about 19-23, and from 16 rows on it computes at 300-430 GFLOPS, at or above oneDNN.
 
-KERNEL builds, loads and checks it once per process against a float32 matmul on odd shapes (a
-partial block of outputs, an odd k, a bias); where it cannot run (no AVX-512 BF16, no compiler, a
-failed build or check, `L3WORKER_REFERENCE_KERNELS=cpu_bf16_linear`) the projections stay on
-oneDNN and the reason is printed once (chip_child.cpu_kernels.build.CheckedKernel)."""
+KERNEL and AVX2_KERNEL build, load and check themselves once per process against a float32 matmul
+on odd shapes (a partial block of outputs, an odd k, a bias); where neither can run (no compiler, a
+failed build or check, `L3WORKER_REFERENCE_KERNELS=cpu_bf16_linear,cpu_bf16_linear_avx2`) the
+projections stay on oneDNN (or torch.mm where oneDNN has no bf16), the reasons printed once
+(chip_child.cpu_kernels.build.CheckedKernel)."""
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
-from chip_child.cpu_kernels.build import CheckedKernel
+from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel
 from chip_child.cpu_kernels.huge_pages import huge_page_empty
+from chip_child.kernel_choice import forced_reference
 
 # Largest error allowed against the float32 reference, relative to its largest magnitude: the
 # kernel rounds its fp32 sums to bf16 once (2^-8 relative) and sums in another order than torch.
@@ -97,5 +100,25 @@ def check_error(lib: ctypes.CDLL) -> float:
     return worst_error(lib, linear, CHECK_SHAPES)
 
 
-KERNEL = CheckedKernel("cpu_bf16_linear", "bf16_linear.cpp", "bf16 projections run on oneDNN", _bind, check_error,
-                       CHECK_TOLERANCE)
+KERNEL = CheckedKernel("cpu_bf16_linear", "bf16_linear.cpp",
+                       "bf16 projections run on the next that can (the AVX2 kernel, oneDNN, torch.mm)", _bind,
+                       check_error, CHECK_TOLERANCE)
+
+# The same functions and packed layout on AVX2 + FMA (bf16_linear_avx2.cpp), for the cpus without
+# AVX-512 BF16; used only where KERNEL cannot run.
+AVX2_KERNEL = CheckedKernel("cpu_bf16_linear_avx2", "bf16_linear_avx2.cpp",
+                            "bf16 projections run on oneDNN (or torch.mm where it has no bf16)",
+                            _bind, check_error, CHECK_TOLERANCE, cpu_flags=AVX2_FMA, compile_flags=AVX2_FMA_FLAGS)
+
+
+def best_kernel() -> tuple[str, ctypes.CDLL] | None:
+    """("avx512_bf16" or "avx2_bf16", its library) for the first of the two that runs here; else None.
+    `L3WORKER_REFERENCE_KERNELS=cpu_bf16_linear` turns both off, `cpu_bf16_linear_avx2` the second."""
+    if KERNEL.name in forced_reference():
+        KERNEL.library()  # prints that it is forced off
+        return None
+    for name, kernel in (("avx512_bf16", KERNEL), ("avx2_bf16", AVX2_KERNEL)):
+        lib = kernel.library()
+        if lib is not None:
+            return name, lib
+    return None

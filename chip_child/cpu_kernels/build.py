@@ -87,6 +87,9 @@ AVX512_BF16 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")  # 
 AVX512_BF16_FLAGS = ["-std=c++17", "-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                      "-fopenmp"]
 
+AVX2_FMA = ("avx2", "fma")  # the cpus without AVX-512 BF16 that the *_avx2.cpp kernels serve
+AVX2_FMA_FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-fopenmp"]
+
 
 def missing_cpu_flags(flags: tuple[str, ...]) -> str | None:
     """None where /proc/cpuinfo lists every one of `flags`; else what is missing."""

@@ -1,8 +1,9 @@
-"""Decode attention read in place from the paged cache (decode_attention.cpp): one call per layer
-for every decode row, bf16 or float32, no gather and no dense mirror. chip_child.attention.
-cpu_backend calls it for pure decode steps; KERNEL checks it once against a plain torch softmax
-attention over a shuffled paged cache and, where it cannot run, the torch backend's own decode
-paths serve those steps (chip_child.cpu_kernels.build.CheckedKernel)."""
+"""Decode attention read in place from the paged cache (decode_attention.cpp on AVX-512, or
+decode_attention_avx2.cpp on a cpu with only AVX2): one call per layer for every decode row, bf16
+or float32, no gather and no dense mirror. chip_child.attention.cpu_backend calls it for pure
+decode steps; each kernel checks itself once against a plain torch softmax attention over a
+shuffled paged cache and, where neither can run, the torch backend's own decode paths serve those
+steps (chip_child.cpu_kernels.build.CheckedKernel)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +11,8 @@ import math
 
 import torch
 
-from chip_child.cpu_kernels.build import CheckedKernel
+from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel
+from chip_child.kernel_choice import forced_reference
 
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the largest output
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -116,5 +118,20 @@ def _bind_limits(lib: ctypes.CDLL) -> ctypes.CDLL:
     return _bind(lib)
 
 
-KERNEL = CheckedKernel("cpu_decode_attention", "decode_attention.cpp", "decode attention runs on torch ops",
-                       _bind_limits, check_error, CHECK_TOLERANCE[torch.float32])
+KERNEL = CheckedKernel("cpu_decode_attention", "decode_attention.cpp",
+                       "decode attention runs on the next that can (the AVX2 kernel, torch ops)", _bind_limits,
+                       check_error, CHECK_TOLERANCE[torch.float32])
+# The same function on AVX2 + FMA (decode_attention_avx2.cpp), used only where KERNEL cannot run.
+AVX2_KERNEL = CheckedKernel("cpu_decode_attention_avx2", "decode_attention_avx2.cpp",
+                            "decode attention runs on torch ops", _bind_limits, check_error,
+                            CHECK_TOLERANCE[torch.float32], cpu_flags=AVX2_FMA, compile_flags=AVX2_FMA_FLAGS)
+
+
+def library() -> ctypes.CDLL | None:
+    """The first of KERNEL and AVX2_KERNEL that runs here, or None.
+    `L3WORKER_REFERENCE_KERNELS=cpu_decode_attention` turns both off, `cpu_decode_attention_avx2`
+    the second."""
+    if KERNEL.name in forced_reference():
+        KERNEL.library()  # prints that it is forced off
+        return None
+    return KERNEL.library() or AVX2_KERNEL.library()

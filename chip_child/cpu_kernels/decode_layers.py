@@ -70,8 +70,10 @@ def check_abi(lib: ctypes.CDLL) -> float:
     return 0.0 if [lib.l3_decode_layers_abi(i) for i in range(3)] == sizes else float("inf")
 
 
+# The driver only calls the kernels it is given, so it needs no instruction set of its own: it runs
+# beside the AVX-512 kernels and the AVX2 ones alike.
 KERNEL = CheckedKernel("cpu_decode_layers", "decode_layers.cpp", "decode steps run layer by layer from Python",
-                       _bind, check_abi, 0.0)
+                       _bind, check_abi, 0.0, cpu_flags=(), compile_flags=["-std=c++17", "-O2"])
 
 
 def _address(lib: ctypes.CDLL, name: str) -> int:
@@ -98,7 +100,7 @@ def _why_not(rt: "ChipRuntime") -> str | None:
             return "a layer has experts or biases"
         for name in PROJECTIONS:
             p = getattr(lw, name)
-            if type(p) is not PackedLinear or p.kernel not in ("amx_bf16", "avx512_bf16"):
+            if type(p) is not PackedLinear or p.kernel not in ("amx_bf16", "avx512_bf16", "avx2_bf16"):
                 return f"a {name} projection is not packed for our bf16 kernels"
         norms = [n for n in (lw.input_norm, lw.post_norm, lw.qk_norm) if n is not None]
         if not all(n.dtype == torch.bfloat16 and n.is_contiguous() for n in norms):
@@ -150,9 +152,10 @@ class DecodeLayers:
 
     def _build(self, addresses: tuple[int, ...]) -> None:
         rt, mc = self.rt, self.rt.model_cfg
-        ops_lib, attn_lib = layer_ops.KERNEL.library(), decode_attention.KERNEL.library()
-        runs = {"avx512_bf16": _address(bf16_linear.KERNEL.library(), "l3_bf16_linear")}
-        if bf16_amx.KERNEL.library() is not None:
+        ops_lib, attn_lib = layer_ops.library(), decode_attention.library()
+        name, linear_lib = bf16_linear.best_kernel()  # what every PackedLinear here runs on
+        runs = {name: _address(linear_lib, "l3_bf16_linear")}
+        if name == "avx512_bf16" and bf16_amx.KERNEL.library() is not None:
             runs["amx_bf16"] = _address(bf16_amx.KERNEL.library(), "l3_bf16_amx_linear")
         layers = (_Layer * mc.num_layers)()
         for i, lw in enumerate(rt.weights.layers):

@@ -3,7 +3,8 @@ and silu_mul, one pass each instead of torch's several ops, each with its interm
 roundings where the reference (chip_child.models.qwen3.TORCH_OPS) has them.
 
 `cpu_layer_ops(dtype)` is the LayerOps the runtime uses on the cpu: these for bf16 where KERNEL
-builds and passes its check, else TORCH_OPS (the reason printed once). A shape the kernels do
+(AVX-512) or, on a cpu without AVX-512, AVX2_KERNEL (layer_ops_avx2.cpp) builds and passes its
+check, else TORCH_OPS (the reason printed once). A shape the kernels do
 not take (a hidden size not a multiple of 16, a head size not a multiple of 32, a float32 norm
 weight) runs the reference op. The runtime then checks each op at the model's own shapes
 (chip_child.models.kernel_checks), as every fused kernel is."""
@@ -16,7 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from chip_child.cpu_kernels.build import CheckedKernel
+from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel
+from chip_child.kernel_choice import forced_reference
 from chip_child.models.qwen3 import TORCH_OPS, LayerOps, Qwen3Weights, rope_table_and_positions
 
 BF16 = torch.bfloat16
@@ -134,11 +136,24 @@ def check_error(lib: ctypes.CDLL) -> float:
     return max(errors)
 
 
-KERNEL = CheckedKernel("cpu_layer_ops", "layer_ops.cpp", "the layer's elementwise ops run as torch ops", _bind,
+KERNEL = CheckedKernel("cpu_layer_ops", "layer_ops.cpp",
+                       "the layer's elementwise ops run on the next that can (the AVX2 kernels, torch ops)", _bind,
                        check_error, CHECK_TOLERANCE)
+# The same functions on AVX2 + FMA (layer_ops_avx2.cpp), used only where KERNEL cannot run.
+AVX2_KERNEL = CheckedKernel("cpu_layer_ops_avx2", "layer_ops_avx2.cpp", "the layer's elementwise ops run as torch ops",
+                            _bind, check_error, CHECK_TOLERANCE, cpu_flags=AVX2_FMA, compile_flags=AVX2_FMA_FLAGS)
+
+
+def library() -> ctypes.CDLL | None:
+    """The first of KERNEL and AVX2_KERNEL that runs here, or None. `L3WORKER_REFERENCE_KERNELS=
+    cpu_layer_ops` turns both off, `cpu_layer_ops_avx2` the second."""
+    if KERNEL.name in forced_reference():
+        KERNEL.library()  # prints that it is forced off
+        return None
+    return KERNEL.library() or AVX2_KERNEL.library()
 
 
 def cpu_layer_ops(dtype: torch.dtype) -> LayerOps:
     """The cpu's LayerOps for `dtype`: these kernels in bf16 where they run, else TORCH_OPS."""
-    lib = KERNEL.library() if dtype == BF16 else None
+    lib = library() if dtype == BF16 else None
     return TORCH_OPS if lib is None else make_ops(lib)

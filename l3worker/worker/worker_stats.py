@@ -27,7 +27,8 @@ def worker_stats(worker) -> dict:
         "decode_graphs": info.get("decode_graphs"),  # the lane buckets captured; [] when off
         "fused_kernels": info.get("fused_kernels"),  # "triton" or "torch" (chip_child.models.fused)
         "cpu_prepack": info.get("cpu_prepack"),  # linear layers prepacked at load (chip_child.models.prepack)
-        "cpu_linear": info.get("cpu_linear"),  # what runs them: "amx_bf16" or "avx512_bf16" (ours), "onednn"; None: torch.mm
+        # what runs them: "amx_bf16", "avx512_bf16", "avx2_bf16" (ours), "onednn"; None: torch.mm
+        "cpu_linear": info.get("cpu_linear"),
         # our kernel's packed weights on huge pages: chip_child.cpu_kernels.huge_pages.HugePageStats
         "cpu_huge_pages": info.get("cpu_huge_pages"),
         "moe_experts": info.get("moe_experts"),  # [first, count] held by rank 0; None: not a MoE model

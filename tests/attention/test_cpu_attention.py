@@ -1,7 +1,8 @@
 """The cpu attention backend: decode steps on a kernel that reads the paged cache in place
-(chip_child.cpu_kernels.decode_attention). The kernel agrees with a float32 softmax attention
-over shuffled pages, the backend gives transformers' greedy tokens and logits in float32, and
-where the kernel is turned off the backend's decode steps take the torch paths, still correct."""
+(chip_child.cpu_kernels.decode_attention, on AVX-512 or on AVX2). Each kernel agrees with a
+float32 softmax attention over shuffled pages, the backend gives transformers' greedy tokens and
+logits in float32 on each, and where the kernels are turned off the backend's decode steps take
+the torch paths, still correct."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,20 +16,34 @@ from chip_child.cpu_kernels import decode_attention
 from chip_child.local import LocalDriver, LocalRequest
 from chip_child.step.runtime import ChipRuntime
 
-from kernel_helpers import decide_again  # noqa: E402
+from kernel_helpers import decide_again, rule_out  # noqa: E402
 from parity import assert_matches_transformers  # noqa: E402
 
-needs_kernel = pytest.mark.skipif(not decode_attention.KERNEL.usable(),
-                                  reason=f"kernel unusable here: {decode_attention.KERNEL.why_not()}")
+needs_kernel = pytest.mark.skipif(decode_attention.library() is None,
+                                  reason="neither decode attention kernel runs here")
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+KERNELS = {"avx512": decode_attention.KERNEL, "avx2": decode_attention.AVX2_KERNEL}
 
 
-@needs_kernel
+@pytest.fixture(params=list(KERNELS))
+def lib(request, monkeypatch):
+    """Each kernel where it runs here, as the one the backend takes (the AVX-512 one ruled out for
+    the AVX2 one, so that it runs on cpus with AVX-512 too)."""
+    kernel = KERNELS[request.param]
+    if not kernel.usable():
+        pytest.skip(f"{kernel.name} unusable here: {kernel.why_not()}")
+    if request.param == "avx2":
+        rule_out(monkeypatch, decode_attention.KERNEL)
+    assert decode_attention.library() is kernel.library()
+    return kernel.library()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-# groups of 1 to 32 query heads: passes of up to four heads, and what is left (6 = 4 + 2)
+# groups of 1 to 32 query heads: passes of up to four heads (two on AVX2), and what is left (6 = 4 + 2);
+# head sizes in whole and partial vectors of 16 (8 on AVX2), values in slices of 4 vectors on AVX2 (24, 48)
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(1, 1, 16), (2, 2, 32), (2, 3, 24), (2, 3, 64), (1, 6, 64),
-                                                    (4, 8, 128), (1, 16, 256), (1, 32, 48)])
-def test_kernel_matches_a_float32_softmax_attention(dtype, kv_heads: int, group: int, head_dim: int) -> None:
+                                                    (4, 8, 128), (1, 16, 256), (1, 32, 48), (1, 3, 20)])
+def test_kernel_matches_a_float32_softmax_attention(lib, dtype, kv_heads: int, group: int, head_dim: int) -> None:
     """Context lengths 1, a page's end, a page's end plus one, many pages; pages shuffled."""
     g = torch.Generator().manual_seed(kv_heads * 100 + group)
     page, pages = 8, 48
@@ -36,7 +51,6 @@ def test_kernel_matches_a_float32_softmax_attention(dtype, kv_heads: int, group:
     table = torch.randperm(pages, generator=g).to(torch.int32).view(4, 12)
     k, v = (torch.randn(kv_heads, pages, page, head_dim, generator=g).to(dtype) for _ in range(2))
     q = torch.randn(4, kv_heads * group, head_dim, generator=g).to(dtype)
-    lib = decode_attention.KERNEL.library()
     got = decode_attention.attend(lib, q, k, v, table, lens, head_dim ** -0.5, torch.empty_like(q)).float()
     want = decode_attention.reference(q, k, v, table, lens, head_dim ** -0.5)
     assert ((got - want).abs().max() / want.abs().max()).item() <= TOLERANCE[dtype]
@@ -59,8 +73,7 @@ def prompts(vocab: int) -> list[list[int]]:
     return [rng.integers(0, vocab, n).tolist() for n in (1, 6, 17, 40)]
 
 
-@needs_kernel
-def test_the_backend_gives_the_tokens_and_logits_of_transformers(make_checkpoint, hf_model) -> None:
+def test_the_backend_gives_the_tokens_and_logits_of_transformers(lib, make_checkpoint, hf_model) -> None:
     path = make_checkpoint("cpu-attn", num_attention_heads=6, num_key_value_heads=2)
     model = hf_model(path)
     ps = prompts(model.config.vocab_size)
@@ -86,14 +99,15 @@ def test_turned_off_the_decode_steps_take_the_torch_paths(make_checkpoint, monke
     results = {}
     for forced in (True, False):
         monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_decode_attention" if forced else "")
-        decide_again(monkeypatch, decode_attention.KERNEL)  # under this environment
+        decide_again(monkeypatch, decode_attention.KERNEL)  # both under this environment
+        decide_again(monkeypatch, decode_attention.AVX2_KERNEL)
         rt = runtime(path, dtype=dtype)
         try:
             assert rt.attn.name == "cpu" and rt.attn.uses_kernel is not forced
             results[forced] = LocalDriver(rt).run([LocalRequest(p, 16) for p in ps], keep_logits=True)
         finally:
             rt.close()
-    assert "decode attention runs on torch ops, not the cpu_decode_attention kernel: forced" in capsys.readouterr().err
+    assert "not the cpu_decode_attention kernel: forced by L3WORKER_REFERENCE_KERNELS" in capsys.readouterr().err
     if dtype == "float32":
         assert results[False].token_ids == results[True].token_ids
     tol = 1e-5 if dtype == "float32" else 5e-2
@@ -103,10 +117,9 @@ def test_turned_off_the_decode_steps_take_the_torch_paths(make_checkpoint, monke
             assert ((mine[i] - theirs[i]).abs().max() / theirs[i].abs().max()).item() <= tol
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page", [(6, 2, 64, 4), (4, 4, 24, 16), (8, 1, 128, 8)])
-def test_mixed_and_pure_decode_steps_match_the_torch_backend(dtype, heads: int, kv_heads: int, head_dim: int,
+def test_mixed_and_pure_decode_steps_match_the_torch_backend(lib, dtype, heads: int, kv_heads: int, head_dim: int,
                                                              page: int) -> None:
     """The start-up check's steps (chip_child.attention.self_check): prompt chunks, a decode row
     beside a chunk (the kernel for the row, SDPA for the chunk), then a pure decode step."""
@@ -118,19 +131,17 @@ def test_mixed_and_pure_decode_steps_match_the_torch_backend(dtype, heads: int, 
     assert attention_error(CpuAttention, spec, torch.device("cpu")) <= TOLERANCE[dtype] * 5
 
 
-@needs_kernel
-def test_the_kernel_refuses_lengths_it_would_misread() -> None:
+def test_the_kernel_refuses_lengths_it_would_misread(lib) -> None:
     """It reads the tables through raw pointers: int64 ones are refused by name, not misread."""
     k = v = torch.zeros(1, 4, 4, 16)
     q = torch.zeros(1, 2, 16)
     with pytest.raises(ValueError, match="block_table and seq_lens must be int32, got torch.int64 and torch.int32"):
-        decode_attention.attend(decode_attention.KERNEL.library(), q, k, v, torch.zeros(1, 4, dtype=torch.int64),
+        decode_attention.attend(lib, q, k, v, torch.zeros(1, 4, dtype=torch.int64),
                                 torch.ones(1, dtype=torch.int32), 0.25, torch.empty_like(q))
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_kernel_writes_the_new_keys_and_values_as_a_cache_write_would(dtype) -> None:
+def test_the_kernel_writes_the_new_keys_and_values_as_a_cache_write_would(lib, dtype) -> None:
     """Handed the step's new keys and values (strided slices of a qkv row, as the model gives them),
     the kernel leaves the cache with the bits an index_copy_ by slot leaves, and the output that
     attending after that write gives."""
@@ -147,7 +158,6 @@ def test_the_kernel_writes_the_new_keys_and_values_as_a_cache_write_would(dtype)
     for i, x in enumerate((k, v)):  # the torch backend's write: rows by slot, [pages * page, kv_heads, hd]
         rows = written[i].permute(1, 2, 0, 3).reshape(pages * page, kv_heads, hd).index_copy(0, slots.long(), x)
         written[i] = rows.view(pages, page, kv_heads, hd).permute(2, 0, 1, 3)
-    lib = decode_attention.KERNEL.library()
     want = decode_attention.attend(lib, q, written[0], written[1], table, lens, hd ** -0.5, torch.empty_like(q))
     got = decode_attention.attend(lib, q, cache[0], cache[1], table, lens, hd ** -0.5, torch.empty_like(q),
                                   new_kv=(k, v, slots))

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from chip_child.cpu_kernels import bf16_linear, decode_attention, huge_pages
+from chip_child.cpu_kernels import bf16_amx, bf16_linear, decode_attention, huge_pages
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,13 @@ def test_bench_cpu_gemm_prints_each_kernel() -> None:
                           "--repeats", "1", "--hidden", "128", "--intermediate", "256", "--heads", "2",
                           "--kv-heads", "1"], capture_output=True, text=True, timeout=300, check=True).stdout
     names = {line.split()[2] for line in out.splitlines() if line.startswith("rows")}
-    assert {"prepacked", "plain"} <= names
+    ours = bf16_linear.best_kernel()
+    amx = ours is not None and ours[0] == "avx512_bf16" and bf16_amx.KERNEL.usable()  # every k here fits AMX
+    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # AVX2 cpus: no bf16 in oneDNN
+    want = {"plain", "f32-packed", *(["l3worker"] if ours else []), *(["amx"] if amx else []),
+            *(["prepacked"] if onednn_bf16 else [])}
+    assert names == want
+    assert f"our kernel: {ours[0] if ours else 'none'}" in out
 
 
 def test_bench_prefill_prints_the_step_and_each_projection_shape() -> None:
@@ -79,7 +86,7 @@ def test_bench_cpu_attention_times_the_kernel_against_a_past_revision() -> None:
                                                               "--max-context", "40", "--shuffle"], ("1", "3"))
 
 
-@pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
+@pytest.mark.skipif(bf16_linear.best_kernel() is None, reason="neither bf16 projection kernel runs here")
 @pytest.mark.skipif(not huge_pages.STATS.system_allows, reason="no transparent huge pages here")
 def test_bench_cpu_huge_pages_times_both_copies(make_checkpoint) -> None:
     ck = make_checkpoint("bench_huge_pages", hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
@@ -119,7 +126,7 @@ def test_the_compute_limit_counts_decode_passes_prompt_chunks_and_lm_head_rows()
     assert got["tok_s"] == pytest.approx(5 * 7 / seconds)
 
 
-@pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
+@pytest.mark.skipif(bf16_linear.best_kernel() is None, reason="neither bf16 projection kernel runs here")
 def test_bench_compute_limit_prints_the_limit_and_offline_against_it(make_checkpoint) -> None:
     ck = make_checkpoint("bench_limit", hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64)

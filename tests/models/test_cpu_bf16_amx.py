@@ -12,10 +12,10 @@ import torch
 
 from chip_child.cpu_kernels import bf16_amx, bf16_linear, build
 from chip_child.cpu_kernels.build import KernelBuildError
-from chip_child.models.prepack import PackedLinear
+from chip_child.models.prepack import PackedLinear, cpu_linear_kernel
 
 from kernel_helpers import (assert_bf16_model_matches_torch_mm, assert_packed_linear_matches_float32,  # noqa: E402
-                            assert_rows_independent, decide_again)
+                            assert_rows_independent, bf16_without_our_kernels, decide_again, rule_out)
 
 needs_amx = pytest.mark.skipif(not bf16_amx.KERNEL.usable(), reason=f"AMX kernel unusable here: {bf16_amx.KERNEL.why_not()}")
 
@@ -61,16 +61,26 @@ def test_forced_reference_keeps_the_avx512_kernel_and_says_why(monkeypatch, caps
 
 
 def test_without_the_avx512_kernel_amx_is_not_used_either(monkeypatch) -> None:
-    """AMX takes only the matrices our AVX-512 kernel would: with it off, bf16 stays on oneDNN."""
+    """AMX takes only the matrices our AVX-512 kernel would: with our bf16 kernels off, bf16 goes
+    to oneDNN (torch.mm where oneDNN has no bf16 on this cpu)."""
     decide_again(monkeypatch, bf16_linear.KERNEL)
     decide_again(monkeypatch, bf16_amx.KERNEL)
     monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_bf16_linear")
-    assert PackedLinear(torch.randn(64, 64).bfloat16()).kernel == "onednn"
+    assert cpu_linear_kernel(True, torch.bfloat16) == bf16_without_our_kernels()
+
+
+def test_beside_the_avx2_kernel_amx_is_not_used(monkeypatch) -> None:
+    """AMX runs only beside the AVX-512 kernel: where the AVX2 one packs the matrices, not at all."""
+    rule_out(monkeypatch, bf16_linear.KERNEL)
+    decide_again(monkeypatch, bf16_amx.KERNEL)
+    monkeypatch.setattr(bf16_linear, "AVX2_KERNEL", SimpleNamespace(library=lambda: "the AVX2 library"))
+    assert cpu_linear_kernel(True, torch.bfloat16) == "avx2_bf16"
+    assert not bf16_amx.KERNEL._decided  # not even built
 
 
 def test_a_cpu_without_amx_is_named(monkeypatch) -> None:
     decide_again(monkeypatch, bf16_amx.KERNEL)
-    monkeypatch.setattr(bf16_amx.KERNEL, "cpu_flags", ("avx512f", "no_amx_here"))
+    monkeypatch.setattr(bf16_amx.KERNEL, "cpu_flags", ("fpu", "no_amx_here"))
     assert not bf16_amx.KERNEL.usable()
     assert bf16_amx.KERNEL.why_not() == "this cpu lacks no_amx_here"
 

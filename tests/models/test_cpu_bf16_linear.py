@@ -1,7 +1,8 @@
 """The AVX-512 BF16 projection kernel (chip_child.cpu_kernels.bf16_linear): it agrees with a
 float32 matmul at every tile edge, a row's result does not depend on the rows beside it, the
 model's projections take it in bf16 and give the tokens of torch.mm, and where it cannot be used
-the projections stay on oneDNN with the reason said. The AMX kernel, which takes the matrices it
+the projections go to the next that can (tests/models/test_cpu_bf16_linear_avx2.py has the AVX2
+kernel) with the reason said. The AMX kernel, which takes the matrices it
 fits where the cpu has AMX, is off here (tests/models/test_cpu_bf16_amx.py has it)."""
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 import torch
 
 from chip_child.cpu_kernels import bf16_amx, bf16_linear, build
-from chip_child.models.prepack import PackedLinear
+from chip_child.models.prepack import PackedLinear, cpu_linear_kernel, prepacked
 
 from kernel_helpers import (assert_bf16_model_matches_torch_mm, assert_packed_linear_matches_float32,  # noqa: E402
-                            assert_rows_independent, decide_again)
+                            assert_rows_independent, bf16_without_our_kernels, decide_again)
 
 needs_kernel = pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
 
@@ -64,8 +65,10 @@ def test_forced_reference_keeps_onednn_and_says_why(monkeypatch, capsys) -> None
     monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_bf16_linear")
     assert not bf16_linear.KERNEL.usable()
     assert bf16_linear.KERNEL.why_not() == "forced by L3WORKER_REFERENCE_KERNELS"
-    assert "bf16 projections run on oneDNN, not the cpu_bf16_linear kernel: forced" in capsys.readouterr().err
-    assert PackedLinear(torch.randn(64, 32).bfloat16()).kernel == "onednn"
+    assert "not the cpu_bf16_linear kernel: forced by L3WORKER_REFERENCE_KERNELS" in capsys.readouterr().err
+    assert cpu_linear_kernel(True, torch.bfloat16) == bf16_without_our_kernels()  # the AVX2 kernel is off too
+    layer = prepacked(torch.randn(512, 512).bfloat16().t())  # big enough for oneDNN
+    assert (layer.kernel if isinstance(layer, PackedLinear) else None) == bf16_without_our_kernels()
 
 
 def test_a_failed_build_keeps_onednn_and_says_why(monkeypatch, tmp_path, capsys) -> None:
@@ -81,7 +84,7 @@ def test_a_failed_build_keeps_onednn_and_says_why(monkeypatch, tmp_path, capsys)
 
 def test_a_cpu_without_the_instructions_is_named(monkeypatch) -> None:
     decide_again(monkeypatch, bf16_linear.KERNEL)
-    monkeypatch.setattr(bf16_linear.KERNEL, "cpu_flags", ("avx512f", "no_such_flag"))
+    monkeypatch.setattr(bf16_linear.KERNEL, "cpu_flags", ("fpu", "no_such_flag"))
     assert build.missing_cpu_flags(bf16_linear.KERNEL.cpu_flags) == "this cpu lacks no_such_flag"
     assert not bf16_linear.KERNEL.usable()
 

@@ -1,4 +1,4 @@
-"""The cpu's bf16 layer ops (chip_child.cpu_kernels.layer_ops): each agrees with TORCH_OPS at
+"""The cpu's bf16 layer ops (chip_child.cpu_kernels.layer_ops, on AVX-512 or AVX2): each agrees with TORCH_OPS at
 tile edges, strided inputs and both position dtypes; shapes they do not take run the reference;
 the runtime uses them in bf16 and checks each at the model's shapes; they can be turned off."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from chip_child.step.runtime import ChipRuntime
 
 from kernel_helpers import decide_again  # noqa: E402
 
-needs_kernel = pytest.mark.skipif(not layer_ops.KERNEL.usable(), reason=f"unusable here: {layer_ops.KERNEL.why_not()}")
+needs_kernel = pytest.mark.skipif(layer_ops.library() is None, reason="neither layer-ops kernel runs here")
+KERNELS = {"avx512": layer_ops.KERNEL, "avx2": layer_ops.AVX2_KERNEL}
 BF16 = torch.bfloat16
 REL_TOL = 1e-2  # a bf16 rounding or two: the kernels round where torch does, summing in another order
 
@@ -30,12 +31,15 @@ def norms(n: int, head_dim: int = 64) -> SimpleNamespace:
                            inv_head_dim=torch.tensor(1 / head_dim))
 
 
-@pytest.fixture(scope="module")
-def ops():
-    return layer_ops.cpu_layer_ops(BF16)
+@pytest.fixture(scope="module", params=list(KERNELS))
+def ops(request):
+    """The ops on each kernel (AVX-512, AVX2) where it runs here."""
+    kernel = KERNELS[request.param]
+    if not kernel.usable():
+        pytest.skip(f"{kernel.name} unusable here: {kernel.why_not()}")
+    return layer_ops.make_ops(kernel.library())
 
 
-@needs_kernel
 @pytest.mark.parametrize("tokens", [0, 1, 7, 40])
 @pytest.mark.parametrize("hidden", [64, 768, 4096])  # 40 x 4096: over the threshold for threads
 @pytest.mark.parametrize("with_delta", [False, True])
@@ -51,7 +55,6 @@ def test_add_rms_norm(ops, tokens: int, hidden: int, with_delta: bool) -> None:
         assert a.shape == b.shape and (tokens == 0 or rel(a, b) <= REL_TOL)
 
 
-@needs_kernel
 @pytest.mark.parametrize("tokens", [0, 1, 9])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("normed", ["no", "one row", "a row per head"])  # a model's q_norm rows, then k_norm's
@@ -74,7 +77,6 @@ def test_qk_norm_rope(ops, tokens: int, head_dim: int, normed: str, pos_dtype: t
     assert got.shape == want.shape and (tokens == 0 or rel(got, want) <= REL_TOL)
 
 
-@needs_kernel
 @pytest.mark.parametrize("tokens", [0, 1, 9, 40])
 @pytest.mark.parametrize("inter", [96, 101, 3072])  # 101: a partial vector at each row's end
 def test_silu_mul(ops, tokens: int, inter: int) -> None:
@@ -83,7 +85,6 @@ def test_silu_mul(ops, tokens: int, inter: int) -> None:
     assert got.shape == want.shape and (tokens == 0 or rel(got, want) <= REL_TOL)
 
 
-@needs_kernel
 def test_shapes_the_kernels_do_not_take_run_the_reference(ops) -> None:
     h, weight, w = torch.randn(3, 72).to(BF16), torch.randn(72).to(BF16), norms(72)  # 72: not a multiple of 16
     for a, b in zip(ops.add_rms_norm(h, h, weight, w), TORCH_OPS.add_rms_norm(h, h, weight, w)):
