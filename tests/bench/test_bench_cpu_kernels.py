@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_cpu_kernels_prints_every_variant() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "scripts/bench_cpu_kernels.py"), "--repeats", "1",
-                          "--variants", "all_on,no_decode_attention,all_off", "--num-prompts", "2",
+                          "--variants", "all_on,all_off", "--num-prompts", "2",
                           "--input-len", "8", "--output-len", "4", "--max-num-seqs", "2"],
                          capture_output=True, text=True, timeout=600, check=True).stdout
     table = out.split("variant")[-1].splitlines()[1:]
-    assert [row.split()[0] for row in table] == ["all_on", "no_decode_attention", "all_off"]
+    assert [row.split()[0] for row in table] == ["all_on", "all_off"]
     assert float(table[0].split()[2]) == 1.0  # the first variant is the base of the ratios
     assert all(float(row.split()[1]) > 0 for row in table)
 

@@ -102,8 +102,10 @@ def test_a_count_left_by_earlier_steps_does_not_end_a_later_wait(bell) -> None:
     thread, result = wait_in_thread(doorbell, 3)
     thread.join(0.3)
     assert thread.is_alive() and not result, f"the wait for step 3 ended before it completed: {result}"
-    child.liveness_fails = True
     complete(doorbell, fd, 3)
+    # Only now may a liveness poll fail: one between the two lines the other way round (a loaded
+    # machine) ended the wait before the completion it was there to see.
+    child.liveness_fails = True  # a wait the completion does not end fails by the next poll, not by a hang
     thread.join(30)
     assert result == ["done"]
 
