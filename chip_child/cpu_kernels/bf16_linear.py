@@ -17,9 +17,8 @@ import ctypes
 
 import torch
 
-from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel
+from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel, first_usable
 from chip_child.cpu_kernels.huge_pages import huge_page_empty
-from chip_child.kernel_choice import forced_reference
 
 # Largest error allowed against the float32 reference, relative to its largest magnitude: the
 # kernel rounds its fp32 sums to bf16 once (2^-8 relative) and sums in another order than torch.
@@ -114,11 +113,7 @@ AVX2_KERNEL = CheckedKernel("cpu_bf16_linear_avx2", "bf16_linear_avx2.cpp",
 def best_kernel() -> tuple[str, ctypes.CDLL] | None:
     """("avx512_bf16" or "avx2_bf16", its library) for the first of the two that runs here; else None.
     `L3WORKER_REFERENCE_KERNELS=cpu_bf16_linear` turns both off, `cpu_bf16_linear_avx2` the second."""
-    if KERNEL.name in forced_reference():
-        KERNEL.library()  # prints that it is forced off
+    kernel = first_usable(KERNEL, AVX2_KERNEL)
+    if kernel is None:
         return None
-    for name, kernel in (("avx512_bf16", KERNEL), ("avx2_bf16", AVX2_KERNEL)):
-        lib = kernel.library()
-        if lib is not None:
-            return name, lib
-    return None
+    return ("avx512_bf16" if kernel is KERNEL else "avx2_bf16"), kernel.library()

@@ -149,3 +149,12 @@ class CheckedKernel:
     def why_not(self) -> str | None:
         self.library()
         return self._why
+
+
+def first_usable(primary: CheckedKernel, *fallbacks: CheckedKernel) -> CheckedKernel | None:
+    """The first of `primary` and `fallbacks` whose library runs here, or None. The primary's name in
+    `L3WORKER_REFERENCE_KERNELS` turns them all off (the fallbacks are versions of the same kernel)."""
+    if primary.name in forced_reference():
+        primary.library()  # prints that it is forced off
+        return None
+    return next((k for k in (primary, *fallbacks) if k.library() is not None), None)

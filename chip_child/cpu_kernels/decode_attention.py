@@ -11,8 +11,7 @@ import math
 
 import torch
 
-from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel
-from chip_child.kernel_choice import forced_reference
+from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel, first_usable
 
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the largest output
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -131,7 +130,5 @@ def library() -> ctypes.CDLL | None:
     """The first of KERNEL and AVX2_KERNEL that runs here, or None.
     `L3WORKER_REFERENCE_KERNELS=cpu_decode_attention` turns both off, `cpu_decode_attention_avx2`
     the second."""
-    if KERNEL.name in forced_reference():
-        KERNEL.library()  # prints that it is forced off
-        return None
-    return KERNEL.library() or AVX2_KERNEL.library()
+    kernel = first_usable(KERNEL, AVX2_KERNEL)
+    return None if kernel is None else kernel.library()

@@ -17,8 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel
-from chip_child.kernel_choice import forced_reference
+from chip_child.cpu_kernels.build import AVX2_FMA, AVX2_FMA_FLAGS, CheckedKernel, first_usable
 from chip_child.models.qwen3 import TORCH_OPS, LayerOps, Qwen3Weights, rope_table_and_positions
 
 BF16 = torch.bfloat16
@@ -147,10 +146,8 @@ AVX2_KERNEL = CheckedKernel("cpu_layer_ops_avx2", "layer_ops_avx2.cpp", "the lay
 def library() -> ctypes.CDLL | None:
     """The first of KERNEL and AVX2_KERNEL that runs here, or None. `L3WORKER_REFERENCE_KERNELS=
     cpu_layer_ops` turns both off, `cpu_layer_ops_avx2` the second."""
-    if KERNEL.name in forced_reference():
-        KERNEL.library()  # prints that it is forced off
-        return None
-    return KERNEL.library() or AVX2_KERNEL.library()
+    kernel = first_usable(KERNEL, AVX2_KERNEL)
+    return None if kernel is None else kernel.library()
 
 
 def cpu_layer_ops(dtype: torch.dtype) -> LayerOps:

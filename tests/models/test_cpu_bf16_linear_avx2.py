@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from chip_child.cpu_kernels import bf16_amx, bf16_linear
+from chip_child.cpu_kernels.build import first_usable
 from chip_child.models import prepack
 from chip_child.models.prepack import PackedLinear, cpu_linear_kernel, prepacked, resolve_cpu_prepack
 
@@ -122,3 +123,21 @@ def test_bf16_prepacking_is_on_where_only_our_kernel_could_run_it(monkeypatch) -
     with pytest.raises(ValueError, match="cpu_prepack=True cannot be used: oneDNN does not support torch.bfloat16"):
         resolve_cpu_prepack(True, "cpu", torch.bfloat16)
     assert resolve_cpu_prepack(None, "cpu", torch.float32) is True
+
+
+def test_the_first_usable_version_is_taken_and_the_primarys_name_turns_all_off(monkeypatch, capsys) -> None:
+    """first_usable, which chooses between the AVX-512 and AVX2 versions of every cpu kernel: the
+    first whose library runs, None when none does, and the primary's name forced off turns the
+    fallbacks off too (a fallback's own name only that fallback)."""
+    decide_again(monkeypatch, bf16_linear.AVX2_KERNEL)
+    primary, fallback = bf16_linear.KERNEL, bf16_linear.AVX2_KERNEL  # the primary is ruled out here
+    expected = fallback if fallback.usable() else None
+    assert first_usable(primary, fallback) is expected
+    assert bf16_linear.best_kernel() == (None if expected is None else ("avx2_bf16", fallback.library()))
+    monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", primary.name)
+    decide_again(monkeypatch, bf16_linear.AVX2_KERNEL)
+    assert first_usable(primary, fallback) is None and bf16_linear.best_kernel() is None
+    assert not fallback._decided  # not even built
+    monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", fallback.name)
+    assert first_usable(primary, fallback) is None
+    assert "not the cpu_bf16_linear_avx2 kernel: forced by L3WORKER_REFERENCE_KERNELS" in capsys.readouterr().err
