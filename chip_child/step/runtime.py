@@ -1,29 +1,26 @@
 """The chip runtime: one device's model, KV cache, pooled step tensors and the step contract.
 
 It runs in-process (tests, the benchmark floor) or inside a chip-child. `execute` applies one
-command: finished rows, rows set up, new page triples and prompt chunks are the only inputs that
-cross from the host; positions advance, slot mappings are computed and next tokens are sampled
-on the device. The one host synchronisation of a decode step is the copy of the sampled ids into
-`out`.
+command: finished rows, rows set up, new page triples and prompt chunks are the only inputs from
+the host; positions advance, slot mappings are computed and next tokens are sampled on the
+device. A decode step's one host synchronisation is the copy of the sampled ids into `out`.
 
 Every step is one forward over a packed token axis: the decode lanes first (a lane whose row is
 not decoding writes to the scratch page and its token is ignored), then each prompt chunk's
 tokens; a chunk that ends its prompt hands its last hidden state to its row's lane, so one
 sampler call serves both. A step runs lanes [0, n), n the lane bucket of its highest active row
-(chip_child.step.graphs), fewer in the forward of a step with chunks (chunk_layout.plan_chunks).
-A decode-only step's forward is a replayed graph per bucket on cuda and npu, one C call for
-every layer in bf16 on the cpu (chip_child.cpu_kernels.decode_layers); on cuda the elementwise
-stages are fused Triton kernels (chip_child.models.fused).
+(chip_child.step.graphs), fewer in the forward of a step with chunks (chunk_layout.plan_chunks)
+and of a cpu decode step (the active lanes alone: live_lanes). A decode-only step's forward is a
+replayed graph per bucket on cuda and npu, one C call for every layer in bf16 on the cpu
+(chip_child.cpu_kernels.decode_layers); on cuda the elementwise stages are fused Triton kernels.
 
 Optional sampling stages (a grammar's token mask, penalties, min_p, the min_tokens stop-id mask,
 log-probabilities) run only in steps where some active row uses them, decided from host facts
-kept between admissions: a batch that uses none runs exactly the plain sampler. Their per-row
-state is set at admission and updated on the device from the sampled ids; a grammar's matcher is
-host state (chip_child.sampling.grammar_rows), its mask filled while the forward runs.
+kept between admissions; their state is set at admission and updated on the device from the
+sampled ids (a grammar's matcher on the host: chip_child.sampling.grammar_rows).
 
-With speculative decoding configured (chip_child.spec.speculation), a decode-only step where some row
-has drafts runs the "verify" callable instead: each row moves on by 1 to k + 1 tokens (rows using
-penalties or a grammar get no drafts: 1), its tokens (and log-probabilities) go beside the ids.
+With speculation (chip_child.spec.speculation), a decode-only step where some row has drafts runs
+the "verify" callable instead: each row moves on by 1 to k + 1 tokens.
 """
 from __future__ import annotations
 
@@ -54,6 +51,7 @@ from chip_child.sampling.grammar_rows import ConstrainedRows
 from chip_child.step.pool import TaskArg, TensorPool
 from chip_child.step.task_args import LANE_SLOTS, step_task_args
 from chip_child.cpu_kernels.decode_layers import DecodeLayers
+from chip_child.step.live_lanes import live_lanes
 from chip_child.cpu_kernels.layer_ops import cpu_layer_ops
 from chip_child.models.prepack import cpu_linear_kernel, resolve_cpu_prepack
 from chip_child.protocol import Chunk, Command
@@ -170,6 +168,7 @@ class ChipRuntime:
         self.spec = Speculation(self, SpeculativeConfig.of(cfg.speculative)) if cfg.speculative else None
         self._pending_graphs = DecodeGraphs(graph_capturer or DeviceGraphs(self.device)) if graphs else None
         self.decode_layers = DecodeLayers.of(self)  # a decode step's layers in one call (bf16 on the cpu)
+        self.pack_lanes = self.device.type == "cpu" and self.lora is None and self.spec is None  # live_lanes.py
 
         warm_up(self)
         if self._pending_graphs is not None:  # every row idle: the captures write to the scratch page only
@@ -195,7 +194,6 @@ class ChipRuntime:
         """Callables are registered before the first step; `submit_next_level` names them."""
         self._callables[name] = fn
 
-    # -- the single dispatch point ---------------------------------------------------------------
     def submit_next_level(self, callable_name: str, task_args: tuple[TaskArg, ...], **scalars):
         """Runs a registered callable on the pooled tensors its arguments name."""
         if not torch.is_inference_mode_enabled():  # called from outside a step: the pool holds inference tensors
@@ -203,7 +201,6 @@ class ChipRuntime:
                 return self.submit_next_level(callable_name, task_args, **scalars)
         return self._callables[callable_name](**self.pool.resolve(callable_name, task_args), **scalars)
 
-    # -- applying a command ----------------------------------------------------------------------
     def execute(self, cmd: Command, staging: np.ndarray, out: torch.Tensor,
                 outputs: StepOutputs | None = None) -> StepResult:
         """Applies one validated command and writes the sampled id of every row into `out` [B],
@@ -302,7 +299,6 @@ class ChipRuntime:
     def positions_host(self) -> np.ndarray:
         return self.rows.positions.copy()
 
-    # -- internals -------------------------------------------------------------------------------
     def h2d(self, arr: np.ndarray) -> torch.Tensor:
         """Every host-to-device transfer goes through here so the counters see it."""
         self._h2d_copies += 1
@@ -408,20 +404,24 @@ class ChipRuntime:
 
     def _decode_logits(self, v: dict[str, torch.Tensor], slots: str, max_seq_len: int,
                        seq_lens_host: np.ndarray | None, lora: object = "masked") -> None:
-        """A decode-only step's forward into v["logits"]. Eager steps pass the exact longest
-        context and host lengths; a graph is captured with "compute" slots, the config's
-        max_seq_len and no host lengths, so nothing of one step is frozen into it."""
+        """A decode-only step's forward into v["logits"]. Eager steps pass the longest context and
+        host lengths; a graph is captured with "compute" slots, max_seq_len and no host lengths."""
         self._lane_slots(v, slots)
         torch.add(v["positions"], 1, out=v["lane_seq_lens"])
-        meta = AttentionMetadata(v["lane_starts"], v["lane_seq_lens"], v["block_table"], v["slot_mapping"], 1,
-                                 max_seq_len, seq_lens_host=seq_lens_host)
+        live = live_lanes(v, self.rows.active, seq_lens_host) if self.pack_lanes else None  # idle lanes left out
+        f, lens_host = (v, seq_lens_host) if live is None else (live.inputs, live.seq_lens_host)
+        meta = AttentionMetadata(f["lane_starts"], f["lane_seq_lens"], f["block_table"], f["slot_mapping"], 1,
+                                 max_seq_len, seq_lens_host=lens_host)
         step = self.attn.plan(meta)
-        run = partial(forward, self.model_cfg, self.weights, self.attn, step, self.rope, v["input_ids"], v["positions"],
+        run = partial(forward, self.model_cfg, self.weights, self.attn, step, self.rope, f["input_ids"], f["positions"],
                       self.all_reduce, self.ops, self.spec and self.spec.aux(),
                       (self.lora and self.lora.step(v["lora_slot"])) if lora == "masked" else lora)
         fused = self.decode_layers  # None where LoRA, speculation or tensor parallelism runs
-        hidden = run() if fused is None else fused.forward(step, v["input_ids"], v["positions"], run)
-        final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
+        hidden = run() if fused is None else fused.forward(step, f["input_ids"], f["positions"], run)
+        if live is None:
+            final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
+        else:
+            v["logits"].index_copy_(0, live.index, final_logits(self.weights, hidden, ops=self.ops))
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
                 features: Features | None) -> None:
