@@ -12,14 +12,12 @@ from chip_child.step.row_fields import MAX_LOGPROBS, uses_penalties
 
 if TYPE_CHECKING:
     from l3worker.structured.specs import StructuredSpec
-# Tokens per step (at least max_batch_size): decode rows plus prefill chunks. Offline (the worker's
-# default) larger steps prefill faster: on the CI machine's cpu whole generates of 16 ~100-token
-# prompts took 9-13% less time than with 256 (scripts/bench_cpu.py). Serving on a cpu
-# (`l3worker serve`'s default there), a long prompt must delay the running rows' next token by one
-# short chunk only: 256 kept their inter-token p99 at 83 ms through a 3,000-token prefill (512:
-# 168 ms, the whole prompt in one step: 649 ms) for 12% more prefill time (scripts/bench_scheduler.py).
+# Tokens per step (at least max_batch_size): decode rows plus prefill chunks. Larger steps prefill
+# faster: on the CI machine's cpu whole generates of 16 ~100-token prompts took 9-13% less time
+# than with 256 (scripts/bench_cpu.py). Served, the step loop also caps by time the prompt tokens
+# of a step that has decoding rows (l3worker/engine/step_timing.py), so a long prompt no longer
+# needs a short budget to keep the running rows' inter-token latency low.
 DEFAULT_BATCHED_TOKENS = 2048
-SERVE_CPU_BATCHED_TOKENS = 256
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class Scheduler:
         triples: list[tuple[int, int, int]] = []
         chunks, staging, scoring = [], [], []
         used = self._decoding_tokens()
-        limit = self.budget if not used or self.prefill_cap is None else min(self.budget, used + self.prefill_cap)
+        limit = self.budget if self._whole_budget(used) else min(self.budget, used + self.prefill_cap)
         for seq in self._prefilling_rows():  # continue prompts already under way, oldest first
             used += self._schedule_chunk(seq, limit - used, chunks, staging, scoring, triples)
         admits = self._admit(used, limit, chunks, staging, scoring, triples)
@@ -204,6 +204,18 @@ class Scheduler:
         return not self.waiting and all(r is None for r in self.rows)
 
     # -- internals -------------------------------------------------------------------------------
+    def _whole_budget(self, decoding: int) -> bool:
+        """Whether this step's prompts may take the whole token budget rather than the time cap:
+        with no row decoding, no time estimate yet, or a burst: more prompts starting (under way,
+        or waiting with a free row to take) than rows decoding. Letting a burst in at once delays
+        those few rows once; capped, it would delay every row for many steps, the new ones too as
+        they join, and keep the batch small while it trickles in."""
+        if not decoding or self.prefill_cap is None:
+            return True
+        free_rows = sum(1 for r in self.rows if r is None)
+        starting = sum(1 for s in self.rows if s is not None and s.prefilling) + min(len(self.waiting), free_rows)
+        return starting > decoding
+
     def _decoding_tokens(self) -> int:
         return sum(1 for s in self.rows if s is not None and not s.prefilling)
 

@@ -6,7 +6,8 @@ several decode steps' time, which every streaming client sees as a stall. So the
 each finished step's child time here, and the scheduler caps a decoding step's prompt tokens at
 what fits in about one decode step's time (`decode_s * PREFILL_TIME_RATIO`): no decoding row waits
 much more than one decode step plus one such chunk. A step without decoding rows (an idle
-engine's first prompts) still takes the whole token budget, so a lone request's TTFT is unchanged.
+engine's first prompts) still takes the whole token budget, so a lone request's TTFT is unchanged,
+and so does a burst, more prompts starting than rows decoding (Scheduler._whole_budget).
 
 Estimates are moving averages: a decode-only step's time, and a prompt token's, from steps with
 prompt tokens (without decoding rows: the step's time over its tokens; with them: the time

@@ -14,7 +14,6 @@ from chip_child.step.row_fields import MAX_LOGPROBS
 from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.distributed.dp_link import DpLayout
 from l3worker.engine.kv_events import KVEventsConfig
-from l3worker.params import SERVE_CPU_BATCHED_TOKENS
 from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES
 from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, bind, run_server, serve, served_model
 from chip_child.config import KV_CACHE_DTYPES
@@ -116,20 +115,6 @@ def parse_serve_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model_flag is not None:  # vLLM's --model, the same as the positional MODEL
         args.model_dir = args.model_flag
     return args
-
-
-def serve_batched_tokens(args: argparse.Namespace) -> int | None:
-    """--max-num-batched-tokens, or the serving default on a cpu (short chunks keep the running
-    rows' inter-token latency low); None leaves the worker's default (accelerators)."""
-    from chip_child.device import device_type
-
-    if args.max_num_batched_tokens is not None:
-        return args.max_num_batched_tokens
-    try:
-        kind = device_type(args.device)
-    except ValueError:
-        return None  # the worker names the bad device
-    return max(SERVE_CPU_BATCHED_TOKENS, args.max_num_seqs) if kind == "cpu" else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,7 +291,7 @@ def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int,
                 max_seq_len=max_model_len, page_size=args.block_size,
                 num_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
                 dtype=_VLLM_DTYPES.get(args.dtype, args.dtype), decode_graphs=False if args.enforce_eager else None,
-                pipeline_depth=args.pipeline_depth, max_num_batched_tokens=serve_batched_tokens(args),
+                pipeline_depth=args.pipeline_depth, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,
                 cpu_prepack=args.cpu_prepack,
                 cpu_layout=args.cpu_layout,

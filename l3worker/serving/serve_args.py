@@ -14,7 +14,7 @@ from chip_child.spec.config import SpeculativeConfig
 from l3worker.engine.kv_events import KVEventsConfig
 from l3worker.distributed.dp_link import SILENCE_S
 from l3worker.distributed.router import ROUTINGS
-from l3worker.params import DEFAULT_BATCHED_TOKENS, SERVE_CPU_BATCHED_TOKENS
+from l3worker.params import DEFAULT_BATCHED_TOKENS
 from l3worker.serving.openai.chat_reply import REASONING_PARSERS, TOOL_CALL_PARSERS
 from l3worker.serving.openai.protocol import MAX_TOP_LOGPROBS
 
@@ -232,7 +232,8 @@ def _scheduler_args(g: argparse._ArgumentGroup) -> None:
                         "a waiting request preempts a running one of lower priority")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help=f"tokens per step: decoding rows plus prefill chunks (None: the larger of --max-num-seqs "
-                        f"and {SERVE_CPU_BATCHED_TOKENS} on a cpu, {DEFAULT_BATCHED_TOKENS} on an accelerator)")
+                        f"and {DEFAULT_BATCHED_TOKENS}); a step with decoding rows also carries only the prompt "
+                        "tokens that fit in about one decode step's time, unless more prompts start than rows decode")
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="accepted: l3worker always splits long prompts into chunks of --max-num-batched-tokens")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING, metavar="N",

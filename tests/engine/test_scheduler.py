@@ -192,13 +192,43 @@ def test_a_prefill_cap_bounds_the_prompt_tokens_of_decoding_steps_only() -> None
     first = sched.next_command()  # nothing decodes yet: the budget alone
     assert sum(c.length for c in first.command.chunks) == 64
     sched.on_tokens(first.producers, dev.execute(first.command, _staging(first, 128)), 0.0)
-    sched.add(seqs[3:])
+    second = sched.next_command()  # two prompts under way, one row decoding: a burst, the budget too
+    assert sum(c.length for c in second.command.chunks) == 56
+    sched.on_tokens(second.producers, dev.execute(second.command, _staging(second, 128)), 0.0)
+    sched.add(seqs[3:])  # one prompt starting, three rows decoding: capped
     while seqs[3].prefilling or seqs[3].row < 0:
         s = sched.next_command()
         decoding = sum(1 for row, seq, _ in s.producers if not any(c.row == row for c in s.command.chunks))
         if decoding:
             assert sum(c.length for c in s.command.chunks) <= 5
         sched.on_tokens(s.producers, dev.execute(s.command, _staging(s, 128)), 0.0)
+
+
+def test_a_burst_of_prompts_takes_the_whole_budget_beside_fewer_decoding_rows() -> None:
+    """A burst (more prompts starting than rows decoding) is let in at once, past prefill_cap: one
+    row decodes and three prompts arrive, so the next step carries all three; once the rows that
+    decode outnumber those starting, a newcomer is capped again."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(20)] for _ in range(6)]
+    sched = Scheduler(max_batch_size=6, page_size=PAGE, max_blocks_per_row=64, num_pages=200,
+                      max_num_batched_tokens=256, enable_prefix_caching=False, full_state=False)
+    sched.prefill_cap = 5
+    seqs = make_seqs(prompts, [40] * 6)
+    dev = SimulatedDevice(6)
+
+    def step() -> int:
+        s = sched.next_command()
+        sched.on_tokens(s.producers, dev.execute(s.command, _staging(s, 512)), 0.0)
+        return sum(c.length for c in s.command.chunks)
+
+    sched.add(seqs[:1])
+    assert step() == 20 and not seqs[0].prefilling  # alone: the budget
+    sched.add(seqs[1:4])
+    assert step() == 60  # 3 starting > 1 decoding: all three prompts in one step
+    assert not any(s.prefilling for s in seqs[:4])
+    sched.add(seqs[4:6])
+    assert step() == 5  # 2 starting against 4 decoding: the cap
+    assert seqs[4].prefilling
 
 
 @pytest.mark.parametrize("cap", [1, 3, 7])

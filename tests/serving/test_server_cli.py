@@ -96,17 +96,6 @@ def test_scheduling_flags_chunk_long_prompts_and_turn_the_prefix_cache_off(serve
     assert s.proc.wait(60) == 0
 
 
-def test_serving_keeps_short_steps_on_a_cpu_and_the_worker_default_elsewhere() -> None:
-    from l3worker.params import SERVE_CPU_BATCHED_TOKENS
-    from l3worker.serving.cli import build_parser, serve_batched_tokens
-
-    parse = build_parser().parse_args
-    assert serve_batched_tokens(parse(["serve", "--device", "cpu"])) == SERVE_CPU_BATCHED_TOKENS
-    assert serve_batched_tokens(parse(["serve", "--device", "cpu", "--max-num-seqs", "300"])) == 300
-    assert serve_batched_tokens(parse(["serve", "--device", "cuda"])) is None  # the worker's default
-    assert serve_batched_tokens(parse(["serve", "--device", "cpu", "--max-num-batched-tokens", "64"])) == 64
-
-
 def test_the_cpu_layout_and_kv_events_flags_reach_the_worker(served) -> None:
     import socket
 

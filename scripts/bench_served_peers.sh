@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# l3worker serve against llama-server (and optionally vllm serve), served figures only, the engines
+# alternated REPEATS times on one checkpoint, each driven by vLLM's own client (`vllm bench serve`):
+#   c1      1 client, prompts of seed 0
+#   c16rep  16 clients, the same prompts again (as the peers kit runs it: caches may hold them)
+#   c16new  16 clients, fresh prompts (seed 7): a burst of new prompts, nothing cached
+# Uses what scripts/bench_peers.sh installed under PEERS_BUILD (the vLLM venv for the client, the
+# llama.cpp build, the checkpoints); run that once first. Each engine is started, measured and
+# stopped in turn; every log stays under PEERS_BUILD/served/<engine>-<n>/.
+#
+#   scripts/bench_served_peers.sh 128m                   # l3worker and llama.cpp, one round
+#   REPEATS=2 ENGINES="l3worker llama" scripts/bench_served_peers.sh 128m
+#   L3WORKER_FLAGS="--max-num-batched-tokens 256" scripts/bench_served_peers.sh 128m
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${PEERS_BUILD:-$ROOT/../peers-build}
+SIZE=${1:-128m}; CK="$BUILD/ck-$SIZE"; VV="$BUILD/vllm-venv"; LCPP="$BUILD/llama"
+NP=${NUM_PROMPTS:-16}; IN=${INPUT_LEN:-128}; OUTLEN=${OUTPUT_LEN:-128}; SEQS=${MAX_NUM_SEQS:-16}
+LV=${LV:-$(dirname "$(dirname "$(command -v l3worker)")")}
+for need in "$VV/bin/vllm" "$CK/config.json" "$LV/bin/l3worker"; do
+  [ -e "$need" ] || { echo "missing $need: run scripts/bench_peers.sh $SIZE first (and activate l3worker's venv)" >&2; exit 2; }
+done
+GGUF="$BUILD/served/model-$SIZE.gguf"; mkdir -p "$BUILD/served"
+if [[ " ${ENGINES:-l3worker llama} " == *" llama "* ]] && [ ! -f "$GGUF" ]; then
+  PATH="$VV/bin:$PATH" "$LCPP/convert.sh" "$CK" "$GGUF" > "$BUILD/served/convert-$SIZE.log" 2>&1
+fi
+LEN=$((IN + OUTLEN + 256))
+start() {  # engine port: becomes the server (exec), so that its pid is the server's
+  case $1 in
+    l3worker) exec "$LV/bin/l3worker" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN --port "$2" \
+                --gpu-memory-utilization 0.3 ${L3WORKER_FLAGS:-} ;;
+    llama) exec "$LCPP/bin/llama-server" -m "$GGUF" --host 127.0.0.1 --port "$2" -c $((SEQS * LEN)) -np "$SEQS" \
+             -t "$(nproc)" -tb "$(nproc)" --alias "$CK" ;;
+    vllm) exec "$VV/bin/vllm" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN --port "$2" \
+            --gpu-memory-utilization 0.3 ;;
+  esac
+}
+pick() { grep -m1 "$2" "$1" | awk -F: '{gsub(/ /,"",$2); print $2}'; }
+printf "%-10s %-7s %10s %12s %10s %10s %8s\n" engine load "tok/s" "TTFT p50" "TPOT p50" "P99 ITL" failed
+for n in $(seq 1 "${REPEATS:-1}"); do
+  for engine in ${ENGINES:-l3worker llama}; do
+    out="$BUILD/served/$engine-$n"; rm -rf "$out"; mkdir -p "$out"; port=8110
+    if curl -s -o /dev/null "http://127.0.0.1:$port/"; then echo "port $port is already in use" >&2; exit 1; fi
+    start "$engine" $port > "$out/server.log" 2>&1 &
+    pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+      kill -0 $pid 2>/dev/null || { echo "$engine did not start: $out/server.log" >&2; exit 1; }; sleep 0.2
+    done
+    backend=vllm; [ "$engine" = llama ] && backend=openai
+    for load in c1:1:0 c16rep:16:0 c16new:16:7; do
+      IFS=: read -r tag clients seed <<< "$load"
+      "$VV/bin/vllm" bench serve --backend $backend --base-url "http://127.0.0.1:$port" --model "$CK" --tokenizer "$CK" \
+        --dataset-name random --random-input-len "$IN" --random-output-len "$OUTLEN" --num-prompts "$NP" \
+        --max-concurrency "$clients" --seed "$seed" --ignore-eos > "$out/$tag.log" 2>&1 || true
+      log="$out/$tag.log"
+      printf "%-10s %-7s %10s %12s %10s %10s %8s\n" "$engine-$n" "$tag" "$(pick "$log" "Output token throughput")" \
+        "$(pick "$log" "Median TTFT")" "$(pick "$log" "Median TPOT")" "$(pick "$log" "P99 ITL")" "$(pick "$log" "^Failed requests:")"
+    done
+    kill -TERM $pid; wait $pid || true
+  done
+done
