@@ -18,7 +18,8 @@ SIZE=${1:-128m}; CK="$BUILD/ck-$SIZE"; VV="$BUILD/vllm-venv"; LCPP="$BUILD/llama
 NP=${NUM_PROMPTS:-16}; IN=${INPUT_LEN:-128}; OUTLEN=${OUTPUT_LEN:-128}; SEQS=${MAX_NUM_SEQS:-16}
 LV=${LV:-$(dirname "$(dirname "$(command -v l3worker)")")}
 for need in "$VV/bin/vllm" "$CK/config.json" "$LV/bin/l3worker"; do
-  [ -e "$need" ] || { echo "missing $need: run scripts/bench_peers.sh $SIZE first (and activate l3worker's venv)" >&2; exit 2; }
+  [ -e "$need" ] || { echo "missing $need: run scripts/bench_peers.sh $SIZE first (in l3worker's venv)" >&2
+                      exit 2; }
 done
 GGUF="$BUILD/served/model-$SIZE.gguf"; mkdir -p "$BUILD/served"
 if [[ " ${ENGINES:-l3worker llama} " == *" llama "* ]] && [ ! -f "$GGUF" ]; then
@@ -27,8 +28,9 @@ fi
 LEN=$((IN + OUTLEN + 256))
 start() {  # engine port: becomes the server (exec), so that its pid is the server's
   case $1 in
-    l3worker) exec "$LV/bin/l3worker" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN --port "$2" \
-                --gpu-memory-utilization 0.3 ${L3WORKER_FLAGS:-} ;;
+    # shellcheck disable=SC2086  # L3WORKER_FLAGS is a list of flags
+    l3worker) exec "$LV/bin/l3worker" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN \
+                --port "$2" --gpu-memory-utilization 0.3 ${L3WORKER_FLAGS:-} ;;
     llama) exec "$LCPP/bin/llama-server" -m "$GGUF" --host 127.0.0.1 --port "$2" -c $((SEQS * LEN)) -np "$SEQS" \
              -t "$(nproc)" -tb "$(nproc)" --alias "$CK" ;;
     vllm) exec "$VV/bin/vllm" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN --port "$2" \
@@ -49,12 +51,14 @@ for n in $(seq 1 "${REPEATS:-1}"); do
     backend=vllm; [ "$engine" = llama ] && backend=openai
     for load in c1:1:0 c16rep:16:0 c16new:16:7; do
       IFS=: read -r tag clients seed <<< "$load"
-      "$VV/bin/vllm" bench serve --backend $backend --base-url "http://127.0.0.1:$port" --model "$CK" --tokenizer "$CK" \
-        --dataset-name random --random-input-len "$IN" --random-output-len "$OUTLEN" --num-prompts "$NP" \
+      "$VV/bin/vllm" bench serve --backend $backend --base-url "http://127.0.0.1:$port" --model "$CK" \
+        --tokenizer "$CK" --dataset-name random --random-input-len "$IN" --random-output-len "$OUTLEN" \
+        --num-prompts "$NP" \
         --max-concurrency "$clients" --seed "$seed" --ignore-eos > "$out/$tag.log" 2>&1 || true
       log="$out/$tag.log"
-      printf "%-10s %-7s %10s %12s %10s %10s %8s\n" "$engine-$n" "$tag" "$(pick "$log" "Output token throughput")" \
-        "$(pick "$log" "Median TTFT")" "$(pick "$log" "Median TPOT")" "$(pick "$log" "P99 ITL")" "$(pick "$log" "^Failed requests:")"
+      printf "%-10s %-7s %10s %12s %10s %10s %8s\n" "$engine-$n" "$tag" \
+        "$(pick "$log" "Output token throughput")" "$(pick "$log" "Median TTFT")" "$(pick "$log" "Median TPOT")" \
+        "$(pick "$log" "P99 ITL")" "$(pick "$log" "^Failed requests:")"
     done
     kill -TERM $pid; wait $pid || true
   done
