@@ -38,6 +38,14 @@ def device_type(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def default_page_size(kind: str) -> int:
+    """Tokens per KV page when the caller names none. The CPU takes pages of 16: the prefix cache
+    hits whole pages (a 128-token prompt sent again reuses 112 tokens, none with pages of 128), and
+    a decode step costs about the same on either (docs/performance/peers.md). NPUs' attention wants
+    128 for prefill; GPUs keep 128 until pages of 16 are measured there."""
+    return 16 if kind == "cpu" else 128
+
+
 def resolve_device(device: str, device_id: int = 0) -> torch.device:
     device = device_type(device)
     if device == "cpu":

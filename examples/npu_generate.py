@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=16, help="batch rows (max_batch_size)")
-    p.add_argument("--block-size", type=int, default=128, help="KV page size in tokens")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV page size in tokens (default: 16 on the CPU, 128 on NPUs and GPUs)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)

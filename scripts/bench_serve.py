@@ -112,7 +112,8 @@ class Launched:
     def __init__(self, args):
         cmd = [sys.executable, "-m", "l3worker", "serve", *([args.model_dir] if args.model_dir else []),
                "--port", "0", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-               "--block-size", str(args.block_size), "--cpu-layout", args.cpu_layout, "--dtype", args.dtype,
+               *(["--block-size", str(args.block_size)] if args.block_size else []), "--cpu-layout", args.cpu_layout,
+               "--dtype", args.dtype,
                "--disable-log-requests",
                *shlex.split(args.serve_args)]
         if args.api_key:
@@ -201,7 +202,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "$L3WORKER_CACHE or ~/.cache/l3worker; needs transformers; no tokenizer: id prompts only)")
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=1024)
-    g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV page; omitted: 16 on the CPU, 128 on NPUs and GPUs")
     g.add_argument("--dtype", default="auto", help="the model dtype of both the served and the offline worker")
     g.add_argument("--cpu-layout", choices=("auto", "every_core", "spare_core"), default="auto",
                    help="on a cpu, the layout of both the served and the offline worker: a fixed one compares "

@@ -117,6 +117,7 @@ class DecodeLayers:
     def __init__(self, lib: ctypes.CDLL, rt: "ChipRuntime", verdicts: list[KernelVerdict]):
         self.lib, self.rt, self.verdicts = lib, rt, verdicts
         self.verified = False  # until the first step has matched forward
+        self.refused = False  # the first step did not match: every step runs `reference` from then on
         self._layers = self._model = None
         # Each layer's key and value caches [kv_heads, pages, page_size, head_dim]: views made once,
         # whose addresses follow their storage (sleep frees and reallocates it).
@@ -180,7 +181,7 @@ class DecodeLayers:
         """The last layer's hidden states [rows, hidden], as qwen3.forward returns them. On the first
         step `reference` (that forward) runs first: both write the same keys and values, and the
         hidden states must be equal, or the layer-by-layer path serves from then on."""
-        if not step.extra.get("kernel_decode"):  # a step the cpu attention kernel does not take
+        if self.refused or not step.extra.get("kernel_decode"):  # a step the cpu attention kernel does not take
             return reference()
         addresses = self._addresses()
         if addresses != self._built_for:
@@ -208,6 +209,6 @@ class DecodeLayers:
             if not same:
                 print("chip-child: the one-call decode layers differ from the layer-by-layer forward on this "
                       "model: decode steps run layer by layer from now on", file=sys.stderr, flush=True)
-                self.rt.decode_layers = None
+                self.refused = True
                 return want
         return hidden

@@ -107,7 +107,8 @@ def add_engine_args(p: argparse.ArgumentParser, prefix_caching: bool) -> None:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--max-num-seqs", type=int, default=None, help="batch rows")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV page; omitted: 16 on the CPU, 128 on NPUs and GPUs")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=prefix_caching)
 

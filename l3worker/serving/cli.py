@@ -150,7 +150,7 @@ def serve_command(args: argparse.Namespace) -> int:
         # Checks every argument and reads the model here, before any process starts; each engine
         # core makes (and prepares) its own worker from the same arguments.
         worker = DistributedWorker(**dp.engine_kwargs(worker_kwargs, 0))
-        router = dp.router(args.block_size, worker.runtime_config.total_pages - 1, args.max_num_seqs,
+        router = dp.router(worker.runtime_config.page_size, worker.runtime_config.total_pages - 1, args.max_num_seqs,
                            KVEventsConfig.of(args.kv_events_config))
         options = serve_options(args)
         check_lora_serving(args, options, worker)

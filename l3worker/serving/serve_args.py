@@ -167,7 +167,8 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
 
 
 def _cache_args(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--block-size", type=int, default=128, metavar="N", help="tokens per KV-cache page")
+    g.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="tokens per KV-cache page; omitted: 16 on the CPU, 128 on NPUs and GPUs")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help="size the KV cache from this fraction of the device's memory (on a cpu: of the RAM or "
                         "the cgroup's limit) less the weights, in (0, 1]; leave room for activations (None: room "

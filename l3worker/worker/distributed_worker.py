@@ -24,7 +24,7 @@ from tqdm import tqdm
 from chip_child.attention import cache_dtype_of, get_backend
 from chip_child.config import COPY_POLICIES, RuntimeConfig
 from chip_child.cpu_layout import step_weight_elements
-from chip_child.device import (DEVICE_TYPES, CorePlan, check_optional_bool, device_type,
+from chip_child.device import (DEVICE_TYPES, CorePlan, check_optional_bool, default_page_size, device_type,
                                 pin_socket_threads)
 from chip_child.models.fused import resolve_fused_kernels
 from chip_child.step.graphs import resolve_decode_graphs
@@ -70,7 +70,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         device: str = "auto",
         max_batch_size: int = 16,
         max_seq_len: int = 4096,
-        page_size: int = 128,
+        page_size: int | None = None,  # tokens per KV page; None: the device's (default_page_size)
         num_pages: int | None = None,
         # vLLM's: size the KV cache from this fraction of the device's memory (kv_sizing.py);
         # None: room for max_seq_len in every row. num_pages, when given, overrides it.
@@ -130,6 +130,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         # The backend and graph choices hold for the device type whatever its id: refused here,
         # before any child starts, with the choices named.
         kind = device_type(device)
+        page_size = default_page_size(kind) if page_size is None else page_size
         backend = get_backend(kind, attention_backend)
         check_kv_cache_dtype(cache_dtype_of(kv_cache_dtype), backend.name)
         resolve_decode_graphs(decode_graphs, kind, backend.decode_capturable, backend.name)

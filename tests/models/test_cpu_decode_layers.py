@@ -45,7 +45,8 @@ def runtime(path: Path, **options) -> ChipRuntime:
 def run(path: Path, **options):
     rt = runtime(path, **options)
     try:
-        return rt.decode_layers is not None, LocalDriver(rt).run(REQUESTS, keep_logits=True)
+        used = rt.decode_layers is not None and not rt.decode_layers.refused  # warm-up ran the first step
+        return used, LocalDriver(rt).run(REQUESTS, keep_logits=True)
     finally:
         rt.close()
 

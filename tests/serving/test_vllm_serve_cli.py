@@ -34,7 +34,7 @@ def test_vllm_flags_size_the_cache_and_set_the_defaults(served, tmp_path) -> Non
                              page_size=16, max_seq_len=128)
     s = served("--model", str(ckpt), "--device", "cpu", "--gpu-memory-utilization", str(fraction), "--enforce-eager",
                "--trust-remote-code", "--kv-cache-dtype", "auto", "--seed", "1", "--enable-log-requests",
-               "--disable-log-stats", *SMALL)
+               "--disable-log-stats", "--max-model-len", "128", "--max-num-seqs", "2")  # the CPU's pages: 16
     ready = s.ready()
     url, name = ready.groups()
     assert name == str(ckpt)  # served as typed, not as the directory's basename

@@ -322,3 +322,16 @@ def test_step_budget_defaults_to_the_offline_size_and_at_least_the_rows(ckpt: Pa
     rows = DEFAULT_BATCHED_TOKENS + 8
     wide = DistributedWorker(ckpt, **{**COMMON, "max_batch_size": rows, "max_seq_len": 16})
     assert wide.runtime_config.max_prefill_tokens == rows
+
+
+def test_page_size_defaults_to_the_devices_and_a_given_one_is_kept(ckpt: Path, monkeypatch) -> None:
+    """Pages of 16 on the CPU (a repeated 128-token prompt hits 112 cached tokens; pages of 128
+    would hit none), 128 on NPUs and GPUs."""
+    from chip_child.device import default_page_size
+    from l3worker.worker import distributed_worker as worker_module
+
+    monkeypatch.setattr(worker_module, "ChildProcess", None)  # nothing starts before prepare()
+    rest = {k: v for k, v in COMMON.items() if k != "page_size"}
+    assert DistributedWorker(ckpt, **rest).runtime_config.page_size == 16
+    assert DistributedWorker(ckpt, **rest, page_size=32).runtime_config.page_size == 32
+    assert (default_page_size("cpu"), default_page_size("npu"), default_page_size("cuda")) == (16, 128, 128)
