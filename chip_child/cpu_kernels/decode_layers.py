@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from chip_child.attention import StepPlan
+from chip_child.attention import AttentionBackend, StepPlan
+from chip_child.config import RuntimeConfig
 from chip_child.cpu_kernels import bf16_amx, bf16_linear, decode_attention, layer_ops
 from chip_child.cpu_kernels.build import CheckedKernel
 from chip_child.models.kernel_checks import KernelVerdict
+from chip_child.models.loader import ModelConfig
 from chip_child.models.prepack import PackedLinear
-from chip_child.models.qwen3 import PROJECTIONS, LayerWeights
-
-if TYPE_CHECKING:
-    from chip_child.step.runtime import ChipRuntime
+from chip_child.models.qwen3 import PROJECTIONS, LayerWeights, Qwen3Weights
 
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 LAYER_OPS = ("add_rms_norm", "qk_norm_rope", "silu_mul")  # the kernel checks these must have passed
@@ -80,7 +79,23 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), _PTR).value
 
 
-def _why_not(rt: "ChipRuntime") -> str | None:
+class Runtime(Protocol):
+    """What the one-call layers read of a chip runtime (chip_child.step.runtime.ChipRuntime, which
+    holds them): the model and its caches, and the choices that rule them out."""
+    cfg: RuntimeConfig
+    model_cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    weights: Qwen3Weights
+    rope: torch.Tensor
+    attn: AttentionBackend
+    ops: object  # the layer ops: .name "cpu" for the cpu kernels
+    lora: object | None
+    spec: object | None
+    kernel_checks: list[KernelVerdict]
+
+
+def _why_not(rt: Runtime) -> str | None:
     """Why the runtime's model cannot take the one-call decode layers; None: it can."""
     w, cfg = rt.weights, rt.cfg
     if cfg.tp_size > 1 or rt.lora is not None or rt.spec is not None:
@@ -114,7 +129,7 @@ class DecodeLayers:
     """The one-call decode layers of one runtime's model; `forward` stands in for qwen3.forward on a
     pure decode step planned for the cpu attention kernel."""
 
-    def __init__(self, lib: ctypes.CDLL, rt: "ChipRuntime", verdicts: list[KernelVerdict]):
+    def __init__(self, lib: ctypes.CDLL, rt: Runtime, verdicts: list[KernelVerdict]):
         self.lib, self.rt, self.verdicts = lib, rt, verdicts
         self.verified = False  # until the first step has matched forward
         self.refused = False  # the first step did not match: every step runs `reference` from then on
@@ -126,7 +141,7 @@ class DecodeLayers:
         self._work_per_row = 0
 
     @classmethod
-    def of(cls, rt: "ChipRuntime") -> "DecodeLayers | None":
+    def of(cls, rt: Runtime) -> "DecodeLayers | None":
         """None for a model it cannot run (said once on stderr) and off the bf16 cpu path (silently:
         float32 and accelerators have their own)."""
         if rt.device.type != "cpu" or rt.dtype != torch.bfloat16:
