@@ -32,11 +32,14 @@ def test_the_engine_core_owns_the_chip_children_and_a_killed_one_is_restarted_mi
     (child,) = started_processes(s.proc.pid, "chip_child")
     assert core.ppid() == s.proc.pid and child.ppid() == core.pid  # HTTP and the step loop: two processes
     http = httpx.Client(base_url=url, timeout=120)
-    reference = http.post("/v1/completions", json=GREEDY).json()["choices"][0]["text"]
+    # The longest completion --max-model-len allows: the child must die before the stream ends,
+    # and a loaded machine may stall this thread between the first bytes and the kill.
+    long = {**GREEDY, "max_tokens": 1000}
+    reference = http.post("/v1/completions", json=long).json()["choices"][0]["text"]
 
     raw: list[bytes] = []
     started = threading.Event()
-    reader = stream_into(url, {**GREEDY, "stream": True}, raw, started)
+    reader = stream_into(url, {**long, "stream": True}, raw, started)
     assert started.wait(60)
     child.kill()
     reader.join(120)
