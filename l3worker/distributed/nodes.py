@@ -37,8 +37,9 @@ STOP_EXTRA_S = 2.0  # a follower stops its children within the grace it is given
 # How long a restart waits for a follower that is not connected (the first start waits as long as
 # the children's start-up may take: followers may start after the head). Each restart of the
 # budget waits this long, so a follower that stays away fails the engine within
-# max_restarts * REJOIN_WAIT_S; /health says 503 from the moment it went.
-REJOIN_WAIT_S = 10.0
+# max_restarts * REJOIN_WAIT_S; /health says 503 from the moment it went. A node restarted by its
+# supervisor imports torch before it connects: over 10 s on a loaded 2-core host.
+REJOIN_WAIT_S = 30.0
 
 # Frame 0 of every message between the head and a follower; frame 1 the generation (children
 # start count) as ascii, so replies of children the head already replaced are told apart.

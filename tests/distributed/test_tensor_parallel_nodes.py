@@ -18,7 +18,7 @@ from l3worker import DistributedWorker, SamplingParams
 from l3worker.errors import WorkerError
 from l3worker.distributed.follower import follower_command
 from l3worker.distributed.nodes import NodeLayout, free_master_port
-from node_helpers import ROOT
+from node_helpers import ROOT, wait_for_log_line
 from server_helpers import Served
 
 PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 45))]
@@ -104,13 +104,16 @@ def test_a_follower_that_comes_back_is_restarted_and_requests_resume(make_checkp
     port = free_master_port(2)
     first = follower(path, port)
     with guard(), DistributedWorker(str(path), master_port=port, max_restarts=1, **WORKER) as w:
-        expected = [o.token_ids for o in w.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))]
-        stream = w.stream(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+        expected = [o.token_ids for o in w.generate(PROMPTS, params)]
+        stream = w.stream(PROMPTS, params)
         got: dict[str, list[int]] = {}
         out = next(stream)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(30)
-        follower(path, port)  # the node is back (as a supervisor would restart it)
+        # The node is back, as a supervisor would restart it; the head's restart waits for it
+        # (REJOIN_WAIT_S), and this test waits until it connects, whatever the machine's load.
+        wait_for_log_line(follower(path, port), "waiting for the head")
         for out in stream:
             if out.finished:
                 got[out.request_id] = out.token_ids
