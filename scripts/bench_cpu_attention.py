@@ -9,9 +9,10 @@ per row count: ms for all layers and the K/V read rate.
     python scripts/bench_cpu_attention.py                          # the 128M peers shape, pages of 128
     python scripts/bench_cpu_attention.py --against HEAD~1 --rows 1,16   # against a past version
 
---against REV builds decode_attention.cpp as it was at git revision REV beside the working
-tree's and times the two alternately on the same caches, printing each one's median and the
-ratio; their outputs must be the same bits.
+--against REV builds the kernel in use (decode_attention.cpp, or decode_attention_avx2.cpp on a
+cpu without AVX-512) as it was at git revision REV beside the working tree's and times the two
+alternately on the same caches, printing each one's median and the ratio; their outputs must be
+the same bits.
 """
 from __future__ import annotations
 
@@ -50,10 +51,9 @@ def main() -> None:
     kernels = {"l3worker": lib}
     with tempfile.TemporaryDirectory() as tmp:
         if a.against:
-            if lib is not decode_attention.KERNEL.library():
-                sys.exit("--against times decode_attention.cpp, which does not run here")
-            kernels[f"@{a.against}"] = past_cpu_kernel("decode_attention.cpp", a.against, tmp,
-                                                       decode_attention._bind_limits)
+            # the kernel in use: decode_attention.cpp, or decode_attention_avx2.cpp without AVX-512
+            used = decode_attention.KERNEL if lib is decode_attention.KERNEL.library() else decode_attention.AVX2_KERNEL
+            kernels[f"@{a.against}"] = past_cpu_kernel(used, a.against, tmp)
         for rows in (int(r) for r in a.rows.split(",")):
             run_rows(a, rows, kernels)
 

@@ -12,7 +12,8 @@ today's kernels; compare it with the step time `scripts/step_breakdown.py` repor
     python scripts/bench_cpu_gemm.py --hidden 1024 --intermediate 3072 --layers 28 --threads 1
     python scripts/bench_cpu_gemm.py --against HEAD~1 --rows 1,8,16,65   # our kernel against a past version
 
---against REV builds bf16_linear.cpp as it was at git revision REV beside the working tree's
+--against REV builds the kernel in use (bf16_linear.cpp, or bf16_linear_avx2.cpp on a cpu without
+AVX-512) as it was at git revision REV beside the working tree's
 and times the two alternately on the same packed weights (their packed layouts must agree),
 printing each one's median and the ratio; their outputs must be the same bits.
 """
@@ -91,7 +92,8 @@ def main() -> None:
         if ours is None:
             sys.exit("--against: our kernel does not run here")
         with tempfile.TemporaryDirectory() as tmp:
-            past = past_cpu_kernel("bf16_linear.cpp", a.against, tmp, bf16_linear._bind)
+            kernel = bf16_linear.KERNEL if kernel_name == "avx512_bf16" else bf16_linear.AVX2_KERNEL
+            past = past_cpu_kernel(kernel, a.against, tmp)
             for m in (int(r) for r in a.rows.split(",")):
                 against(lib, past, a.against, shapes, ours, m, a.repeats, weight_bytes)
         return
