@@ -21,16 +21,25 @@ def _requests(vocab: int) -> list[LocalRequest]:
             for i in range(ROWS)]
 
 
-def _runtime(ckpt, dtype: str) -> ChipRuntime:
-    return ChipRuntime(RuntimeConfig(str(ckpt), device="cpu", dtype=dtype, max_batch_size=ROWS, max_seq_len=64,
-                                     page_size=4))
+@pytest.fixture
+def runtimes():
+    """make(config) -> a ChipRuntime, closed at the end of the test."""
+    made: list[ChipRuntime] = []
+
+    def make(cfg: RuntimeConfig) -> ChipRuntime:
+        made.append(ChipRuntime(cfg))
+        return made[-1]
+
+    yield make
+    for rt in made:
+        rt.close()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rows_above_idle_lanes_give_the_tokens_and_logits_of_every_lane(make_checkpoint, monkeypatch,
+def test_rows_above_idle_lanes_give_the_tokens_and_logits_of_every_lane(make_checkpoint, monkeypatch, runtimes,
                                                                          dtype: str) -> None:
-    ckpt = make_checkpoint("default")
-    rt = _runtime(ckpt, dtype)
+    rt = runtimes(RuntimeConfig(str(make_checkpoint("default")), device="cpu", dtype=dtype, max_batch_size=ROWS,
+                                max_seq_len=64, page_size=4))
     assert rt.pack_lanes
     forward_rows: list[int] = []
     real = runtime_module.final_logits
@@ -54,8 +63,8 @@ def test_rows_above_idle_lanes_give_the_tokens_and_logits_of_every_lane(make_che
 @pytest.mark.parametrize("option", [{"max_loras": 1},
                                     {"speculative": {"method": "ngram", "num_speculative_tokens": 2,
                                                      "prompt_lookup_min": 1, "prompt_lookup_max": 2}}])
-def test_off_with_lora_and_speculation(make_checkpoint, option: dict) -> None:
+def test_off_with_lora_and_speculation(make_checkpoint, runtimes, option: dict) -> None:
     """Their per-lane inputs (adapter groups, the drafts' hidden states) are not packed: every lane runs."""
-    rt = ChipRuntime(RuntimeConfig(str(make_checkpoint("default")), device="cpu", dtype="float32", max_batch_size=2,
-                                   max_seq_len=32, page_size=4, **option))
+    rt = runtimes(RuntimeConfig(str(make_checkpoint("default")), device="cpu", dtype="float32", max_batch_size=2,
+                                max_seq_len=32, page_size=4, **option))
     assert not rt.pack_lanes
