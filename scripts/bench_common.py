@@ -24,17 +24,17 @@ if TYPE_CHECKING:
 
 
 # -- kernels -------------------------------------------------------------------------------------------
-def past_cpu_kernel(kernel, rev: str, out_dir: str, bind: Callable | None = None):
+def past_cpu_kernel(kernel, rev: str, out_dir: str):
     """`kernel`'s source (a chip_child.cpu_kernels.build.CheckedKernel) as it was at git revision
     `rev`, built with that kernel's compile flags (into the kernel cache, with the working tree's
-    headers) and bound by `bind` (default: the kernel's own), for an A/B against the current one."""
+    headers) and bound as the kernel binds its own, for an A/B against the current one."""
     from chip_child.cpu_kernels.build import load
 
     root = Path(__file__).resolve().parent.parent
     past = Path(out_dir) / f"{Path(kernel.source).stem}_past.cpp"
     past.write_text(subprocess.run(["git", "show", f"{rev}:chip_child/cpu_kernels/{kernel.source}"], cwd=root,
                                    capture_output=True, text=True, check=True).stdout)
-    return (bind or kernel.bind)(load(str(past), kernel.compile_flags))
+    return kernel.bind(load(str(past), kernel.compile_flags))
 
 
 # -- workloads -------------------------------------------------------------------------------------------

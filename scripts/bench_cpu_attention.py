@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # chip_child, run from anywhere
 from chip_child.cpu_kernels import decode_attention  # noqa: E402
+from chip_child.cpu_kernels.build import first_usable  # noqa: E402
 from bench_common import past_cpu_kernel  # noqa: E402
 
 
@@ -51,8 +52,7 @@ def main() -> None:
     kernels = {"l3worker": lib}
     with tempfile.TemporaryDirectory() as tmp:
         if a.against:
-            # the kernel in use: decode_attention.cpp, or decode_attention_avx2.cpp without AVX-512
-            used = decode_attention.KERNEL if lib is decode_attention.KERNEL.library() else decode_attention.AVX2_KERNEL
+            used = first_usable(decode_attention.KERNEL, decode_attention.AVX2_KERNEL)  # the one `lib` is
             kernels[f"@{a.against}"] = past_cpu_kernel(used, a.against, tmp)
         for rows in (int(r) for r in a.rows.split(",")):
             run_rows(a, rows, kernels)

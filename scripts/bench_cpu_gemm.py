@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # chip_child, run from anywhere
 from chip_child.cpu_kernels import bf16_amx, bf16_linear  # noqa: E402
+from chip_child.cpu_kernels.build import first_usable  # noqa: E402
 from bench_common import past_cpu_kernel  # noqa: E402
 
 
@@ -92,8 +93,7 @@ def main() -> None:
         if ours is None:
             sys.exit("--against: our kernel does not run here")
         with tempfile.TemporaryDirectory() as tmp:
-            kernel = bf16_linear.KERNEL if kernel_name == "avx512_bf16" else bf16_linear.AVX2_KERNEL
-            past = past_cpu_kernel(kernel, a.against, tmp)
+            past = past_cpu_kernel(first_usable(bf16_linear.KERNEL, bf16_linear.AVX2_KERNEL), a.against, tmp)
             for m in (int(r) for r in a.rows.split(",")):
                 against(lib, past, a.against, shapes, ours, m, a.repeats, weight_bytes)
         return

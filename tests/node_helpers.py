@@ -8,9 +8,9 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
+from fault_helpers import wait_for
 from l3worker.distributed.follower import follower_command
 from l3worker.distributed.nodes import NodeLayout
 
@@ -41,13 +41,12 @@ def start_node(cmd: list[str], log_dir: Path, log_name: str) -> subprocess.Popen
 def wait_for_log_line(proc: subprocess.Popen, text: str, timeout_s: float = 120.0) -> None:
     """Waits until the node's log holds `text` (a node logs "waiting for the head" once it has
     imported everything and connects), so that a test's next step does not race its start-up."""
-    deadline = time.monotonic() + timeout_s
-    while text not in proc.log_path.read_text(errors="replace"):
-        if proc.poll() is not None:
-            raise AssertionError(f"the node exited ({proc.returncode}) before logging {text!r}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the node did not log {text!r} within {timeout_s:g}s")
-        time.sleep(0.1)
+    def logged() -> bool:
+        return text in proc.log_path.read_text(errors="replace")
+
+    assert wait_for(lambda: logged() or proc.poll() is not None, timeout_s), \
+        f"the node did not log {text!r} within {timeout_s:g}s"
+    assert logged(), f"the node exited ({proc.returncode}) before logging {text!r}"
 
 
 def kill_nodes(started: list[subprocess.Popen]) -> None:
