@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 
 COPY_POLICIES = ("dirty", "always")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3 with a per-tensor scale of 1
+DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
+CPU_LAYOUTS = ("auto", "every_core", "spare_core")  # chip_child.device.default_cpu_threads says what each is
 
 
 @dataclass(frozen=True)

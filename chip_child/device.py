@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-DEVICE_TYPES = ("auto", "cpu", "cuda", "npu")
+from chip_child.config import CPU_LAYOUTS, DEVICE_TYPES
 
 
 def _npu_available() -> bool:
@@ -72,9 +72,6 @@ def allowed_cores() -> list[int]:
 
 def available_cores() -> int:
     return len(allowed_cores())
-
-
-CPU_LAYOUTS = ("auto", "every_core", "spare_core")
 
 
 def default_cpu_threads(children: int, layout: str = "spare_core") -> int:

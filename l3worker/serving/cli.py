@@ -9,16 +9,18 @@ import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chip_child.step.row_fields import MAX_LOGPROBS
 from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.distributed.dp_link import DpLayout
 from l3worker.engine.kv_events import KVEventsConfig
-from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES
-from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, bind, run_server, serve, served_model
 from chip_child.config import KV_CACHE_DTYPES
 from l3worker.serving.serve_args import add_serve_parser, api_key_default
 from l3worker.serving.vllm_flags import unsupported_flag, vllm_spelling
+
+if TYPE_CHECKING:
+    from l3worker.serving.runner import ServeOptions
 
 log = logging.getLogger("l3worker.serving")
 # Data-parallel engines on other nodes: vLLM's flags (l3worker/distributed/dp_link.py).
@@ -131,6 +133,9 @@ def serve_command(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     if args.disable_log_requests:
         logging.getLogger("l3worker.serving.requests").setLevel(logging.WARNING)
+    # The HTTP server's modules (uvicorn, FastAPI) and torch load only now: `--help` and a bad flag
+    # answer without them.
+    from l3worker.serving.runner import ModelInfo, SignalStop, bind, run_server, serve, served_model
 
     stop = SignalStop()
 
@@ -226,6 +231,9 @@ def serve_command(args: argparse.Namespace) -> int:
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The HTTP server's part of the flags."""
+    from l3worker.serving.openai.middleware import DEFAULT_MAX_BODY_BYTES
+    from l3worker.serving.runner import ServeOptions
+
     api_key = args.api_key or api_key_default()
     return ServeOptions(
         host=args.host, port=args.port, served_model_names=tuple(args.served_model_name or ()),
@@ -314,6 +322,7 @@ def headless_dp_command(args: argparse.Namespace) -> int:
     from l3worker.distributed.dp_headless import run_headless
     from l3worker.distributed.dp_link import Registration
     from l3worker.serving.launcher import DataParallel
+    from l3worker.serving.runner import ModelInfo
 
     layout = dp_layout(args)
     try:

@@ -17,7 +17,6 @@ from typing import Awaitable, Callable
 
 import uvicorn
 
-from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME
 from l3worker.serving.openai.adapters import ServedAdapters, runtime_updating_allowed
 from l3worker.serving.openai.app import Cors, create_app
 from l3worker.serving.openai.chat import ChatTemplate
@@ -88,6 +87,8 @@ class ModelInfo:
 
     @classmethod
     def of(cls, worker) -> "ModelInfo":
+        from chip_child.models.tiny_model import TINY_MODEL_SERVED_NAME  # torch: not before a worker exists
+
         builtin = worker.model_name == TINY_MODEL_SERVED_NAME
         return cls(str(worker.model_dir), worker.model_name, worker.runtime_config.max_seq_len,
                    worker.model_config.vocab_size, str(worker.model_dir) if builtin else worker.model_name)

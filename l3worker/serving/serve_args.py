@@ -9,7 +9,7 @@ import json
 import os
 import re
 
-from chip_child.device import CPU_LAYOUTS, DEVICE_TYPES
+from chip_child.config import CPU_LAYOUTS, DEVICE_TYPES
 from chip_child.spec.config import SpeculativeConfig
 from l3worker.engine.kv_events import KVEventsConfig
 from l3worker.distributed.dp_link import SILENCE_S

@@ -2,7 +2,7 @@
 ValueError naming the argument and its limit."""
 from __future__ import annotations
 
-from chip_child.device import CPU_LAYOUTS
+from chip_child.config import CPU_LAYOUTS
 from l3worker.params import DEFAULT_BATCHED_TOKENS
 
 MAX_SPIN_S = 0.1  # a spinning parent checks nothing else, so failures surface at most this late

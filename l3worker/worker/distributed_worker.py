@@ -22,10 +22,9 @@ import zmq
 from tqdm import tqdm
 
 from chip_child.attention import cache_dtype_of, get_backend
-from chip_child.config import COPY_POLICIES, RuntimeConfig
+from chip_child.config import COPY_POLICIES, DEVICE_TYPES, RuntimeConfig
 from chip_child.cpu_layout import step_weight_elements
-from chip_child.device import (DEVICE_TYPES, CorePlan, check_optional_bool, default_page_size, device_type,
-                                pin_socket_threads)
+from chip_child.device import CorePlan, check_optional_bool, default_page_size, device_type, pin_socket_threads
 from chip_child.models.fused import resolve_fused_kernels
 from chip_child.step.graphs import resolve_decode_graphs
 from chip_child.models.loader import load_config, load_tokenizer, resolve_dtype

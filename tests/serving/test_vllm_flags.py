@@ -4,6 +4,8 @@ help grouped with every default shown, and what the flags become for the worker 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -130,3 +132,38 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path) -> None:
     assert ChatTemplate.load(tmp_path, str(tmp_path / "t.jinja")).render([{"role": "user", "content": "a"}]) == "a!"
     with pytest.raises(ValueError, match="looks like a file path"):
         ChatTemplate.load(tmp_path, str(tmp_path / "missing.jinja"))
+
+
+# Runs `l3worker.serving.cli.main(argv)` in a fresh interpreter and prints its exit code, then
+# which of the heavy modules it imported.
+_FRESH_MAIN = """
+import sys
+from l3worker.serving.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(code, sorted(m for m in ("torch", "uvicorn", "fastapi", "transformers") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("argv,code", [
+    (["--help"], 0), (["serve", "--help"], 0), (["bench", "--help"], 0),
+    (["serve", "--max-num-seqs"], 2), (["serve", "--swap-space", "4"], 2),
+], ids=["help", "serve help", "bench help", "flag without its value", "unsupported vLLM flag"])
+def test_help_and_bad_flags_answer_before_torch_and_the_http_server_load(argv: list[str], code: int) -> None:
+    """`l3worker --help` and a refused flag need neither torch nor uvicorn: they answer at once."""
+    done = subprocess.run([sys.executable, "-c", _FRESH_MAIN, *argv], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines()[-1] == f"{code} []", done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_package_loads_its_names_on_first_use() -> None:
+    """`import l3worker` is light; every public name still resolves to its defining module's object."""
+    check = ("import sys, importlib, l3worker\n"
+             "light = 'torch' not in sys.modules\n"
+             "same = all(getattr(l3worker, n) is getattr(importlib.import_module(m), n)"
+             " for n, m in l3worker._EXPORTS.items())\n"
+             "print(light, same, sorted(l3worker.__all__) == sorted(l3worker._EXPORTS),"
+             " 'DistributedWorker' in dir(l3worker))")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True", "True", "True", "True"], done.stdout + done.stderr[-2000:]
