@@ -23,7 +23,9 @@ def test_the_kernel_gives_the_torch_versions_bits(vocab_size) -> None:
     counters = torch.cat([torch.tensor([(1 << 33) + 5, 0, 1]), torch.randint(0, 1 << 40, (13,), generator=g)])
     vocab = vocab_hash(vocab_size, torch.device("cpu"))
     lib = sampling_noise.KERNEL.library()
-    assert torch.equal(sampling_noise.uniform_noise(lib, keys, counters, vocab), torch_uniform_noise(keys, counters, vocab))
+    for rows in (16, 3, 1):  # more rows than threads, and fewer (a team of one per row)
+        k, c = keys[:rows], counters[:rows]
+        assert torch.equal(sampling_noise.uniform_noise(lib, k, c, vocab), torch_uniform_noise(k, c, vocab)), rows
     assert sampling_noise.uniform_noise(lib, keys[:0], counters[:0], vocab).shape == (0, vocab_size)
 
 
