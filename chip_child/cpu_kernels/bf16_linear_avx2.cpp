@@ -86,15 +86,21 @@ inline void few_rows(const float* x, int64_t ldx, const uint16_t* wb, int64_t M,
 constexpr int64_t KC_PAIRS = 128;  // k pairs per chunk of the many-rows path: 256 k x 64 columns, 64 KB of fp32
 constexpr int MANY_ROWS = 4;       // from here on rows take the many-rows path
 
-// k pairs [p0, p0 + np) of one block widened to fp32, k-major: buf[k][64].
+constexpr int STRIP = 2 * VEC;  // the columns of one wide_tile
+
+// k pairs [p0, p0 + np) of one block widened to fp32, a 16-column strip after another, each
+// k-major: buf[strip][k][16]. A tile then reads its strip from consecutive lines: in the block's
+// own k-major order (a 256-byte stride) a strip's lines fell in a sixteenth of L1's sets and did
+// not stay there from one tile to the next.
 inline void widen_chunk(const uint16_t* wb, int64_t p0, int64_t np, float* buf) {
+  const int64_t kk = 2 * np;
   for (int64_t p = 0; p < np; ++p) {
     const uint16_t* wp = wb + (p0 + p) * BLOCK * 2;
-    float* even = buf + 2 * p * BLOCK;
     for (int v = 0; v < BLOCK_VECS; ++v) {
       const __m256i w = _mm256_loadu_si256((const __m256i*)(wp + v * 2 * VEC));
-      _mm256_storeu_ps(even + v * VEC, even_k(w));
-      _mm256_storeu_ps(even + BLOCK + v * VEC, odd_k(w));
+      float* even = buf + (v / 2) * kk * STRIP + 2 * p * STRIP + (v % 2) * VEC;
+      _mm256_storeu_ps(even, even_k(w));
+      _mm256_storeu_ps(even + STRIP, odd_k(w));
     }
   }
 }
@@ -115,9 +121,10 @@ inline void wide_tile(const float* x, int64_t ldx, const float* buf, int64_t kk,
   UNROLL for (int m = 0; m < R; ++m)
     UNROLL for (int v = 0; v < 2; ++v)
       acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(part + m * BLOCK + c0 + v * VEC);
+  const float* strip = buf + (c0 / STRIP) * kk * STRIP;
   for (int64_t k = 0; k < kk; ++k) {
     for (owed += lines; owed >= kk; owed -= kk, pf += 32) _mm_prefetch((const char*)pf, _MM_HINT_T1);
-    const __m256 w0 = _mm256_loadu_ps(buf + k * BLOCK + c0), w1 = _mm256_loadu_ps(buf + k * BLOCK + c0 + VEC);
+    const __m256 w0 = _mm256_loadu_ps(strip + k * STRIP), w1 = _mm256_loadu_ps(strip + k * STRIP + VEC);
     UNROLL for (int m = 0; m < R; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
       acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
