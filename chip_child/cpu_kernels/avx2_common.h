@@ -35,9 +35,15 @@ inline __m128i to_bf16(__m256 v) {
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-// To bf16 and back: a rounding the torch reference makes between two ops.
+// To bf16 and back: a rounding the torch reference makes between two ops. to_bf16's bits, kept in
+// the high half of each lane: a mask where to_bf16 shifts, packs and widens back.
 inline __m256 round_bf16(__m256 v) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16(v)), 16));
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb),
+                                     _mm256_set1_epi32((int)0xffff0000u));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
 }
 
 // n (1..8) lanes stored, the rest of memory untouched.
