@@ -26,24 +26,24 @@ inline __m256 load(const uint16_t* p, int n = VEC) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// 8 fp32 rounded to nearest even bf16 (as torch rounds; NaN stays a quiet NaN), in 16-bit lanes.
-inline __m128i to_bf16(__m256 v) {
+// 8 fp32 rounded to nearest even bf16 (as torch rounds; NaN stays a quiet NaN): the bf16 bits in
+// the high half of each 32-bit lane, the low half left for the caller to mask or shift away.
+inline __m256i rounded_high_half(__m256 v) {
   const __m256i b = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// In 16-bit lanes, for a store.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i r = _mm256_srli_epi32(rounded_high_half(v), 16);
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-// To bf16 and back: a rounding the torch reference makes between two ops. to_bf16's bits, kept in
-// the high half of each lane: a mask where to_bf16 shifts, packs and widens back.
+// To bf16 and back, as fp32: a rounding the torch reference makes between two ops.
 inline __m256 round_bf16(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb),
-                                     _mm256_set1_epi32((int)0xffff0000u));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded_high_half(v), _mm256_set1_epi32((int)0xffff0000u)));
 }
 
 // n (1..8) lanes stored, the rest of memory untouched.
