@@ -39,10 +39,13 @@ if [ $smoke = 1 ]; then
     --random-input-len 16 --random-output-len 8 --result-file "$out/serve.json"
 else
   # CUDA: the GPU test file, and every test whose kernels run on the GPU instead of Triton's interpreter
-  # four pytest-xdist workers: most of the time is Triton compiling kernels, on the CPU
+  # four pytest-xdist workers: most of the time is Triton compiling kernels, on the CPU. The CPU attention
+  # kernels' tests are left to CI: on an H200's host they built the C++ kernels for both instruction sets
+  # and held a worker past this step's limit.
   run tests 200 $py -m pytest -q -n 4 --junitxml "$out/tests.xml" tests/gpu tests/models/test_fused.py \
     tests/models/test_moe_triton.py tests/models/test_fp8_linear.py tests/models/test_fp8_moe.py tests/attention \
-    tests/step/test_decode_graphs.py tests/lora/test_lora_graphs.py
+    --ignore tests/attention/test_cpu_attention.py tests/step/test_decode_graphs.py \
+    tests/lora/test_lora_graphs.py
   run decode 200 $py scripts/bench_gpu.py --models 0.6b --batches 1,64 --repeats 2 --variants floor,l3,l3_eager,hf_static \
     --json "$out/decode.json"
   run fp8 60 $py scripts/bench_fp8.py --models 0.6b --batches 1,64 --repeats 1
@@ -50,6 +53,6 @@ else
   run serve 90 $py scripts/bench_serve.py --launch --offline --num-prompts 64 --max-concurrency 16 \
     --result-file "$out/serve.json"
   run kv_offload 90 $py scripts/bench_kv_offload.py --device cuda --repeats 2
-  run kv_fp8 90 $py scripts/bench_kv_fp8.py --device cuda --repeats 2
+  run kv_fp8 120 $py scripts/bench_kv_fp8.py --device cuda --repeats 1  # 2 repeats ran past 90 s
 fi
 $py scripts/gpu_summary.py "$out" | tee "$out/summary.md"
