@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -207,10 +206,10 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         launch, client = launch_core(worker_kwargs, args.api_server_count, dp, router, remote)
         launch_api_servers(launch, args.api_server_count, sock, info, options, router)
-        if launch.relay is not None:  # a stop while waiting for engines on other nodes ends the wait
-            stop.before_server = lambda: launch.relay.send_signal(signal.SIGTERM)
-            if stop.requested:  # it came before the line above
-                stop.before_server()
+        # A stop while the engines load (or wait for the ones on other nodes) ends their start-up.
+        stop.before_server = launch.stop_starting
+        if stop.requested:  # it came before the line above
+            stop.before_server()
 
         async def on_stop() -> None:
             launch.signal_api_servers()

@@ -173,6 +173,14 @@ class Launch:
             await loop.run_in_executor(None, _wait_or_kill, self.relay)
         self.remove()
 
+    def stop_starting(self) -> None:
+        """A stop before anything serves (called from the signal handler): the engine cores and the
+        relay end their start-up at once, instead of finishing a model load first, and the wait for
+        them raises."""
+        for proc in [*self.cores, *([self.relay] if self.relay else [])]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         """Start-up failed: nothing is serving yet."""
         for proc in [*self.api_servers, *self.cores, *([self.relay] if self.relay else [])]:

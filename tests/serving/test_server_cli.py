@@ -1,5 +1,6 @@
 """`python -m l3worker serve` as a user runs it: flags, the ready line, a --chat-template file, and a
-signal while a request streams: exit 0, the request aborted, no child process or socket dir left."""
+signal while a request streams or while the engine starts: exit 0, the request aborted, no child
+process or socket dir left."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import httpx
 import psutil
@@ -68,6 +70,45 @@ def test_sigint_exits_0(served) -> None:
     s.proc.send_signal(signal.SIGINT)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     assert os.listdir(s.tmpdir) == []
+
+
+def _engine_core_of(proc: psutil.Process) -> psutil.Process | None:
+    for child in proc.children():
+        try:
+            if "l3worker.serving.engine_core" in child.cmdline():
+                return child
+        except psutil.Error:  # gone, or not yet readable
+            continue
+    return None
+
+
+def test_sigterm_while_the_engine_core_starts_ends_its_start_up(served) -> None:
+    """A stop before anything serves ends the engine core's start-up instead of waiting for it to
+    finish (a model load can take minutes): the server says it stopped while starting, never that
+    it is ready, exits 0 and leaves no process or socket dir."""
+    s = served("--max-num-seqs", "1", "--max-model-len", "64", "--block-size", "16")
+    server = psutil.Process(s.proc.pid)
+    core = None
+    while core is None:  # the engine core starts seconds before it is ready (torch, then its chip-child)
+        assert s.proc.poll() is None, s.stderr[-20:]
+        core = _engine_core_of(server)
+        time.sleep(0.02)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, s.stderr[-20:]
+    out = [s.lines.get(timeout=5) for _ in range(s.lines.qsize())]
+    assert "l3worker serve: stopped while starting" in out, out
+    assert not [line for line in out if line.startswith("l3worker serve: ready")]
+    assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
+    assert not _processes_under(str(s.tmpdir))  # a chip-child names its socket dir, in TMPDIR, in its argv
+    assert os.listdir(s.tmpdir) == []
+
+
+def _processes_under(tmpdir: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(tmpdir in arg for arg in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
 
 
 def test_bad_arguments_exit_2(served, tmp_path) -> None:
