@@ -151,6 +151,10 @@ class Launch:
         pids = [c.pid for c in self.cores]
         return pids + [self.relay.pid] * self.remote_ranks if self.relay else pids
 
+    def _engines(self) -> list[subprocess.Popen]:
+        """The local engine cores and the relay standing in for the remote ones."""
+        return [*self.cores, *([self.relay] if self.relay else [])]
+
     def signal_api_servers(self) -> None:
         """Each aborts its own requests and closes its connections (as this one does)."""
         for proc in self.api_servers:
@@ -177,13 +181,13 @@ class Launch:
         """A stop before anything serves (called from the signal handler): the engine cores and the
         relay end their start-up at once, instead of finishing a model load first, and the wait for
         them raises."""
-        for proc in [*self.cores, *([self.relay] if self.relay else [])]:
+        for proc in self._engines():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         """Start-up failed: nothing is serving yet."""
-        for proc in [*self.api_servers, *self.cores, *([self.relay] if self.relay else [])]:
+        for proc in [*self.api_servers, *self._engines()]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
             _wait_or_kill(proc)

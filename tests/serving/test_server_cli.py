@@ -8,12 +8,12 @@ import os
 import re
 import signal
 import threading
-import time
 
 import httpx
 import psutil
 import pytest
 
+from fault_helpers import GUARD_S, alive, wait_for
 from hub_cache import REPO, lay_out_hub_cache
 from server_helpers import sse_events
 
@@ -89,26 +89,23 @@ def test_sigterm_while_the_engine_core_starts_ends_its_start_up(served) -> None:
     s = served("--max-num-seqs", "1", "--max-model-len", "64", "--block-size", "16")
     server = psutil.Process(s.proc.pid)
     core = None
-    while core is None:  # the engine core starts seconds before it is ready (torch, then its chip-child)
-        assert s.proc.poll() is None, s.stderr[-20:]
+
+    def core_started() -> bool:  # seconds before it is ready (torch, then its chip-child)
+        nonlocal core
         core = _engine_core_of(server)
-        time.sleep(0.02)
+        return core is not None or s.proc.poll() is not None
+
+    assert wait_for(core_started, GUARD_S) and core is not None, s.stderr[-20:]
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     out = [s.lines.get(timeout=5) for _ in range(s.lines.qsize())]
     assert "l3worker serve: stopped while starting" in out, out
     assert not [line for line in out if line.startswith("l3worker serve: ready")]
-    assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
-    assert not _processes_under(str(s.tmpdir))  # a chip-child names its socket dir, in TMPDIR, in its argv
+    assert not alive(core)
+    # a chip-child names its socket dir, in the server's TMPDIR, in its argv
+    assert not [p for p in psutil.process_iter(["cmdline"]) if any(str(s.tmpdir) in a for a in p.info["cmdline"] or ())
+                and alive(p)]
     assert os.listdir(s.tmpdir) == []
-
-
-def _processes_under(tmpdir: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(tmpdir in arg for arg in proc.info["cmdline"] or ()):
-            found.append(proc)
-    return found
 
 
 def test_bad_arguments_exit_2(served, tmp_path) -> None:
