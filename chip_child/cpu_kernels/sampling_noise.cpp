@@ -32,8 +32,13 @@ void l3_uniform_noise(const int64_t* keys, const int64_t* counters, const int64_
     const uint32_t row = hash32((uint32_t)keys[r] ^ (uint32_t)counters[r]);
     float* o = out + r * vocab;
 #pragma omp simd
-    for (int64_t v = 0; v < vocab; ++v)
-      o[v] = ((float)(hash32(row ^ (uint32_t)vocab_keys[v]) >> 8) + 0.5f) * (1.0f / 16777216.0f);
+    for (int64_t v = 0; v < vocab; ++v) {
+      const uint32_t bits = hash32(row ^ (uint32_t)vocab_keys[v]) >> 8;
+      // The largest 24-bit value is folded to the one below (+ 0.5 would round it to 2^24, a noise
+      // of 1.0), by arithmetic: a min or a select here kept gcc 12 from vectorizing the loop. As
+      // int32 (the values fit): a uint32 to float conversion has no AVX2 instruction.
+      o[v] = ((float)(int32_t)(bits - ((bits + 1) >> 24)) + 0.5f) * (1.0f / 16777216.0f);
+    }
   }
 }
 

@@ -11,6 +11,7 @@ import torch
 
 from chip_child.cpu_kernels.build import CheckedKernel
 from chip_child.sampling.noise import torch_uniform_noise, vocab_hash
+from chip_child.sampling.seeds import M32, hash32, unhash32
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 COMPILE_FLAGS = ["-std=c++17", "-O3", "-mavx2", "-fopenmp"]
@@ -34,11 +35,13 @@ def uniform_noise(lib: ctypes.CDLL, keys: torch.Tensor, counters: torch.Tensor,
 
 def check_error(lib: ctypes.CDLL) -> float:
     """0.0 where the kernel gives the torch version's bits (keys at the ends of their range,
-    counters past 2^32, an odd vocabulary), else inf."""
+    counters past 2^32, an odd vocabulary, tokens whose hash is the largest there is), else inf."""
     g = torch.Generator().manual_seed(0)
     keys = torch.cat([torch.tensor([0, (1 << 32) - 1]), torch.randint(0, 1 << 32, (5,), generator=g)])
     counters = torch.cat([torch.tensor([(1 << 40) + 7, 0]), torch.randint(0, 1 << 20, (5,), generator=g)])
-    vocab = vocab_hash(1001, torch.device("cpu"))
+    row = hash32(int(keys[0]) ^ (int(counters[0]) & M32))
+    top = torch.tensor([unhash32(M32) ^ row, unhash32(M32 - 255) ^ row, unhash32(M32 - 256) ^ row])
+    vocab = torch.cat([vocab_hash(1001, torch.device("cpu")), top])
     same = torch.equal(uniform_noise(lib, keys, counters, vocab), torch_uniform_noise(keys, counters, vocab))
     return 0.0 if same else float("inf")
 

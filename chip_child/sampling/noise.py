@@ -8,6 +8,8 @@ import torch
 
 from chip_child.sampling.seeds import M32, hash32
 
+LARGEST_BITS = (1 << 24) - 2  # the noise's largest 24-bit value: it gives 1 - 2^-23
+
 
 def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
     return hash32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ 0x5BD1E995)
@@ -15,6 +17,14 @@ def vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
 
 def torch_uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
     """[N, V] floats in (0, 1) in torch ops: the reference of sampler.uniform_noise."""
+    return noise_at(keys, counters, vocab_keys[None, :])
+
+
+def noise_at(keys: torch.Tensor, counters: torch.Tensor, token_keys: torch.Tensor) -> torch.Tensor:
+    """The noise of each row [N] at the tokens whose vocab_hash keys are `token_keys` ([N, C], or
+    [1, V] for every token): the values torch_uniform_noise gives at those tokens."""
     row = hash32(keys ^ (counters & M32))
-    bits = hash32(row[:, None] ^ vocab_keys[None, :]) >> 8  # 24 bits: exact in fp32
+    # 24 bits; the largest would round up to 1.0 (2^24 - 0.5 is not a float32), and -log(-log(1))
+    # is +inf: that token would be drawn whatever its logit, a filtered one included.
+    bits = (hash32(row[:, None] ^ token_keys) >> 8).clamp_(max=LARGEST_BITS)
     return (bits.float() + 0.5) * (1.0 / (1 << 24))

@@ -16,6 +16,7 @@ from chip_child.cpu_kernels import sampling_noise
 from chip_child.sampling.grammar import allowed_tokens
 from chip_child.sampling.noise import torch_uniform_noise
 from chip_child.sampling.seeds import seed_key  # noqa: F401  seed_key: the keys this noise is drawn with
+from chip_child.sampling.top_k_top_p import draw_among, filter_rows, mask_below
 
 
 def uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
@@ -30,16 +31,9 @@ def uniform_noise(keys: torch.Tensor, counters: torch.Tensor, vocab_keys: torch.
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Masks with -inf everything outside each row's top-k, then outside its top-p nucleus
-    (top_k 0 and top_p 1 disable a filter), as transformers' warpers do in that order."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    outside_k = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
-    sorted_logits = sorted_logits.masked_fill(outside_k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # A token stays while the probability mass before it is below top_p; the first always stays.
-    outside_p = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(outside_p, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    (top_k 0 and top_p 1 disable a filter), as transformers' warpers do in that order; tokens
+    tied at a row's cutoff all stay (chip_child.sampling.top_k_top_p)."""
+    return mask_below(logits, filter_rows(logits, top_k, top_p).cutoff)
 
 
 def sample(
@@ -63,12 +57,15 @@ def sample(
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
     if min_p is not None:
         scaled = filter_min_p(scaled, min_p)
-    if any_filter:
-        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    drawn = temperature > 0
+    filtered = filter_rows(scaled, top_k, top_p, drawn) if any_filter else None
+    if filtered is not None and filtered.complete:
+        return torch.where(drawn, draw_among(filtered, keys, counters, vocab_keys), greedy)
     # -log(-log(u)) + scaled, in place on the fresh noise: the same values, two [N, V] buffers fewer.
-    gumbel = uniform_noise(keys, counters, vocab_keys).log_().neg_().log_().neg_()
-    sampled = first_max(gumbel.add_(scaled))
-    return torch.where(temperature > 0, sampled, greedy)
+    gumbel = uniform_noise(keys, counters, vocab_keys).log_().neg_().log_().neg_().add_(scaled)
+    if filtered is not None:
+        gumbel.masked_fill_(scaled < filtered.cutoff[:, None], float("-inf"))
+    return torch.where(drawn, first_max(gumbel), greedy)
 
 
 def first_max(x: torch.Tensor) -> torch.Tensor:

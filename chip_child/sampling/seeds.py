@@ -22,6 +22,22 @@ def hash32(x: T) -> T:
     return x ^ (x >> 15)
 
 
+def unhash32(y: int) -> int:
+    """The x in [0, 2**32) with hash32(x) == y (each step of hash32 is a bijection): how checks
+    reach a chosen hash, such as the noise's largest value."""
+    def unshift(v: int, s: int) -> int:
+        x = v
+        for _ in range(32 // s + 1):
+            x = v ^ (x >> s)
+        return x
+
+    x = unshift(y, 15)
+    x = (x * pow(0x735A2D97, -1, 1 << 32)) & M32
+    x = unshift(x, 15)
+    x = (x * pow(0x21F0AAAD, -1, 1 << 32)) & M32
+    return unshift(x, 16)
+
+
 def seed_key(seed: int) -> int:
     """Folds a user seed of any size into the 32-bit row key the device hashes with."""
     lo, hi = seed & M32, (seed >> 32) & M32

@@ -59,3 +59,13 @@ def test_l3_variants_made_identical_tokens(result: dict) -> None:
     wl = result["workloads"]["tiny"]
     assert wl["l3_tokens_identical"] is True
     assert wl["token_agreement_with_l3"]["floor"] == 1.0  # the same runtime in one process
+
+
+def test_bench_top_k_top_p_times_every_variant_against_a_revision() -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT.with_name("bench_top_k_top_p.py")), "--vocab", "4096", "--batch", "2",
+                          "--rounds", "1", "--calls", "2", "--against", "HEAD"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert [r[0].strip() for r in rows] == ["temperature", "qwen3", "top_k", "top_p", "top_p_wide"]
+    assert all(float(cell) > 0 for r in rows for cell in r[1:])
+    assert "tokens differing from HEAD's: temperature " in out

@@ -235,3 +235,28 @@ def test_cuda_block_fp8_moe_runs_w8a8_experts_on_the_stored_weights(make_checkpo
                                for e in experts)
         results[fused] = LocalDriver(rt).run([LocalRequest(p, 12) for p in ps], keep_logits=True)
     assert_tracks_reference(results[True], results[False], "fused W8A8 MoE", W8A8_MOE_LOGITS_REL_TOL)
+
+
+def test_cuda_top_k_top_p_keep_the_cpus_sets_and_draw_its_tokens() -> None:
+    """The filters sort in full on cuda (chip_child.sampling.top_k_top_p) and take candidates on
+    the cpu: on the same peaked logits (no cutoff near a tie) both keep the same tokens and the
+    seeded draw picks the same ones."""
+    from chip_child.sampling.noise import vocab_hash
+    from chip_child.sampling.sampler import sample, seed_key
+    from chip_child.sampling.top_k_top_p import filter_rows, mask_below
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 8, 151936
+    x = torch.randn(n, vocab, generator=g) * 4
+    top_k = torch.tensor([20, 0, 40, 1, 0, 20, 50, 0])
+    top_p = torch.tensor([0.95, 0.9, 1.0, 1.0, 0.5, 0.8, 0.95, 1.0])
+    keys = torch.tensor([seed_key(i) for i in range(n)])
+    temperature, counters = torch.full((n,), 0.7), torch.arange(n) + 3
+    kept, ids = {}, {}
+    for device in ("cpu", "cuda"):
+        a = [t.to(device) for t in (x, top_k, top_p, keys, temperature, counters)]
+        kept[device] = mask_below(a[0], filter_rows(*a[:3]).cutoff).isfinite().cpu()
+        ids[device] = sample(a[0], a[4], a[1], a[2], a[3], a[5], vocab_hash(vocab, torch.device(device)),
+                             True, True).cpu()
+    assert torch.equal(kept["cpu"], kept["cuda"])
+    assert torch.equal(ids["cpu"], ids["cuda"])

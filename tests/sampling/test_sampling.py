@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from chip_child.sampling.noise import vocab_hash
+from chip_child.sampling.noise import torch_uniform_noise, vocab_hash
 from chip_child.sampling.sampler import (
     Features,
     RowParams,
@@ -21,6 +21,7 @@ from chip_child.sampling.sampler import (
     token_logprobs,
     uniform_noise,
 )
+from chip_child.sampling.seeds import M32, hash32, unhash32
 
 # Token ids ranked by logit: 1 (4.0), 4 (3.0), 3 (2.0), 0 (1.0), 2 (0.0).
 # softmax probabilities in that order: 0.636, 0.234, 0.086, 0.032, 0.012.
@@ -68,6 +69,23 @@ def test_filter_agrees_with_transformers_warpers() -> None:
         if p < 1:
             want = TopPLogitsWarper(p)(None, want)
         assert torch.equal(ours[row].isfinite(), want[0].isfinite()), f"row {row} (top_k={k}, top_p={p})"
+
+
+def test_the_largest_hash_gives_noise_below_one_and_no_sure_draw() -> None:
+    """A token whose hash has all 24 noise bits set got noise 1.0 (the + 0.5 rounded up), so a
+    Gumbel of +inf: drawn whatever its logit, outside top-k too (at 151,936 tokens, in about 1 in
+    110 draws). Here token 7's key is made to hash to the largest value for this row."""
+    keys, counters = torch.tensor([seed_key(3)]), torch.tensor([11])
+    row = hash32(seed_key(3) ^ 11)
+    vocab = torch.cat([vocab_hash(7, torch.device("cpu")), torch.tensor([unhash32(M32) ^ row])])
+    assert hash32(int(vocab[7]) ^ row) == M32
+    for noise in (uniform_noise(keys, counters, vocab), torch_uniform_noise(keys, counters, vocab)):
+        assert noise.max() < 1 and noise[0, 7] == noise.max()
+    logits = torch.tensor([[5.0, 0, 0, 0, 0, 0, 0, -100.0]])
+    one = torch.ones(1)
+    for top_k in (0, 1):  # the whole row's draw, and the draw among top-k candidates
+        ids = sample(logits, one, torch.tensor([top_k]), one, keys, counters, vocab, True, top_k > 0)
+        assert int(ids[0]) != 7
 
 
 def test_noise_is_a_pure_function_of_key_counter_and_token() -> None:
