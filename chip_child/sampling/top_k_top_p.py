@@ -4,10 +4,11 @@ the kept set does not depend on how a sort orders ties.
 
 A row's cutoff is found among its largest logits, sorted (`cutoffs`). On the cpu those are its
 top candidates from `torch.topk`: a full sort of a 151,936-token row takes about 16 ms there
-(torch 2.13, one thread), topk of 1,024 about 1 ms. A row whose kept set may reach past its
-candidates is sorted in full instead. Every quantity `cutoffs` computes on a prefix of the sorted
-row (a sequential cumsum, elementwise ops, the whole row's softmax gathered) is the same on a
-longer prefix, so both ways give the same cutoff bits. Other devices sort in full: a sort is cheap
+(torch 2.13, one thread), topk of 1,024 about 1 ms. A row is sorted in full instead where a token
+it keeps may lie past its candidates: one at or above its cutoff, or one tied with its k-th
+largest (top-p's mass is over every token top-k keeps). Every quantity `cutoffs` computes on a
+prefix of the sorted row that holds those tokens (a sequential cumsum, elementwise ops, the whole
+row's softmax gathered) is the same on a longer prefix, so both ways give the same cutoff bits. Other devices sort in full: a sort is cheap
 there, and the check for a row past its candidates would cost a host sync.
 
 With every random row's kept set among its candidates, the Gumbel draw runs over the candidates
@@ -22,7 +23,7 @@ import torch
 
 from chip_child.sampling.noise import noise_at
 
-CANDIDATES = 1024  # a cpu row's candidates, unless its top_k asks for more
+CANDIDATES = 1024  # a cpu row's candidates, unless twice the batch's largest top_k is more
 MAX_CANDIDATES = 16384  # past this (or half the vocabulary) a full sort is as cheap as topk
 NEG_INF = float("-inf")
 
@@ -77,15 +78,22 @@ def filter_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     if scaled.device.type != "cpu":
         values, ids = scaled.sort(dim=-1, descending=True)
         return Filtered(torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF))
+    if scaled.shape[0] == 0:
+        return Filtered(scaled.new_empty(0))
     k_max = int(torch.where(top_k < vocab, top_k, 0).max())
-    c = max(CANDIDATES, k_max)
+    c = max(CANDIDATES, 2 * k_max)  # room past the k-th largest for the tokens tied with it
     if c > MAX_CANDIDATES or 2 * c > vocab:
         values, ids = scaled.sort(dim=-1, descending=True)
         cut = torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF)
         return Filtered(cut, values, ids, bool(covered.all()))
     values, ids = scaled.topk(c, dim=-1)
     cut = torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF)
-    missed = filtering & ~(values[:, -1] < cut)  # a kept token may lie past the candidates
+    # A kept token may lie past the candidates: one at or above the cutoff, or one tied with the
+    # k-th largest (top-p's mass is over every token top-k keeps). Past an -inf candidate all are -inf.
+    last = values[:, -1]
+    kth = values.gather(1, (top_k.clamp(1, c) - 1)[:, None]).squeeze(1)
+    past = ~(last < cut) | ((top_k > 0) & (top_k < vocab) & (last >= kth))
+    missed = filtering & past & (last > NEG_INF)
     if not bool(missed.any()):
         return Filtered(cut, values, ids, bool(covered.all()))
     rows = missed.nonzero().squeeze(1)
@@ -106,5 +114,7 @@ def draw_among(f: Filtered, keys: torch.Tensor, counters: torch.Tensor, vocab_ke
     gumbel = noise_at(keys, counters, vocab_keys[f.ids]).log_().neg_().log_().neg_()
     score = gumbel.add_(f.values).masked_fill_(f.values < f.cutoff[:, None], NEG_INF)
     best = score.max(dim=-1, keepdim=True).values
-    # Candidates come sorted by logit, not by id: of equal scores the smallest id wins, as in a row.
-    return torch.where(score == best, f.ids, f.ids.new_full((), torch.iinfo(f.ids.dtype).max)).min(-1).values
+    # Candidates come sorted by logit, not by id: of equal scores the smallest id wins, as in a row
+    # (first_max), where a NaN counts as the largest.
+    hit = (score == best) | (score.isnan() & best.isnan())
+    return torch.where(hit, f.ids, f.ids.new_full((), torch.iinfo(f.ids.dtype).max)).min(-1).values

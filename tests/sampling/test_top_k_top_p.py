@@ -4,6 +4,8 @@ draw over the candidates picks what the draw over the whole masked row picks; ti
 all stay; and a row's token does not depend on the rows beside it."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -33,9 +35,10 @@ def _full_sort_cutoffs(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.where(filtering, cutoffs(x, values, ids, top_k, top_p), float("-inf"))
 
 
-def _draw_over_whole_rows(x, cutoff, keys, counters) -> torch.Tensor:
+def _draw_over_whole_rows(x, cutoff, keys, counters, vocab_keys=None) -> torch.Tensor:
     """The reference draw: noise over every token, logits below the cutoff at -inf, the first max."""
-    gumbel = torch_uniform_noise(keys, counters, vocab_hash(x.shape[-1], x.device)).log().neg().log().neg()
+    vocab_keys = vocab_hash(x.shape[-1], x.device) if vocab_keys is None else vocab_keys
+    gumbel = torch_uniform_noise(keys, counters, vocab_keys).log().neg().log().neg()
     return first_max(gumbel + mask_below(x, cutoff))
 
 
@@ -81,6 +84,58 @@ def test_a_tie_running_past_the_candidates_is_sorted_in_full() -> None:
     got = filter_rows(x, torch.tensor([3]), torch.tensor([1.0]))  # the 3rd largest is 0.0: all tie
     assert not got.complete
     assert torch.equal(got.cutoff, torch.tensor([0.0]))
+
+
+def test_a_tie_at_the_kth_largest_past_the_candidates_counts_in_top_p() -> None:
+    """top_k 2 keeps the first token and 2,000 tied at 0.0, most of them past the candidates;
+    top_p 0.5 over what top-k kept then keeps them all (the first holds 0.41 of the mass)."""
+    x = torch.full((1, VOCAB), -30.0)
+    x[0, 0] = math.log(1400.0)
+    x[0, 1:2001] = 0.0
+    got = filter_rows(x, torch.tensor([2]), torch.tensor([0.5]))
+    assert torch.equal(got.cutoff, torch.tensor([0.0])) and not got.complete
+    assert torch.equal(got.cutoff, _full_sort_cutoffs(x, torch.tensor([2]), torch.tensor([0.5])))
+
+
+def test_a_row_of_few_allowed_tokens_is_not_sorted_in_full() -> None:
+    """A grammar's row: 50 tokens allowed, the rest -inf. top_k 100 keeps them all (its cutoff is
+    -inf), and past the candidates every logit is -inf: the candidates hold the row."""
+    x = torch.full((1, VOCAB), float("-inf"))
+    x[0, torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:50]] = torch.randn(50)
+    got = filter_rows(x, torch.tensor([100]), torch.tensor([1.0]))
+    assert got.complete and torch.equal(got.cutoff, _full_sort_cutoffs(x, torch.tensor([100]), torch.tensor([1.0])))
+
+
+def test_a_nan_logit_is_drawn_as_the_whole_row_draws_it() -> None:
+    """first_max counts a NaN as the largest: the candidate draw must return its id, not a sentinel."""
+    x = _logits(1, 4.0, seed=7)
+    x[0, 123] = float("nan")
+    vocab = vocab_hash(VOCAB, x.device)
+    for top_k, top_p in ((20, 1.0), (20, 0.9), (0, 0.9)):
+        ids = sample(x, torch.ones(1), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([seed_key(1)]),
+                     torch.tensor([5]), vocab, True, True)
+        assert int(ids[0]) == 123, (top_k, top_p)
+
+
+def test_of_equal_scores_the_smallest_id_is_drawn() -> None:
+    """Tokens 10 and 3000 get one vocab key, so the same noise, and the same logit: a tie, which
+    the whole row's draw gives to the smaller id."""
+    x = _logits(1, 0.1, seed=8)
+    x[0, 10] = x[0, 3000] = 50.0
+    vocab = vocab_hash(VOCAB, x.device).clone()
+    vocab[3000] = vocab[10]
+    f = filter_rows(x, torch.tensor([5]), torch.tensor([1.0]))
+    assert f.complete
+    keys, counters = torch.tensor([seed_key(2)]), torch.tensor([1])
+    assert int(draw_among(f, keys, counters, vocab)[0]) == 10
+    assert torch.equal(draw_among(f, keys, counters, vocab), _draw_over_whole_rows(x, f.cutoff, keys, counters, vocab))
+
+
+def test_an_empty_batch_samples_nothing() -> None:
+    empty = torch.zeros(0)
+    ids = sample(torch.zeros(0, VOCAB), empty, empty.long(), empty, empty.long(), empty.long(),
+                 vocab_hash(VOCAB, torch.device("cpu")), True, True)
+    assert ids.shape == (0,)
 
 
 def test_draw_among_candidates_equals_the_draw_over_whole_rows() -> None:
