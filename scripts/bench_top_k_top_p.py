@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""What top-k and top-p cost the sampler (chip_child.sampling.sampler.sample) on the cpu, at a
-vocabulary of your choosing (default: Qwen3's 151,936), against temperature alone.
+"""What the sampler (chip_child.sampling.sampler.sample) costs on the cpu at a vocabulary of your
+choosing (default: Qwen3's 151,936): greedy, temperature alone, and with top-k and top-p.
 
 Logits are random and peaked (normal, times 4): at temperature 0.6 and top_p 0.95 a row keeps
 tens of tokens, as a trained model's row does. `wide` rows (times 0.05) keep most of the
 vocabulary under top_p, which is a cpu's slow case (a full sort a row). Variants, alternated
 within each round:
 
+  greedy         temperature 0: the argmax alone
   temperature    temperature 1.0, no filter
   qwen3          temperature 0.6, top_k 20, top_p 0.95 (Qwen3's generation_config.json)
   top_k          temperature 1.0, top_k 40
@@ -37,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {  # temperature, top_k, top_p, logit scale
+    "greedy": (0.0, 0, 1.0, 4.0),
     "temperature": (1.0, 0, 1.0, 4.0),
     "qwen3": (0.6, 20, 0.95, 4.0),
     "top_k": (1.0, 40, 1.0, 4.0),
@@ -64,7 +66,8 @@ def measure(vocab: int, batch: int, calls: int) -> dict:
             for call in range(calls):
                 counters = torch.full((batch,), 100 + call)
                 t0 = time.perf_counter()
-                picked = sample(logits, t, k.long(), p, keys, counters, vocab_keys, True, top_k > 0 or top_p < 1)
+                picked = sample(logits, t, k.long(), p, keys, counters, vocab_keys, temperature > 0,
+                                top_k > 0 or top_p < 1)
                 times.append(time.perf_counter() - t0)
                 ids.append(picked.tolist())
             out[name] = [statistics.median(times), ids]

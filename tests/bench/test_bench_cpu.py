@@ -66,6 +66,6 @@ def test_bench_top_k_top_p_times_every_variant_against_a_revision() -> None:
                           "--rounds", "1", "--calls", "2", "--against", "HEAD"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert [r[0].strip() for r in rows] == ["temperature", "qwen3", "top_k", "top_p", "top_p_wide"]
+    assert [r[0].strip() for r in rows] == ["greedy", "temperature", "qwen3", "top_k", "top_p", "top_p_wide"]
     assert all(float(cell) > 0 for r in rows for cell in r[1:])
-    assert "tokens differing from HEAD's: temperature " in out
+    assert "tokens differing from HEAD's: greedy 0 of 4, temperature " in out

@@ -57,9 +57,12 @@ def test_filter_applies_per_row_parameters() -> None:
     assert [set(torch.nonzero(r.isfinite()).flatten().tolist()) for r in out] == [{1, 4}, {3, 0}, {0, 1, 2, 3, 4}]
 
 
-def test_filter_agrees_with_transformers_warpers() -> None:
+@pytest.mark.parametrize("vocab,scale", [(50, 2.0), (8192, 4.0), (8192, 1.0)])
+def test_filter_agrees_with_transformers_warpers(vocab: int, scale: float) -> None:
+    """Vocabulary 50: full sorts; 8,192: a row's candidates (scale 4), or past them (scale 1: the
+    top-p rows are sorted in full)."""
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 50, generator=g) * 2
+    logits = torch.randn(6, vocab, generator=g) * scale
     params = [(0, 0.7), (5, 1.0), (10, 0.5), (1, 0.3), (0, 0.95), (20, 0.9)]
     ours = filter_top_k_top_p(logits, torch.tensor([k for k, _ in params]), torch.tensor([p for _, p in params]))
     for row, (k, p) in enumerate(params):
@@ -157,8 +160,9 @@ def test_greedy_rows_and_top_k_one_take_the_argmax() -> None:
 
 
 def test_first_max_gives_argmaxs_index_on_ties_nan_and_all_minus_inf() -> None:
-    """The sampler's argmax (max(dim).indices, faster on the cpu) picks the first largest value,
-    a NaN first of all, and index 0 of a row that is all -inf, as argmax does."""
+    """The sampler's argmax (numpy's on the cpu, faster) picks the first largest value, a NaN first
+    of all, +inf before the rest, 0.0 and -0.0 as equals, and index 0 of a row that is all -inf,
+    as torch's argmax does; on strided rows too."""
     g = torch.Generator().manual_seed(3)
     for trial in range(300):
         x = torch.randint(-3, 4, (4, 50), generator=g).float()  # many ties
@@ -166,8 +170,14 @@ def test_first_max_gives_argmaxs_index_on_ties_nan_and_all_minus_inf() -> None:
             x[trial % 4, (trial * 7) % 50] = float("nan")
         if trial % 5 == 0:
             x[trial % 4] = float("-inf")
+        if trial % 7 == 0:
+            x[(trial + 1) % 4, (trial * 3) % 50] = float("inf")
+        if trial % 11 == 0:
+            x[x == 0] = -0.0
         assert torch.equal(first_max(x), x.argmax(-1))
-    wide = torch.randn(16, 32000, generator=g)
+        strided = x.t().contiguous().t()
+        assert torch.equal(first_max(strided), x.argmax(-1))
+    wide = torch.randn(16, 151936, generator=g)
     assert torch.equal(first_max(wide), wide.argmax(-1))
 
 

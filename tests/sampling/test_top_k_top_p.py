@@ -1,14 +1,15 @@
 """chip_child.sampling.top_k_top_p: cutoffs found among a row's top candidates equal those of a
 full sort, bit for bit; rows whose kept set reaches past the candidates are sorted in full; the
 draw over the candidates picks what the draw over the whole masked row picks; ties at a cutoff
-all stay; and a row's token does not depend on the rows beside it."""
+all stay; and a row's token does not depend on the rows beside it. (The kept sets against
+transformers' warpers: test_sampling.py.)"""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import TopKLogitsWarper
 
 from chip_child.sampling.noise import torch_uniform_noise, vocab_hash
 from chip_child.sampling.sampler import first_max, sample, seed_key
@@ -52,20 +53,6 @@ def test_cutoffs_from_candidates_equal_a_full_sorts(scale: float) -> None:
     assert torch.equal(got.cutoff, _full_sort_cutoffs(x, top_k, top_p))
     assert got.complete == (scale == 4.0)
     assert not filter_rows(x, top_k, top_p).complete  # a drawn row without filters needs the whole row
-
-
-@pytest.mark.parametrize("scale", [4.0, 1.0])
-def test_kept_sets_agree_with_transformers_warpers(scale: float) -> None:
-    x = _logits(len(PARAMS), scale, seed=1)
-    top_k, top_p = _params(len(PARAMS))
-    kept = mask_below(x, filter_rows(x, top_k, top_p).cutoff).isfinite()
-    for row, (k, p) in enumerate(PARAMS):
-        want = x[row:row + 1]
-        if k:
-            want = TopKLogitsWarper(k)(None, want)
-        if p < 1:
-            want = TopPLogitsWarper(p)(None, want)
-        assert torch.equal(kept[row], want[0].isfinite()), f"row {row} (top_k={k}, top_p={p})"
 
 
 def test_tokens_tied_at_the_cutoff_all_stay() -> None:
