@@ -11,6 +11,9 @@
 #   scripts/bench_served_peers.sh 128m                   # l3worker and llama.cpp, one round
 #   REPEATS=2 ENGINES="l3worker llama" scripts/bench_served_peers.sh 128m
 #   L3WORKER_FLAGS="--max-num-batched-tokens 256" scripts/bench_served_peers.sh 128m
+#   CLIENT_FLAGS="--temperature 0.6 --top-k 20 --top-p 0.95" scripts/bench_served_peers.sh 128m   # Qwen3's sampling
+# The client sends no sampling parameters unless CLIENT_FLAGS gives them: each engine then uses its
+# own defaults (l3worker and vLLM: the checkpoint's generation_config.json; llama-server: its chain).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${PEERS_BUILD:-$ROOT/../peers-build}
@@ -51,10 +54,11 @@ for n in $(seq 1 "${REPEATS:-1}"); do
     backend=vllm; [ "$engine" = llama ] && backend=openai
     for load in c1:1:0 c16rep:16:0 c16new:16:7; do
       IFS=: read -r tag clients seed <<< "$load"
+      # shellcheck disable=SC2086  # CLIENT_FLAGS is a list of flags
       "$VV/bin/vllm" bench serve --backend $backend --base-url "http://127.0.0.1:$port" --model "$CK" \
         --tokenizer "$CK" --dataset-name random --random-input-len "$IN" --random-output-len "$OUTLEN" \
         --num-prompts "$NP" \
-        --max-concurrency "$clients" --seed "$seed" --ignore-eos > "$out/$tag.log" 2>&1 || true
+        --max-concurrency "$clients" --seed "$seed" --ignore-eos ${CLIENT_FLAGS:-} > "$out/$tag.log" 2>&1 || true
       log="$out/$tag.log"
       printf "%-10s %-7s %10s %12s %10s %10s %8s\n" "$engine-$n" "$tag" \
         "$(pick "$log" "Output token throughput")" "$(pick "$log" "Median TTFT")" "$(pick "$log" "Median TPOT")" \
