@@ -23,7 +23,7 @@ import torch
 
 from chip_child.sampling.noise import noise_at
 
-CANDIDATES = 1024  # a cpu row's candidates, unless twice the batch's largest top_k is more
+CANDIDATES = 1024  # a cpu row's candidates where one has top-p alone (else twice the largest top_k)
 MAX_CANDIDATES = 16384  # past this (or half the vocabulary) a full sort is as cheap as topk
 NEG_INF = float("-inf")
 
@@ -80,8 +80,11 @@ def filter_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         return Filtered(torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF))
     if scaled.shape[0] == 0:
         return Filtered(scaled.new_empty(0))
-    k_max = int(torch.where(top_k < vocab, top_k, 0).max())
-    c = max(CANDIDATES, 2 * k_max)  # room past the k-th largest for the tokens tied with it
+    has_k = (top_k > 0) & (top_k < vocab)
+    k_max = int(torch.where(has_k, top_k, 0).max())
+    # Twice the largest top_k: room past the k-th largest for the tokens tied with it. A row with
+    # top-k keeps nothing past those; one with top-p alone needs CANDIDATES.
+    c = max(2 * k_max, CANDIDATES if bool((filtering & ~has_k).any()) else 1)
     if c > MAX_CANDIDATES or 2 * c > vocab:
         values, ids = scaled.sort(dim=-1, descending=True)
         cut = torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF)
@@ -92,7 +95,7 @@ def filter_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     # k-th largest (top-p's mass is over every token top-k keeps). Past an -inf candidate all are -inf.
     last = values[:, -1]
     kth = values.gather(1, (top_k.clamp(1, c) - 1)[:, None]).squeeze(1)
-    past = ~(last < cut) | ((top_k > 0) & (top_k < vocab) & (last >= kth))
+    past = ~(last < cut) | (has_k & (last >= kth))
     missed = filtering & past & (last > NEG_INF)
     if not bool(missed.any()):
         return Filtered(cut, values, ids, bool(covered.all()))

@@ -55,6 +55,17 @@ def test_cutoffs_from_candidates_equal_a_full_sorts(scale: float) -> None:
     assert not filter_rows(x, top_k, top_p).complete  # a drawn row without filters needs the whole row
 
 
+def test_a_batch_of_top_k_rows_takes_twice_its_largest_k_as_candidates() -> None:
+    """Qwen3's defaults (top_k 20, top_p 0.95) on bf16 logits, which tie often: 40 candidates a
+    row hold what each keeps, and the cutoffs are a full sort's."""
+    x = _logits(16, 4.0, seed=9).bfloat16().float()
+    top_k, top_p = torch.full((16,), 20), torch.full((16,), 0.95)
+    top_k[3], top_p[5] = 7, 1.0
+    got = filter_rows(x, top_k, top_p)
+    assert got.complete and got.values.shape[1] == 40
+    assert torch.equal(got.cutoff, _full_sort_cutoffs(x, top_k, top_p))
+
+
 def test_tokens_tied_at_the_cutoff_all_stay() -> None:
     """bf16 logits tie often: top_k 20 keeps every token equal to the 20th largest, as
     transformers' TopKLogitsWarper does, so the kept set is more than 20 here."""
