@@ -73,24 +73,26 @@ def filter_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     else from full sorts of the rows they miss. `complete` when the candidates hold the kept set
     of every row that is `drawn` [N] bool (default: every row); the others' draws are not used."""
     vocab = scaled.shape[-1]
-    filtering = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    has_k = (top_k > 0) & (top_k < vocab)
+    filtering = has_k | (top_p < 1)
     covered = filtering if drawn is None else filtering | ~drawn
+
+    def cut_from(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF)
+
     if scaled.device.type != "cpu":
-        values, ids = scaled.sort(dim=-1, descending=True)
-        return Filtered(torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF))
+        return Filtered(cut_from(*scaled.sort(dim=-1, descending=True)))
     if scaled.shape[0] == 0:
         return Filtered(scaled.new_empty(0))
-    has_k = (top_k > 0) & (top_k < vocab)
     k_max = int(torch.where(has_k, top_k, 0).max())
     # Twice the largest top_k: room past the k-th largest for the tokens tied with it. A row with
     # top-k keeps nothing past those; one with top-p alone needs CANDIDATES.
     c = max(2 * k_max, CANDIDATES if bool((filtering & ~has_k).any()) else 1)
     if c > MAX_CANDIDATES or 2 * c > vocab:
         values, ids = scaled.sort(dim=-1, descending=True)
-        cut = torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF)
-        return Filtered(cut, values, ids, bool(covered.all()))
+        return Filtered(cut_from(values, ids), values, ids, bool(covered.all()))
     values, ids = scaled.topk(c, dim=-1)
-    cut = torch.where(filtering, cutoffs(scaled, values, ids, top_k, top_p), NEG_INF)
+    cut = cut_from(values, ids)
     # A kept token may lie past the candidates: one at or above the cutoff, or one tied with the
     # k-th largest (top-p's mass is over every token top-k keeps). Past an -inf candidate all are -inf.
     last = values[:, -1]
