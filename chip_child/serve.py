@@ -370,17 +370,20 @@ def serve(spec: ChildSpec) -> None:
             rt.close()
         sock.close()
         ctx.term()
-        if os.getppid() != spec.parent_pid:  # orphaned: nobody else will remove the socket files
-            shutil.rmtree(spec.socket_dir, ignore_errors=True)
 
 
 def main(argv: list[str]) -> None:
     spec = ChildSpec.from_json(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _exit_when_orphaned(spec.parent_pid)
-    if os.getppid() != spec.parent_pid:
-        return
-    serve(spec)
+    try:
+        if os.getppid() == spec.parent_pid:
+            serve(spec)
+    finally:
+        # Orphaned, while starting or serving (the SIGTERM handler's SystemExit included): nobody
+        # else will remove the socket files, the one the parent bound among them.
+        if os.getppid() != spec.parent_pid:
+            shutil.rmtree(spec.socket_dir, ignore_errors=True)
     exit_without_teardown()
 
 

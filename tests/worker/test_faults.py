@@ -179,6 +179,39 @@ def test_parent_killed_during_generate(tmp_path: Path, reaper: list) -> None:
     assert_nothing_left(children, socket_dir, shm_before)
 
 
+# The parent kills itself as soon as its chip-child exists: the child is still importing torch.
+KILLED_WHILE_STARTING = textwrap.dedent("""
+    import json, os, signal, threading, time
+    import psutil
+    from l3worker import DistributedWorker
+
+    def kill_once_the_child_exists():
+        while True:
+            for p in psutil.Process().children():
+                cmd = p.cmdline()
+                if "chip_child" in cmd:
+                    print(json.dumps({"pid": p.pid, "socket_dir": json.loads(cmd[-1])["socket_dir"]}), flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.005)
+
+    threading.Thread(target=kill_once_the_child_exists, daemon=True).start()
+    DistributedWorker(device="cpu", max_batch_size=2, max_seq_len=64, page_size=8, num_threads=1).prepare()
+""")
+
+
+def test_parent_killed_while_its_child_starts(tmp_path: Path, reaper: list) -> None:
+    """A child orphaned before it serves removes the socket directory too (the parent bound its
+    socket there), as one orphaned later does."""
+    shm_before = shm_entries()
+    script = Script(tmp_path, [sys.executable, "-c", KILLED_WHILE_STARTING])
+    reaper.append(script.proc)
+    info = json.loads(script.wait_line(lambda line: line.startswith("{")))
+    child = psutil.Process(info["pid"])
+    reaper.extend([child, info["socket_dir"]])
+    assert script.wait() == -signal.SIGKILL
+    assert_nothing_left([child], info["socket_dir"], shm_before)
+
+
 # -- Ctrl-C ------------------------------------------------------------------------------------------
 def test_ctrl_c_during_generate_closes_worker(tmp_path: Path, reaper: list) -> None:
     shm_before = shm_entries()
