@@ -6,7 +6,9 @@
 #   c16new  16 clients, fresh prompts (seed 7): a burst of new prompts, nothing cached
 # Uses what scripts/bench_peers.sh installed under PEERS_BUILD (the vLLM venv for the client, the
 # llama.cpp build, the checkpoints); run that once first. Each engine is started, measured and
-# stopped in turn; every log stays under PEERS_BUILD/served/<engine>-<n>/.
+# stopped in turn; every log stays under PEERS_BUILD/served/<engine>-<n>/. Each row also gives the
+# engine's launch to /health 200; with two engines or more, the end is l3worker / each peer, round by
+# round (scripts/served_ratios.py over PEERS_BUILD/served/figures.tsv).
 #
 #   scripts/bench_served_peers.sh 128m                   # l3worker and llama.cpp, one round
 #   REPEATS=2 ENGINES="l3worker llama" scripts/bench_served_peers.sh 128m
@@ -41,16 +43,19 @@ start() {  # engine port: becomes the server (exec), so that its pid is the serv
   esac
 }
 pick() { grep -m1 "$2" "$1" | awk -F: '{gsub(/ /,"",$2); print $2}'; }
-printf "%-10s %-7s %10s %12s %10s %10s %8s\n" engine load "tok/s" "TTFT p50" "TPOT p50" "P99 ITL" failed
+FIGURES="$BUILD/served/figures.tsv"; : > "$FIGURES"  # the same figures, tab-separated, for served_ratios.py
+printf "%-10s %-7s %10s %12s %10s %10s %8s %9s\n" engine load "tok/s" "TTFT p50" "TPOT p50" "P99 ITL" failed launch_s
 for n in $(seq 1 "${REPEATS:-1}"); do
   for engine in ${ENGINES:-l3worker llama}; do
     out="$BUILD/served/$engine-$n"; rm -rf "$out"; mkdir -p "$out"; port=8110
     if curl -s -o /dev/null "http://127.0.0.1:$port/"; then echo "port $port is already in use" >&2; exit 1; fi
+    t0=$(date +%s.%N)
     start "$engine" $port > "$out/server.log" 2>&1 &
     pid=$!
     until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-      kill -0 $pid 2>/dev/null || { echo "$engine did not start: $out/server.log" >&2; exit 1; }; sleep 0.2
+      kill -0 $pid 2>/dev/null || { echo "$engine did not start: $out/server.log" >&2; exit 1; }; sleep 0.1
     done
+    launch=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')  # to /health 200, 0.1 s polls
     backend=vllm; [ "$engine" = llama ] && backend=openai
     for load in c1:1:0 c16rep:16:0 c16new:16:7; do
       IFS=: read -r tag clients seed <<< "$load"
@@ -60,10 +65,14 @@ for n in $(seq 1 "${REPEATS:-1}"); do
         --num-prompts "$NP" \
         --max-concurrency "$clients" --seed "$seed" --ignore-eos ${CLIENT_FLAGS:-} > "$out/$tag.log" 2>&1 || true
       log="$out/$tag.log"
-      printf "%-10s %-7s %10s %12s %10s %10s %8s\n" "$engine-$n" "$tag" \
-        "$(pick "$log" "Output token throughput")" "$(pick "$log" "Median TTFT")" "$(pick "$log" "Median TPOT")" \
-        "$(pick "$log" "P99 ITL")" "$(pick "$log" "^Failed requests:")"
+      row=("$(pick "$log" "Output token throughput")" "$(pick "$log" "Median TTFT")" "$(pick "$log" "Median TPOT")"
+           "$(pick "$log" "P99 ITL")" "$(pick "$log" "^Failed requests:")" "$launch")
+      printf "%-10s %-7s %10s %12s %10s %10s %8s %9s\n" "$engine-$n" "$tag" "${row[@]}"
+      (IFS=$'\t'; echo "$engine"$'\t'"$n"$'\t'"$tag"$'\t'"${row[*]}") >> "$FIGURES"
     done
     kill -TERM $pid; wait $pid || true
   done
 done
+if [ "$(echo "${ENGINES:-l3worker llama}" | wc -w)" -gt 1 ]; then
+  echo; "$LV/bin/python" "$ROOT/scripts/served_ratios.py" "$FIGURES"
+fi

@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""l3worker's served figures over each peer's, round by round, from the tab-separated figures that
+scripts/bench_served_peers.sh writes (PEERS_BUILD/served/figures.tsv; it runs this at its end).
+
+    python scripts/served_ratios.py PEERS_BUILD/served/figures.tsv
+
+A row per figure, a column per peer; each cell gives every round's ratio (l3worker / peer, from the
+same round) and their median. Throughput is better above 1, the times below 1. A figure that a
+round lacks (a load whose client failed, an engine that was not run) is left out of that cell.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from pathlib import Path
+
+COLUMNS = ("engine", "round", "load", "output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "p99_itl_ms", "failed",
+           "launch_s")
+FIGURES = (  # (load, column, label)
+    ("c1", "ttft_p50_ms", "1 client: TTFT p50"),
+    ("c1", "tpot_p50_ms", "1 client: TPOT p50"),
+    ("c1", "p99_itl_ms", "1 client: P99 ITL"),
+    ("c16rep", "output_tok_s", "16 clients, repeated prompts: output tok/s"),
+    ("c16rep", "tpot_p50_ms", "16 clients, repeated prompts: TPOT p50"),
+    ("c16rep", "p99_itl_ms", "16 clients, repeated prompts: P99 ITL"),
+    ("c16new", "output_tok_s", "16 clients, fresh prompts: output tok/s"),
+    ("c16new", "ttft_p50_ms", "16 clients, fresh prompts: TTFT p50"),
+    ("c16new", "tpot_p50_ms", "16 clients, fresh prompts: TPOT p50"),
+    ("c16new", "p99_itl_ms", "16 clients, fresh prompts: P99 ITL"),
+    ("c1", "launch_s", "launch to /health 200"),
+)
+OURS = "l3worker"
+
+
+def read_figures(path: Path) -> dict[tuple[str, str, str], dict[str, float]]:
+    """{(engine, round, load): {column: value}}; empty or unparsable cells are left out."""
+    figures: dict[tuple[str, str, str], dict[str, float]] = {}
+    with path.open(newline="") as f:
+        for line, row in enumerate(csv.reader(f, delimiter="\t"), 1):
+            if len(row) != len(COLUMNS):
+                raise ValueError(f"{path}:{line}: {len(row)} fields, expected {len(COLUMNS)} ({', '.join(COLUMNS)})")
+            fields = dict(zip(COLUMNS, row))
+            values = {}
+            for name in COLUMNS[3:]:
+                try:
+                    values[name] = float(fields[name])
+                except ValueError:
+                    continue
+            figures[(fields["engine"], fields["round"], fields["load"])] = values
+    return figures
+
+
+def ratio_table(figures: dict[tuple[str, str, str], dict[str, float]]) -> str:
+    """The markdown table of l3worker / peer per figure and round."""
+    engines = sorted({engine for engine, _, _ in figures})
+    if OURS not in engines:
+        raise ValueError(f"no {OURS} rows among the engines {engines}")
+    peers = [e for e in engines if e != OURS]
+    if not peers:
+        raise ValueError(f"no peer rows beside {OURS}'s")
+    rounds = sorted({r for _, r, _ in figures}, key=int)
+    lines = ["| l3worker / peer | " + " | ".join(peers) + " |", "| --- |" + " ---: |" * len(peers)]
+    for load, column, label in FIGURES:
+        cells = []
+        for peer in peers:
+            ratios: dict[str, float] = {}
+            for r in rounds:
+                ours = figures.get((OURS, r, load), {}).get(column)
+                theirs = figures.get((peer, r, load), {}).get(column)
+                if ours is not None and theirs:
+                    ratios[r] = ours / theirs
+            if not ratios:
+                cells.append("-")
+                continue
+            each = ", ".join(f"{ratios[r]:.2f}" for r in rounds if r in ratios)
+            cells.append(each if len(ratios) == 1 else f"{each} (median {statistics.median(ratios.values()):.2f})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("figures", type=Path, help="the figures.tsv of scripts/bench_served_peers.sh")
+    print(ratio_table(read_figures(p.parse_args().figures)))
+
+
+if __name__ == "__main__":
+    main()
