@@ -7,8 +7,8 @@
 # Uses what scripts/bench_peers.sh installed under PEERS_BUILD (the vLLM venv for the client, the
 # llama.cpp build, the checkpoints); run that once first. Each engine is started, measured and
 # stopped in turn; every log stays under PEERS_BUILD/served/<engine>-<n>/. Each row also gives the
-# engine's launch to /health 200; with two engines or more, the end is l3worker / each peer, round by
-# round (scripts/served_ratios.py over PEERS_BUILD/served/figures.tsv).
+# engine's launch to /health 200; with l3worker and a peer among the engines, the end is l3worker /
+# each peer, round by round (scripts/served_ratios.py over PEERS_BUILD/served/figures.tsv).
 #
 #   scripts/bench_served_peers.sh 128m                   # l3worker and llama.cpp, one round
 #   REPEATS=2 ENGINES="l3worker llama" scripts/bench_served_peers.sh 128m
@@ -73,6 +73,8 @@ for n in $(seq 1 "${REPEATS:-1}"); do
     kill -TERM $pid; wait $pid || true
   done
 done
-if [ "$(echo "${ENGINES:-l3worker llama}" | wc -w)" -gt 1 ]; then
+# the ratios need l3worker and a peer (served_ratios.py refuses figures without either)
+engines=" ${ENGINES:-l3worker llama} "
+if [[ $engines == *" l3worker "* ]] && [ "$(echo $engines | wc -w)" -gt 1 ]; then
   echo; "$LV/bin/python" "$ROOT/scripts/served_ratios.py" "$FIGURES"
 fi
