@@ -138,6 +138,9 @@ class SamplingParams:
     reasoning_end_token_id: int | None = None  # the constraint applies after this token (None: from the start)
     # scheduling_policy="priority": lower runs first (vLLM's request priority); must be 0 under "fcfs"
     priority: int = 0
+    # vLLM's: a streamed delta holds this many new tokens, the first and last excepted (the engine's
+    # stream_interval when that is larger; None: the engine's)
+    stream_interval: int | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -230,6 +233,10 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredSpec):
                 raise TypeError("structured_outputs must be a StructuredSpec or a dict, got "
                                 f"{type(self.structured_outputs).__name__}")
+        if self.stream_interval is not None:
+            _int("stream_interval", self.stream_interval)
+            if self.stream_interval < 1:
+                raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         _int("priority", self.priority)
         if not -2**31 <= self.priority < 2**31:
             raise ValueError(f"priority must be in [-2**31, 2**31), got {self.priority}")

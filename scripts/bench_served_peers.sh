@@ -4,6 +4,8 @@
 #   c1      1 client, prompts of seed 0
 #   c16rep  16 clients, the same prompts again (as the peers kit runs it: caches may hold them)
 #   c16new  16 clients, fresh prompts (seed 7): a burst of new prompts, nothing cached
+# (LOADS="c1" runs only those named). An engine named l3worker-si<N> is l3worker with --stream-interval N
+# (tokens streamed N a chunk), measured as an engine of its own.
 # Uses what scripts/bench_peers.sh installed under PEERS_BUILD (the vLLM venv for the client, the
 # llama.cpp build, the checkpoints); run that once first. Each engine is started, measured and
 # stopped in turn; every log stays under PEERS_BUILD/served/<engine>-<n>/. Each row also gives the
@@ -34,8 +36,9 @@ LEN=$((IN + OUTLEN + 256))
 start() {  # engine port: becomes the server (exec), so that its pid is the server's
   case $1 in
     # shellcheck disable=SC2086  # L3WORKER_FLAGS is a list of flags
-    l3worker) exec "$LV/bin/l3worker" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN \
-                --port "$2" --gpu-memory-utilization 0.3 ${L3WORKER_FLAGS:-} ;;
+    l3worker*) interval=${1#l3worker-si}; [ "$interval" = "$1" ] && interval=1
+               exec "$LV/bin/l3worker" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN \
+                --port "$2" --gpu-memory-utilization 0.3 --stream-interval "$interval" ${L3WORKER_FLAGS:-} ;;
     llama) exec "$LCPP/bin/llama-server" -m "$GGUF" --host 127.0.0.1 --port "$2" -c $((SEQS * LEN)) -np "$SEQS" \
              -t "$(nproc)" -tb "$(nproc)" --alias "$CK" ;;
     vllm) exec "$VV/bin/vllm" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN --port "$2" \
@@ -44,7 +47,7 @@ start() {  # engine port: becomes the server (exec), so that its pid is the serv
 }
 pick() { grep -m1 "$2" "$1" | awk -F: '{gsub(/ /,"",$2); print $2}'; }
 FIGURES="$BUILD/served/figures.tsv"; : > "$FIGURES"  # the same figures, tab-separated, for served_ratios.py
-printf "%-10s %-7s %10s %12s %10s %10s %8s %9s\n" engine load "tok/s" "TTFT p50" "TPOT p50" "P99 ITL" failed launch_s
+printf "%-15s %-7s %10s %12s %10s %10s %8s %9s\n" engine load "tok/s" "TTFT p50" "TPOT p50" "P99 ITL" failed launch_s
 for n in $(seq 1 "${REPEATS:-1}"); do
   for engine in ${ENGINES:-l3worker llama}; do
     out="$BUILD/served/$engine-$n"; rm -rf "$out"; mkdir -p "$out"; port=8110
@@ -59,6 +62,7 @@ for n in $(seq 1 "${REPEATS:-1}"); do
     backend=vllm; [ "$engine" = llama ] && backend=openai
     for load in c1:1:0 c16rep:16:0 c16new:16:7; do
       IFS=: read -r tag clients seed <<< "$load"
+      [[ " ${LOADS:-c1 c16rep c16new} " == *" $tag "* ]] || continue
       # shellcheck disable=SC2086  # CLIENT_FLAGS is a list of flags
       "$VV/bin/vllm" bench serve --backend $backend --base-url "http://127.0.0.1:$port" --model "$CK" \
         --tokenizer "$CK" --dataset-name random --random-input-len "$IN" --random-output-len "$OUTLEN" \
@@ -67,7 +71,7 @@ for n in $(seq 1 "${REPEATS:-1}"); do
       log="$out/$tag.log"
       row=("$(pick "$log" "Output token throughput")" "$(pick "$log" "Median TTFT")" "$(pick "$log" "Median TPOT")"
            "$(pick "$log" "P99 ITL")" "$(pick "$log" "^Failed requests:")" "$launch")
-      printf "%-10s %-7s %10s %12s %10s %10s %8s %9s\n" "$engine-$n" "$tag" "${row[@]}"
+      printf "%-15s %-7s %10s %12s %10s %10s %8s %9s\n" "$engine-$n" "$tag" "${row[@]}"
       (IFS=$'\t'; echo "$engine"$'\t'"$n"$'\t'"$tag"$'\t'"${row[*]}") >> "$FIGURES"
     done
     kill -TERM $pid; wait $pid || true
@@ -75,6 +79,6 @@ for n in $(seq 1 "${REPEATS:-1}"); do
 done
 # the ratios need l3worker and a peer (served_ratios.py refuses figures without either)
 engines=" ${ENGINES:-l3worker llama} "
-if [[ $engines == *" l3worker "* ]] && [ "$(echo $engines | wc -w)" -gt 1 ]; then
+if [[ $engines == *" l3worker"* ]] && [ "$(echo $engines | tr ' ' '\n' | grep -vc '^l3worker')" -gt 0 ]; then
   echo; "$LV/bin/python" "$ROOT/scripts/served_ratios.py" "$FIGURES"
 fi

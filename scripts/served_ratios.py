@@ -6,7 +6,10 @@ scripts/bench_served_peers.sh writes (PEERS_BUILD/served/figures.tsv; it runs th
 
 A row per figure, a column per peer; each cell gives every round's ratio (l3worker / peer, from the
 same round) and their median. Throughput is better above 1, the times below 1. A figure that a
-round lacks (a load whose client failed, an engine that was not run) is left out of that cell.
+round lacks (a load whose client failed, an engine that was not run) is left out of that cell, and
+a figure no round has, its row.
+Each l3worker variant the run had (an engine named l3worker-si4: `--stream-interval 4`) gets a
+table of its own against the same peers.
 """
 from __future__ import annotations
 
@@ -51,38 +54,45 @@ def read_figures(path: Path) -> dict[tuple[str, str, str], dict[str, float]]:
     return figures
 
 
-def ratio_table(figures: dict[tuple[str, str, str], dict[str, float]]) -> str:
-    """The markdown table of l3worker / peer per figure and round."""
+def variants(figures: dict[tuple[str, str, str], dict[str, float]]) -> list[str]:
+    """The l3worker engines of the run: l3worker, then its variants (l3worker-si4, ...) by name."""
+    return sorted({e for e, _, _ in figures if e == OURS or e.startswith(OURS + "-")}, key=lambda e: (e != OURS, e))
+
+
+def ratio_table(figures: dict[tuple[str, str, str], dict[str, float]], ours: str = OURS) -> str:
+    """The markdown table of `ours` (l3worker or one of its variants) / peer per figure and round."""
     engines = sorted({engine for engine, _, _ in figures})
-    if OURS not in engines:
-        raise ValueError(f"no {OURS} rows among the engines {engines}")
-    peers = [e for e in engines if e != OURS]
+    if ours not in engines:
+        raise ValueError(f"no {ours} rows among the engines {engines}")
+    peers = [e for e in engines if e not in variants(figures)]
     if not peers:
-        raise ValueError(f"no peer rows beside {OURS}'s")
+        raise ValueError(f"no peer rows beside {ours}'s")
     rounds = sorted({r for _, r, _ in figures}, key=int)
-    lines = ["| l3worker / peer | " + " | ".join(peers) + " |", "| --- |" + " ---: |" * len(peers)]
+    lines = [f"| {ours} / peer | " + " | ".join(peers) + " |", "| --- |" + " ---: |" * len(peers)]
     for load, column, label in FIGURES:
         cells = []
         for peer in peers:
             ratios: dict[str, float] = {}
             for r in rounds:
-                ours = figures.get((OURS, r, load), {}).get(column)
+                mine = figures.get((ours, r, load), {}).get(column)
                 theirs = figures.get((peer, r, load), {}).get(column)
-                if ours is not None and theirs:
-                    ratios[r] = ours / theirs
+                if mine is not None and theirs:
+                    ratios[r] = mine / theirs
             if not ratios:
                 cells.append("-")
                 continue
             each = ", ".join(f"{ratios[r]:.2f}" for r in rounds if r in ratios)
             cells.append(each if len(ratios) == 1 else f"{each} (median {statistics.median(ratios.values()):.2f})")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        if any(cell != "-" for cell in cells):  # a load the run left out (LOADS) gets no row
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("figures", type=Path, help="the figures.tsv of scripts/bench_served_peers.sh")
-    print(ratio_table(read_figures(p.parse_args().figures)))
+    figures = read_figures(p.parse_args().figures)
+    print("\n\n".join(ratio_table(figures, ours) for ours in variants(figures) or [OURS]))
 
 
 if __name__ == "__main__":

@@ -42,20 +42,26 @@ class OutputProcessor:
         self.finish = finish  # a stop string ends its sequence here: its row frees before the next step
         self.requests: dict[str, RequestState] = {}  # every request added and not finished
         self.recorder: GenerateStats | None = None  # generate() collects per-request figures here
+        # vLLM's: a streamed delta waits for this many new tokens (a request's own may be larger);
+        # the first token and a sample's end go at once
+        self.stream_interval = 1
 
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
 
     def process(self, advanced: Iterable[tuple[int, Sequence]], now: float, outputs: list[RequestOutput],
                 logprobs: SlotLogprobs | None = None,
-                scoring: Iterable[tuple[int, int, int, Sequence]] = ()) -> None:
+                scoring: Iterable[tuple[int, int, int, Sequence]] = (),
+                touched: dict[str, RequestState] | None = None) -> None:
         """Takes in one step: `advanced` the (row, sequence) pairs it gave a token (or, for a scoring
         request, finished), `scoring` the prompt chunks whose log-probabilities it computed. Appends
-        the outputs it produced to `outputs`."""
+        the outputs it produced to `outputs`; given `touched`, adds the requests with something to
+        report to it instead, for the caller to report once for several steps."""
         if logprobs is not None:
             for offset, start, length, seq in scoring:
                 self._take_prompt_logprobs(logprobs, offset, start, length, seq)
-        touched: dict[str, RequestState] = {}  # the requests with something to report
+        report_now = touched is None
+        touched = {} if touched is None else touched  # the requests with something to report
         gaps: dict[float, int] = {}
         new_tokens = 0
         requests = self.requests
@@ -69,8 +75,9 @@ class OutputProcessor:
         self.metrics.observe_itl(gaps)
         if self.recorder is not None:
             self.recorder.generated_tokens += new_tokens
-        for state in touched.values():
-            self.report(state, outputs)
+        if report_now:
+            for state in touched.values():
+                self.report(state, outputs)
 
     def _take_token(self, state: RequestState, row: int, seq: Sequence, logprobs: SlotLogprobs | None,
                     now: float, gaps: dict[float, int]) -> int:
@@ -151,7 +158,7 @@ class OutputProcessor:
         for seq in state.seqs:
             i = seq.index
             sent = state.reported[i]
-            if not done and len(seq.tokens) == sent and not seq.finished:
+            if not done and not seq.finished and len(seq.tokens) - sent < (self._interval(seq) if sent else 1):
                 continue
             text = state.texts[i]
             final = seq.finished
@@ -181,6 +188,10 @@ class OutputProcessor:
                 state.request_id, state.prompt, state.prompt_token_ids, samples, finished=done,
                 prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.seqs[0].num_cached_tokens,
                 metrics=request_metrics(state) if done else None, error=state.error if done else None))
+
+    def _interval(self, seq: Sequence) -> int:
+        own = seq.params.stream_interval
+        return self.stream_interval if own is None else max(own, self.stream_interval)
 
     def _finish_request(self, state: RequestState) -> None:
         del self.requests[state.request_id]

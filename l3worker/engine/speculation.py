@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -18,6 +19,8 @@ from chip_child.models.loader import ModelConfig, load_config
 from chip_child.models.qwen3 import shard_config
 from chip_child.spec.config import SpeculativeConfig
 from l3worker.engine.metrics import EngineMetrics
+from l3worker.engine.scheduler import Scheduler
+from l3worker.engine.sequence import Sequence
 
 
 def speculative_tokens(cfg: RuntimeConfig) -> int:
@@ -97,3 +100,19 @@ class SpecCounts:
             "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
             "mean_accepted_length": 1 + self.accepted_tokens / self.drafts if self.drafts else None,
         }
+
+
+def take_speculative_step(spec: SpecCounts, scheduler: Scheduler, producers: list[tuple[int, Sequence, int]],
+                          counts: np.ndarray, ids: np.ndarray, now: float,
+                          take: Callable[[list[tuple[int, Sequence]], int], None]) -> None:
+    """A speculative run's step, from its ring slot's counts [B, 2] and ids [B, k + 1]: each row gave
+    0 to k + 1 tokens. They are taken one token position j at a time (`take(advanced, j)` hands them
+    to output processing with position j's log-probabilities), so stops, max_tokens and stop strings
+    end a row exactly where plain decoding would, and the tokens after are dropped."""
+    spec.count([row for row, seq, epoch in producers if not seq.finished and epoch == seq.epoch], counts)
+    for j in range(spec.k + 1):
+        taking = [p for p in producers if counts[p[0], 0] > j]
+        if j and not taking:
+            break
+        take(scheduler.on_tokens(taking, ids[:, j], now), j)
+    scheduler.settle(producers)

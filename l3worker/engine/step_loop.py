@@ -3,10 +3,10 @@
 `Engine.add_request` and `Engine.abort` may be called from any thread at any moment; they only
 queue the change (input processing, l3worker/engine/requests.py, has checked the request by then), which
 the loop applies at the start of its next step. `Engine.step` keeps up to `pipeline_depth`
-commands in flight, reads one step's sampled ids from the shared ring, and hands them to output
-processing (l3worker/engine/outputs.py: text, stops, deltas, final outputs). This loop is the only part
-of the parent that talks to the children. One thread at a time drives `step`: the caller's
-(DistributedWorker.generate / stream) or an AsyncEngine's loop thread (see async_engine.py).
+commands in flight, reads one step's sampled ids (with stream_interval N, N steps') from the shared
+ring and hands them to output processing (l3worker/engine/outputs.py: text, stops, deltas, final
+outputs). This loop is the only part of the parent that talks to the children. One thread at a time
+drives `step`: the caller's (generate / stream) or an AsyncEngine's loop thread (async_engine.py).
 
 A child that dies, raises or hangs does not end the requests: the loop drops the commands in
 flight, has the worker start fresh children (`relaunch`, the code prepare() uses) and resumes
@@ -40,7 +40,7 @@ from l3worker.engine.recovery import RestartBudget, RestartPolicy, blame
 from l3worker.engine.requests import InputProcessor, RequestState
 from l3worker.engine.scheduler import Scheduled, Scheduler
 from l3worker.worker.shared_buffers import StepBuffers
-from l3worker.engine.speculation import SpecCounts, speculative_tokens
+from l3worker.engine.speculation import SpecCounts, speculative_tokens, take_speculative_step
 from l3worker.engine.stats import GenerateStats, StepRecord
 from l3worker.engine.step_timing import StepTiming
 
@@ -301,7 +301,7 @@ class Engine:
                 self._inflight.append(self._send(s))
             self._count_scheduling()
             if self._inflight:
-                self._complete(self._inflight.popleft(), outputs)
+                self._complete_oldest(outputs)
             elif self._gate and sched.idle or self.halted and not outputs:
                 self.wait_for_work(0.1)  # nothing runs: until a grammar compiles, a resume, a request or an abort
         except ChildFailure as exc:
@@ -413,40 +413,40 @@ class Engine:
             child.send(payload, self.step_timeout_s, self.stopping)
         return _InFlight(s, len(payload))
 
-    def _complete(self, entry: _InFlight, outputs: list[RequestOutput]) -> None:
+    def _complete_oldest(self, outputs: list[RequestOutput]) -> None:
+        """Completes the oldest step in flight; with stream_interval N > 1, N decode steps after one
+        wait, each request's tokens in one delta: parent, API server and client wake once for N
+        tokens (each wake-up preempts the child's threads on a machine they fill)."""
+        n, inflight = self.output_processor.stream_interval, self._inflight
+        if n == 1 or len(inflight) < n or any(inflight[i].scheduled.command.chunks for i in range(n)):
+            return self._complete(inflight.popleft(), outputs)  # a step with prompt chunks: first tokens at once
+        self._doorbell.wait(inflight[n - 1].scheduled.command.step, self.step_timeout_s,
+                            queued_behind=len(inflight) > n)
+        touched: dict[str, RequestState] = {}
+        for _ in range(n):
+            self._complete(inflight.popleft(), outputs, touched)
+        for state in touched.values():
+            self.output_processor.report(state, outputs)
+
+    def _complete(self, entry: _InFlight, outputs: list[RequestOutput],
+                  touched: dict[str, RequestState] | None = None) -> None:
         step = entry.scheduled.command.step
         t_wait = time.perf_counter()
         self._doorbell.wait(step, self.step_timeout_s, queued_behind=bool(self._inflight))
         now = time.perf_counter()
-        buffers = self._buffers
         slot = step % len(self._sampled)
-        if buffers.spec_counts is None:
+        if (buffers := self._buffers).spec_counts is None:
             advanced = self.scheduler.on_tokens(entry.scheduled.producers, self._sampled[slot], now)
             self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot][0],
-                                          entry.scheduled.prompt_logprobs)
+                                          entry.scheduled.prompt_logprobs, touched)
         else:
-            self._take_speculative(entry.scheduled, slot, now, outputs)
+            take_speculative_step(self.speculation, self.scheduler, entry.scheduled.producers,
+                                  buffers.spec_counts[slot].numpy(), buffers.spec_ids[slot].numpy(), now,
+                                  lambda advanced, j: self.output_processor.process(
+                                      advanced, now, outputs, self._slot_logprobs[slot][j],
+                                      entry.scheduled.prompt_logprobs if j == 0 else (), touched))
         self._time(entry, slot, now, t_wait)
         self._last_done = now
-
-    def _take_speculative(self, scheduled: Scheduled, slot: int, now: float, outputs: list[RequestOutput]) -> None:
-        """A speculative run's step: each row gave 0 to k + 1 tokens. They are taken one token
-        position at a time, so stops, max_tokens and stop strings end a row exactly where plain
-        decoding would, and the tokens after are dropped. Each position's log-probabilities come
-        with its tokens (the ring holds k + 1 entries per row)."""
-        buffers, sched = self._buffers, self.scheduler
-        counts, ids = buffers.spec_counts[slot].numpy(), buffers.spec_ids[slot].numpy()
-        producers = scheduled.producers
-        self.speculation.count([row for row, seq, epoch in producers if not seq.finished and epoch == seq.epoch],
-                               counts)
-        for j in range(self.speculation.k + 1):
-            taking = [p for p in producers if counts[p[0], 0] > j]
-            if j and not taking:
-                break
-            advanced = sched.on_tokens(taking, ids[:, j], now)
-            self.output_processor.process(advanced, now, outputs, self._slot_logprobs[slot][j],
-                                          scheduled.prompt_logprobs if j == 0 else ())
-        sched.settle(producers)
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         """The ids of finished requests may be used again."""

@@ -82,6 +82,8 @@ def serve_refusal(args: argparse.Namespace) -> str | None:
         return f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}"
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         return f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the engine's limit), got {args.max_logprobs}"
+    if args.stream_interval < 1:
+        return f"--stream-interval must be >= 1, got {args.stream_interval}"
     if args.seed is not None and not 0 <= args.seed < 2**63:
         return f"--seed must be in [0, 2**63), got {args.seed}"
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -304,7 +306,7 @@ def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int,
                 cpu_layout=args.cpu_layout,
                 quantization=args.quantization, enable_expert_parallel=args.enable_expert_parallel,
                 max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
-                max_waiting_requests=args.max_waiting_requests,
+                max_waiting_requests=args.max_waiting_requests, stream_interval=args.stream_interval,
                 speculative_config=args.speculative_config, enable_sleep_mode=args.enable_sleep_mode,
                 kv_events_config=args.kv_events_config, kv_cache_dtype=args.kv_cache_dtype,
                 kv_offloading_size=args.kv_offloading_size, enable_lora=args.enable_lora, max_loras=args.max_loras,

@@ -237,6 +237,10 @@ def _scheduler_args(g: argparse._ArgumentGroup) -> None:
                         "tokens that fit in about one decode step's time, unless more prompts start than rows decode")
     g.add_argument("--enable-chunked-prefill", action="store_true",
                    help="accepted: l3worker always splits long prompts into chunks of --max-num-batched-tokens")
+    g.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="tokens per streamed chunk (the first and last excepted); N > 1 also reads N decode steps "
+                        "per wake-up of the engine and keeps at least N + 1 steps in flight: fewer wake-ups per "
+                        "token, at the price of tokens arriving N at a time")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
                    help="l3worker: requests that may wait for a batch row; more are answered 503")
 

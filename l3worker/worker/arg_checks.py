@@ -45,13 +45,14 @@ def check_limits(*, max_batch_size: int, max_seq_len: int, page_size: int, pipel
                  max_num_batched_tokens: int | None, enable_prefix_caching: bool, num_pages: int | None,
                  num_threads: int | None, cpu_layout: str, pin_cores: bool, spin_wait_s: float,
                  step_timeout_s: float | None, startup_timeout_s: float | None,
-                 max_waiting_requests: int | None) -> int:
+                 max_waiting_requests: int | None, stream_interval: int) -> int:
     """Checks the batch, page, thread and timeout limits; returns max_num_batched_tokens (its
     default filled in)."""
     positive_int("max_batch_size", max_batch_size)
     positive_int("max_seq_len", max_seq_len, 2)
     positive_int("page_size", page_size)
     positive_int("pipeline_depth", pipeline_depth)
+    positive_int("stream_interval", stream_interval)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(DEFAULT_BATCHED_TOKENS, max_batch_size)
     positive_int("max_num_batched_tokens", max_num_batched_tokens)

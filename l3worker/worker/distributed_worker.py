@@ -106,6 +106,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         max_restarts: int = 3,
         restart_window_s: float = 600.0,
         max_waiting_requests: int | None = None,
+        stream_interval: int = 1,  # vLLM's: tokens per streamed delta; N > 1 reads N steps a wake-up (step_loop.py)
         speculative_config: SpeculativeConfig | dict | str | None = None,
         # Tensor parallel over several nodes, vLLM's names: this worker is the head (node 0); the
         # followers run l3worker.distributed.follower (`l3worker serve --headless`). See l3worker/distributed/nodes.py.
@@ -151,7 +152,9 @@ class DistributedWorker(RolloutControls, LoraControls):
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             num_pages=num_pages, num_threads=num_threads, cpu_layout=cpu_layout, pin_cores=pin_cores,
             spin_wait_s=spin_wait_s, step_timeout_s=step_timeout_s, startup_timeout_s=startup_timeout_s,
-            max_waiting_requests=max_waiting_requests)
+            max_waiting_requests=max_waiting_requests, stream_interval=stream_interval)
+        if stream_interval > 1:  # N steps read at once, and one more to keep the child busy meanwhile
+            pipeline_depth = max(pipeline_depth, stream_interval + 1)
         restart_policy = RestartPolicy(max_restarts, restart_window_s)
         restart_policy.validate()
         # The model as the caller named it, path or Hub id (vLLM's served name).
@@ -219,6 +222,7 @@ class DistributedWorker(RolloutControls, LoraControls):
                              pipeline_depth, step_timeout_s, max_num_batched_tokens, enable_prefix_caching,
                              restart_policy, max_waiting_requests)
         self.engine.loras = self.loras
+        self.engine.output_processor.stream_interval = stream_interval
         if self.loras is not None:
             self.engine.metrics.track_lora(partial(lora_info, self.engine))
         self.engine.scheduling_policy = check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)

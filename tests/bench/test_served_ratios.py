@@ -11,7 +11,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "served_ratios.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
-from served_ratios import ratio_table, read_figures  # noqa: E402
+from served_ratios import ratio_table, read_figures, variants  # noqa: E402
 
 
 def write(tmp_path: Path, rows: list[tuple]) -> Path:
@@ -50,7 +50,7 @@ def test_a_missing_figure_or_load_leaves_its_cell_without_that_round(tmp_path: P
     table = ratio_table(read_figures(write(tmp_path, ROWS)))
     assert cells(table, "16 clients, repeated prompts: output tok/s") == ["-", "2.00"]  # llama's tok/s is empty
     assert cells(table, "16 clients, repeated prompts: TPOT p50") == ["0.50", "0.45"]  # round 1 only
-    assert cells(table, "16 clients, fresh prompts: output tok/s") == ["-", "-"]  # no c16new load ran
+    assert "| 16 clients, fresh prompts:" not in table  # no c16new load ran: no row
 
 
 def test_bad_figures_are_refused_by_name(tmp_path: Path) -> None:
@@ -67,3 +67,17 @@ def test_the_command_line_prints_the_table(tmp_path: Path) -> None:
                          check=True).stdout
     assert out.startswith("| l3worker / peer | llama | vllm |\n| --- | ---: | ---: |\n")
     assert "| 1 client: TTFT p50 | 0.80, 0.79 (median 0.80) | 0.50, 0.56 (median 0.53) |" in out
+
+
+def test_an_l3worker_variant_gets_its_own_table_against_the_peers_alone(tmp_path: Path) -> None:
+    rows = ROWS + [("l3worker-si4", 1, "c1", 110, 80, 8.0, 30, 0, 10.0), ("l3worker-si4", 2, "c1", 100, 84, 8.1, 31,
+                                                                          0, 10.0)]
+    figures = read_figures(write(tmp_path, rows))
+    assert variants(figures) == ["l3worker", "l3worker-si4"]
+    table = ratio_table(figures, "l3worker-si4")
+    assert table.splitlines()[0] == "| l3worker-si4 / peer | llama | vllm |"  # l3worker is no peer of its variant
+    assert cells(table, "1 client: TPOT p50") == ["0.80, 0.90 (median 0.85)", "0.40, 0.37 (median 0.38)"]
+    assert ratio_table(figures).splitlines()[0] == "| l3worker / peer | llama | vllm |"
+    out = subprocess.run([sys.executable, str(SCRIPT), str(write(tmp_path, rows))], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.index("| l3worker / peer |") < out.index("| l3worker-si4 / peer |")

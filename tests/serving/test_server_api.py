@@ -146,6 +146,15 @@ def test_streamed_deltas_concatenate_to_the_whole_text(http) -> None:
     assert usage_chunk["choices"] == [] and _counts(usage_chunk["usage"]) == _counts(whole["usage"])
 
 
+def test_a_requests_stream_interval_sends_its_tokens_three_a_chunk(http) -> None:
+    body = {"prompt": "Hello world", "max_tokens": 11, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    events = sse_events(stream_raw(http, "/v1/completions", body | {"stream": True, "stream_interval": 3})[1])
+    chunks = [c["choices"][0] for c in events[:-1]]
+    assert [len(c["logprobs"]["tokens"]) for c in chunks] == [1, 3, 3, 3, 1]  # the first at once, the rest 3 a chunk
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+
+
 def test_stream_without_usage_has_no_usage_field(oai) -> None:
     chunks = list(oai.completions.create(model="l3worker-tiny", prompt="abc", max_tokens=5, temperature=0,
                                          stream=True))
@@ -321,6 +330,7 @@ def test_chat_logprobs_shape(oai) -> None:
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 40}, "min_tokens", "max_tokens=16"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [999]}, "stop_token_ids", "999 outside"),
+    ("/v1/completions", {"prompt": "x", "stream_interval": 0}, "stream_interval", "stream_interval must be >= 1"),
     ("/v1/completions", {}, "prompt", "Field required"),
     ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

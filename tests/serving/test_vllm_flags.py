@@ -84,6 +84,7 @@ def test_vllm_spellings_and_values_parse() -> None:
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1], got 0.0"),
     (["--max-logprobs", "21"], "--max-logprobs must be in [0, 20]"),
     (["--seed", "-1"], "--seed must be in [0, 2**63)"),
+    (["--stream-interval", "0"], "--stream-interval must be >= 1, got 0"),
     (["a", "--model", "b"], "MODEL 'a' and --model 'b' name different models"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
     (["--allowed-origins", "*"], "expected a JSON list"),
@@ -111,6 +112,9 @@ def test_flags_reach_the_worker_arguments(tmp_path) -> None:
     args = parse_serve_args(["serve", "--enforce-eager", "--gpu-memory-utilization", "0.25", "--dtype", "float"])
     kwargs = _worker_kwargs(args, str(tmp_path), 256, builtin=False)
     assert (kwargs["decode_graphs"], kwargs["gpu_memory_utilization"], kwargs["dtype"]) == (False, 0.25, "float32")
+    assert kwargs["stream_interval"] == 1  # vLLM's default: every token streamed as it comes
+    assert _worker_kwargs(parse_serve_args(["serve", "--stream-interval", "4"]), str(tmp_path), 256,
+                          builtin=False)["stream_interval"] == 4
     plain = _worker_kwargs(parse_serve_args(["serve"]), str(tmp_path), 256, builtin=True)
     assert (plain["decode_graphs"], plain["gpu_memory_utilization"], plain["model_dir"]) == (None, None, None)
 

@@ -34,7 +34,8 @@ def _assert_same_logprobs(got: list[tuple], want: list[tuple]) -> None:
     {"pipeline_depth": 1},
     {"max_num_batched_tokens": 8},  # every prompt prefilled in chunks beside decoding rows
     {"num_pages": 14, "enable_prefix_caching": False},  # too few pages: rows are preempted and resumed
-], ids=["depth2", "depth1", "chunked", "preempted"])
+    {"stream_interval": 3},  # three verify steps read per wake-up
+], ids=["depth2", "depth1", "chunked", "preempted", "grouped"])
 def test_ngram_tokens_identical_to_plain_decoding(plain, options) -> None:
     with DistributedWorker(**SMALL, speculative_config=NGRAM, **options) as w:
         assert _tokens(w.generate(PROMPTS, PARAMS)) == plain

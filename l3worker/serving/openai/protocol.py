@@ -52,6 +52,7 @@ class _Sampling(_Body):
     guided_grammar: Any = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"; None: the server's
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority; must be 0 otherwise
+    stream_interval: int | None = None  # vLLM's: tokens per streamed chunk (at least the server's)
 
 
 def _check_prompt(value: Any) -> Any:

@@ -244,6 +244,7 @@ class ServedModel:
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             priority=req.priority,
+            stream_interval=req.stream_interval,
             **(structured or {}),
         )
         try:
