@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from l3worker import DistributedWorker, SamplingParams
+from l3worker.worker import doorbell as doorbell_module
 from l3worker.worker.doorbell import Doorbell, make_wake_fd
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "eventfd"), reason="the OS has no eventfd")
@@ -116,6 +117,42 @@ def test_an_error_reply_still_ends_a_sleeping_wait(bell) -> None:
     peer.send(b"error")  # a failed step: the child replies by socket and completes nothing
     thread.join(30)
     assert len(result) == 1 and isinstance(result[0], ReplyRead)
+
+
+def test_a_wait_several_steps_ahead_sleeps_through_the_steps_before_it(bell, monkeypatch) -> None:
+    """Waiting for step 3 with steps 0-2 to go (stream_interval reads four at once), the parent naps
+    through those at the step time its earlier waits measured, rather than being woken by each
+    one's eventfd; the first such wait, with nothing measured yet, sleeps in the poll."""
+    doorbell, _, _, fd = bell
+    naps: list[float] = []
+    reads: list[int] = []
+    real_read = os.eventfd_read
+    monkeypatch.setattr(doorbell_module.os, "eventfd_read", lambda f: reads.append(real_read(f)))
+
+    def run_group(first: int, napping: bool) -> None:
+        def nap(seconds: float) -> None:  # the steps before the last complete while the parent naps
+            naps.append(seconds)
+            for step in range(first, first + 3):
+                complete(doorbell, fd, step)
+
+        monkeypatch.setattr(doorbell_module.time, "sleep", nap)
+        reads.clear()
+        thread, result = wait_in_thread(doorbell, first + 3)
+        while doorbell.word[1] != first + 3:  # asleep in the poll on the last step (after the nap, if any)
+            thread.join(0.001)
+        if not napping:
+            for step in range(first, first + 3):
+                complete(doorbell, fd, step)
+        complete(doorbell, fd, first + 3)
+        thread.join(30)
+        assert result == ["done"]
+
+    run_group(0, napping=False)
+    assert naps == [] and doorbell._step_s > 0  # four steps seen complete in one wait: a step time
+    step_s = doorbell._step_s
+    run_group(4, napping=True)
+    assert naps == [pytest.approx(min(3 * step_s, doorbell_module.MAX_NAP_S))]
+    assert len(reads) <= 2  # the napped steps' counts read at once, then the last step's
 
 
 def eventfds() -> int:
