@@ -109,6 +109,12 @@ def metric(client: httpx.Client, name: str, labels: str = "") -> float:
     return sum(found)
 
 
+def leave_mid_stream(client: httpx.Client, path: str, body: dict) -> None:
+    """Opens a streaming request, reads its first event, and goes (the connection closes)."""
+    with client.stream("POST", path, json=body) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0, what: str = "condition") -> None:
     """Polls; a bound against hangs, not a timing assertion."""
     deadline = time.monotonic() + timeout_s

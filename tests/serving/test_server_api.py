@@ -12,7 +12,7 @@ import pytest
 
 from l3worker import DistributedWorker, SamplingParams
 from l3worker.serving.runner import ServeOptions, ServerThread
-from server_helpers import metric, sse_events, stream_raw, wait_until
+from server_helpers import leave_mid_stream, metric, sse_events, stream_raw, wait_until
 
 KEY = "test-key-123"
 WORKER = dict(max_batch_size=4, max_seq_len=1024, page_size=16)
@@ -402,9 +402,7 @@ def test_internal_error_is_500_without_details(server, http, monkeypatch) -> Non
 def test_client_gone_mid_stream_aborts_the_request(http) -> None:
     aborted = metric(http, "l3worker:request_success_total", 'finished_reason="abort"')
     body = {"prompt": "Hello", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+    leave_mid_stream(http, "/v1/completions", body)
     wait_until(lambda: metric(http, "l3worker:num_requests_running") == 0, what="no request running")
     wait_until(lambda: metric(http, "l3worker:request_success_total", 'finished_reason="abort"') == aborted + 1,
                what="the request aborted")
@@ -418,9 +416,7 @@ def test_client_gone_mid_stream_aborts_the_request(http) -> None:
 def test_client_gone_mid_stream_aborts_every_request(http, path, body) -> None:
     aborted = metric(http, "l3worker:request_success_total", 'finished_reason="abort"')
     body = body | {"max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
-    with http.stream("POST", path, json=body) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+    leave_mid_stream(http, path, body)
     requests = 2 if "prompt" in body else 1  # an engine request per prompt; its n samples are in it
     wait_until(lambda: metric(http, "l3worker:num_requests_running") == 0, what="no request running")
     wait_until(lambda: metric(http, "l3worker:request_success_total", 'finished_reason="abort"')

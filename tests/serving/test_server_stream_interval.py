@@ -7,7 +7,7 @@ import pytest
 
 from l3worker import DistributedWorker
 from l3worker.serving.runner import ServeOptions, ServerThread
-from server_helpers import metric, sse_events, stream_raw, wait_until
+from server_helpers import leave_mid_stream, metric, sse_events, stream_raw, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,7 @@ def test_chunks_carry_three_tokens_and_add_up_to_the_whole_text(http) -> None:
 def test_a_client_gone_mid_stream_frees_its_row(http) -> None:
     aborted = metric(http, "l3worker:request_success_total", 'finished_reason="abort"')
     body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+    leave_mid_stream(http, "/v1/completions", body)
     wait_until(lambda: metric(http, "l3worker:request_success_total", 'finished_reason="abort"') == aborted + 1,
                what="the request aborted")
     wait_until(lambda: metric(http, "l3worker:kv_cache_usage_perc") == 0, what="KV pages free")
