@@ -5,7 +5,8 @@
 #   c16rep  16 clients, the same prompts again (as the peers kit runs it: caches may hold them)
 #   c16new  16 clients, fresh prompts (seed 7): a burst of new prompts, nothing cached
 # (LOADS="c1" runs only those named). An engine named l3worker-si<N> is l3worker with --stream-interval N
-# (tokens streamed N a chunk), measured as an engine of its own.
+# (tokens streamed N a chunk), and l3worker-inline is l3worker with --inline-engine (the engine in the
+# API server's process), each measured as an engine of its own.
 # Uses what scripts/bench_peers.sh installed under PEERS_BUILD (the vLLM venv for the client, the
 # llama.cpp build, the checkpoints); run that once first. Each engine is started, measured and
 # stopped in turn; every log stays under PEERS_BUILD/served/<engine>-<n>/. Each row also gives the
@@ -37,8 +38,10 @@ start() {  # engine port: becomes the server (exec), so that its pid is the serv
   case $1 in
     # shellcheck disable=SC2086  # L3WORKER_FLAGS is a list of flags
     l3worker*) interval=${1#l3worker-si}; [ "$interval" = "$1" ] && interval=1
+               layout=(); [ "$1" = l3worker-inline ] && layout=(--inline-engine)
                exec "$LV/bin/l3worker" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN \
-                --port "$2" --gpu-memory-utilization 0.3 --stream-interval "$interval" ${L3WORKER_FLAGS:-} ;;
+                --port "$2" --gpu-memory-utilization 0.3 --stream-interval "$interval" "${layout[@]}" \
+                ${L3WORKER_FLAGS:-} ;;
     llama) exec "$LCPP/bin/llama-server" -m "$GGUF" --host 127.0.0.1 --port "$2" -c $((SEQS * LEN)) -np "$SEQS" \
              -t "$(nproc)" -tb "$(nproc)" --alias "$CK" ;;
     vllm) exec "$VV/bin/vllm" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN --port "$2" \

@@ -122,6 +122,11 @@ class KVEventPublisher:
     def replay_endpoint(self) -> str | None:
         return None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
 
+    def publish_pool(self, pool) -> None:
+        """What the page pool stored and evicted since the last call, as one batch."""
+        records, pool.events = pool.events, []
+        self.publish(records)
+
     def publish(self, records: list[tuple]) -> None:
         """One batch of the pool's records (none: nothing is sent)."""
         if not records or self._pub is None:

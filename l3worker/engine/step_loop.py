@@ -6,7 +6,8 @@ the loop applies at the start of its next step. `Engine.step` keeps up to `pipel
 commands in flight, reads one step's sampled ids (with stream_interval N, N steps') from the shared
 ring and hands them to output processing (l3worker/engine/outputs.py: text, stops, deltas, final
 outputs). This loop is the only part of the parent that talks to the children. One thread at a time
-drives `step`: the caller's (generate / stream) or an AsyncEngine's loop thread (async_engine.py).
+drives `step`: the caller's (generate / stream), an AsyncEngine's loop thread (async_engine.py), or
+a server's event loop with step(wait=False) (inline_engine.py).
 
 A child that dies, raises or hangs does not end the requests: the loop drops the commands in
 flight, has the worker start fresh children (`relaunch`, the code prepare() uses) and resumes
@@ -33,6 +34,7 @@ from l3worker.engine.kv_events import KVEventPublisher, KVEventsConfig
 from l3worker.lora.registry import LoraRegistry, registration
 from l3worker.worker.doorbell import Doorbell
 from l3worker.errors import ChildFailure, EngineAsleepError, EngineBusyError, WorkerError
+from l3worker.engine.gauges import num_queued, num_running, num_waiting
 from l3worker.engine.metrics import EngineMetrics
 from l3worker.engine.outputs import OutputProcessor, SlotLogprobs
 from l3worker.params import RequestOutput, SamplingParams
@@ -41,7 +43,7 @@ from l3worker.engine.requests import InputProcessor, RequestState
 from l3worker.engine.scheduler import Scheduled, Scheduler
 from l3worker.worker.shared_buffers import StepBuffers
 from l3worker.engine.speculation import SpecCounts, speculative_tokens, take_speculative_step
-from l3worker.engine.stats import GenerateStats, StepRecord
+from l3worker.engine.stats import StepRecord
 from l3worker.engine.step_timing import StepTiming
 
 log = logging.getLogger("l3worker.engine.step_loop")
@@ -84,7 +86,9 @@ class Engine:
         self.loras: LoraRegistry | None = None  # set by the worker with enable_lora
         self.stopping = threading.Event()  # set by request_stop(): waits on children give up
         self.scheduler: Scheduler | None = None
-        self.metrics = EngineMetrics(running=self._num_running, waiting=self._num_waiting, kv_usage=self._kv_usage)
+        self.metrics = EngineMetrics(running=lambda: num_running(self.requests),
+                                     waiting=lambda: num_waiting(self.requests, self._inbox),
+                                     kv_usage=lambda: self.scheduler.pages.usage if self.scheduler is not None else 0.0)
         self.input_processor = InputProcessor(model_config, runtime_config, tokenizer, model_dir)
         self.output_processor = OutputProcessor(tokenizer, self.metrics,
                                                 lambda seq, reason, stop: self.scheduler.finish(seq, reason, stop))
@@ -107,7 +111,8 @@ class Engine:
         self.refusal: str | None = None  # why new requests are refused now (asleep), or None
         self._held: list[RequestOutput] = []  # outputs of steps completed between steps (a drain)
         self._work = threading.Event()  # set whenever the inbox gets something, or a grammar compiled
-        self._gate = GrammarGate(self._work.set)  # requests whose grammar is compiling wait here
+        self.on_work: Callable[[], None] = lambda: None  # also told then (a driver on an event loop)
+        self._gate = GrammarGate(self._signal)  # requests whose grammar is compiling wait here
         self._last_done = time.perf_counter()
         self._live_ids: set[str] = set()
         self._ids_lock = threading.Lock()
@@ -157,13 +162,13 @@ class Engine:
         self._sampled, self._staging, self._step_stats = [], [], None
         self._slot_logprobs = []
         self._inflight.clear()
-        self._work.set()  # a loop thread asleep on the inbox must see it
+        self._signal()  # a loop thread asleep on the inbox must see it
 
     def request_stop(self) -> None:
         """Shutdown: a wait on the children (a step, a restart's start-up) gives up at its next
         liveness poll, and no restart begins."""
         self.stopping.set()
-        self._work.set()
+        self._signal()
 
     @property
     def healthy(self) -> bool:
@@ -187,15 +192,6 @@ class Engine:
     def requests(self) -> dict[str, RequestState]:
         """Every request the loop took in and that has not finished."""
         return self.output_processor.requests
-
-    @property
-    def recorder(self) -> GenerateStats | None:
-        """generate() collects per-step and per-request figures here while it drives the loop."""
-        return self.output_processor.recorder
-
-    @recorder.setter
-    def recorder(self, value: GenerateStats | None) -> None:
-        self.output_processor.recorder = value
 
     # -- requests (any thread) ---------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -224,20 +220,20 @@ class Engine:
         if self.refusal is not None:
             raise EngineAsleepError(self.refusal)
         limit = self.max_waiting_requests
-        if limit is not None and self._num_queued() >= limit:
+        if limit is not None and num_queued(self.scheduler, self._inbox) >= limit:
             raise EngineBusyError(f"{limit} requests are waiting already (max_waiting_requests); try again later")
         with self._ids_lock:
             if state.request_id in self._live_ids:
                 raise ValueError(f"request_id {state.request_id!r} is already in use by a running request")
             self._live_ids.add(state.request_id)
         self._inbox.append(("add", state))
-        self._work.set()
+        self._signal()
 
     def abort(self, request_id: str) -> None:
         """Ends the request with finish_reason "abort": its rows and pages are free within
         pipeline_depth steps. An unknown or finished id is ignored."""
         self._inbox.append(("abort", request_id))
-        self._work.set()
+        self._signal()
 
     @property
     def halted(self) -> bool:
@@ -252,16 +248,18 @@ class Engine:
             return fn()
         call = BetweenSteps(fn)
         self._inbox.append(("call", call))
-        self._work.set()
+        self._signal()
         return call.result(lambda: self.dead_error() if self.error is not None else
                            EngineDeadError("the engine is stopping") if self.stopping.is_set() else None)
 
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or bool(self.requests) or bool(self._inflight)
 
-    def wake(self) -> None:
-        """Wakes a loop thread asleep in wait_for_work (to stop it)."""
+    def _signal(self) -> None:
         self._work.set()
+        self.on_work()
+
+    wake = _signal  # wakes a loop thread asleep in wait_for_work (to stop it), or tells an event loop
 
     def wait_for_work(self, timeout_s: float | None = None) -> bool:
         """Sleeps until a request or an abort arrives (an idle engine uses no CPU)."""
@@ -285,14 +283,16 @@ class Engine:
         return outputs
 
     # -- the loop ----------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, wait: bool = True) -> list[RequestOutput]:
         """One iteration: apply queued adds and aborts, top up the commands in flight, complete the
-        oldest, and return the outputs it produced (deltas of streaming requests, final outputs)."""
+        oldest, and return the outputs it produced (deltas of streaming requests, final outputs).
+        wait=False (an event loop's driver): completes it only once step_ready(), never sleeps, and
+        leaves a control (it drains the steps in flight) to a call that may wait."""
         if self.error is not None:
             raise self.dead_error()
         outputs, self._held = self._held, []
         try:
-            self._apply_inbox(outputs)
+            self._apply_inbox(outputs, wait)
             for state in self._gate.release():
                 self._enqueue(state, outputs)
             sched = self.scheduler
@@ -300,9 +300,9 @@ class Engine:
                     (s := sched.next_command()) is not None:
                 self._inflight.append(self._send(s))
             self._count_scheduling()
-            if self._inflight:
+            if self._inflight and (wait or self.step_ready()):
                 self._complete_oldest(outputs)
-            elif self._gate and sched.idle or self.halted and not outputs:
+            elif wait and (self._gate and sched.idle or self.halted and not outputs):
                 self.wait_for_work(0.1)  # nothing runs: until a grammar compiles, a resume, a request or an abort
         except ChildFailure as exc:
             self._recover(exc, outputs)
@@ -312,14 +312,8 @@ class Engine:
             raise
         self._forget_finished(outputs)
         if self.kv_events is not None:
-            self.publish_kv_events()
+            self.kv_events.publish_pool(self.scheduler.pages)
         return outputs
-
-    def publish_kv_events(self) -> None:
-        """What the page pool stored and evicted since the last call, as one batch."""
-        pool = self.scheduler.pages
-        records, pool.events = pool.events, []
-        self.kv_events.publish(records)
 
     def close_kv_events(self) -> None:
         if self.kv_events is not None:
@@ -365,8 +359,25 @@ class Engine:
             self.fail(exc)
             raise
 
-    def _apply_inbox(self, outputs: list[RequestOutput]) -> None:
+    def step_ready(self) -> bool:
+        """The step that completing the oldest waits for has completed: step(wait=False) takes it."""
+        n, inflight = self.output_processor.stream_interval, self._inflight
+        return bool(inflight) and self._doorbell.done(inflight[n - 1 if self._grouped(n) else 0].scheduled.command.step)
+
+    @property
+    def wake_fd(self) -> int | None:
+        """The eventfd the leader child writes after each step (None without one, or children)."""
+        return self._doorbell.wake_fd if self._doorbell is not None else None
+
+    @property
+    def control_pending(self) -> bool:
+        """A call_between_steps waits for a step(wait=True) to run it."""
+        return any(kind == "call" for kind, _ in list(self._inbox))
+
+    def _apply_inbox(self, outputs: list[RequestOutput], wait: bool = True) -> None:
         while self._inbox:
+            if not wait and self._inbox[0][0] == "call":
+                return
             kind, item = self._inbox.popleft()
             if kind == "call":
                 self._drain(outputs)
@@ -418,7 +429,7 @@ class Engine:
         wait, each request's tokens in one delta: parent, API server and client wake once for N
         tokens (each wake-up preempts the child's threads on a machine they fill)."""
         n, inflight = self.output_processor.stream_interval, self._inflight
-        if n == 1 or len(inflight) < n or any(inflight[i].scheduled.command.chunks for i in range(n)):
+        if not self._grouped(n):
             return self._complete(inflight.popleft(), outputs)  # a step with prompt chunks: first tokens at once
         self._doorbell.wait(inflight[n - 1].scheduled.command.step, self.step_timeout_s,
                             queued_behind=len(inflight) > n)
@@ -427,6 +438,11 @@ class Engine:
             self._complete(inflight.popleft(), outputs, touched)
         for state in touched.values():
             self.output_processor.report(state, outputs)
+
+    def _grouped(self, n: int) -> bool:
+        """N decode steps in flight are read together (stream_interval N > 1, no prompt chunks)."""
+        inflight = self._inflight
+        return n > 1 and len(inflight) >= n and not any(inflight[i].scheduled.command.chunks for i in range(n))
 
     def _complete(self, entry: _InFlight, outputs: list[RequestOutput],
                   touched: dict[str, RequestState] | None = None) -> None:
@@ -465,27 +481,10 @@ class Engine:
         # Served (a server's loop thread drives it): prompt chunks bounded by time. Offline, the schedule
         # stays a function of the requests alone (reproducible runs and counters).
         self.scheduler.prefill_cap = self.step_timing.prefill_cap() if self.driven_by_loop_thread else None
-        if self.recorder is not None:
-            self.recorder.steps.append(StepRecord.of(cmd.step, cmd.is_prefill, stats, now - self._last_done,
-                                                     now - t_wait, entry.command_bytes, prompt_tokens,
-                                                     len(entry.scheduled.producers), self.scheduler.num_preemptions))
-
-    # -- gauges, read by the metrics registry ------------------------------------------------------
-    def _num_running(self) -> int:
-        # A copy (atomic): the engine-core process scrapes from a thread other than the loop's.
-        return sum(1 for s in list(self.requests.values()) if any(q.row >= 0 and not q.finished for q in s.seqs))
-
-    def _num_waiting(self) -> int:
-        return sum(1 for s in list(self.requests.values()) if all(q.row < 0 and not q.finished for q in s.seqs)) + \
-            sum(1 for kind, _ in list(self._inbox) if kind == "add")
-
-    def _num_queued(self) -> int:
-        """Samples waiting for a row, cheaply (submit checks it under load)."""
-        waiting = len(self.scheduler.waiting) if self.scheduler is not None else 0
-        return waiting + sum(1 for kind, _ in list(self._inbox) if kind == "add")
-
-    def _kv_usage(self) -> float:
-        return self.scheduler.pages.usage if self.scheduler is not None else 0.0
+        if (recorder := self.output_processor.recorder) is not None:
+            recorder.steps.append(StepRecord.of(cmd.step, cmd.is_prefill, stats, now - self._last_done,
+                                                now - t_wait, entry.command_bytes, prompt_tokens,
+                                                len(entry.scheduled.producers), self.scheduler.num_preemptions))
 
     def _count_scheduling(self) -> None:
         """Moves the scheduler's prefix-cache and preemption counts into the metrics."""

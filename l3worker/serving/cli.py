@@ -8,7 +8,7 @@ import logging
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from chip_child.step.row_fields import MAX_LOGPROBS
 from l3worker.bench.cli import add_bench_parser, bench_command
@@ -144,6 +144,7 @@ def serve_command(args: argparse.Namespace) -> int:
         return headless_dp_command(args) if headless_dp(args) else headless_command(args)
     from chip_child.models.fingerprint import checkpoint_fingerprint
     from l3worker import DistributedWorker  # heavy imports after the arguments are known good
+    from l3worker.serving.inline_engine import inline_refusal
     from l3worker.serving.launcher import DataParallel, launch_api_servers, launch_core
 
     layout = dp_layout(args)
@@ -159,6 +160,9 @@ def serve_command(args: argparse.Namespace) -> int:
         router = dp.router(worker.runtime_config.page_size, worker.runtime_config.total_pages - 1, args.max_num_seqs,
                            KVEventsConfig.of(args.kv_events_config))
         options = serve_options(args)
+        if args.inline_engine and (why := inline_refusal(args.api_server_count, dp.size,
+                                                         layout.remote or getattr(args, "nnodes", 1) > 1)):
+            raise ValueError(why)
         check_lora_serving(args, options, worker)
         # Served as typed, path or Hub id (vLLM's name), though the worker reads the resolved directory.
         info = ModelInfo.of(worker)
@@ -175,11 +179,13 @@ def serve_command(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"l3worker serve: {e}", file=sys.stderr)
         return 2
-    worker.close()  # never prepared: it started nothing
+    if not args.inline_engine:
+        worker.close()  # never prepared: it started nothing; each engine core makes its own
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
         print(f"l3worker serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        worker.close()
         return 1
     if worker.kv_sizing is not None:
         log.info("KV cache: %s", worker.kv_sizing.describe())
@@ -193,19 +199,30 @@ def serve_command(args: argparse.Namespace) -> int:
             return
         cfg = worker.runtime_config
         pages = cfg.total_pages - 1
+        cpu_layout = worker.cpu_layout_in_use if args.inline_engine else client.cpu_layout
         print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
               f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}, "
               f"kv cache {pages} pages of {cfg.page_size} ({pages * cfg.page_size} tokens"
               f"{f' from gpu_memory_utilization {args.gpu_memory_utilization}' if worker.kv_sizing else ''}), "
               f"{model.defaults.describe()}"
               f"{', chat template' if model.chat_template else ', no chat template'}"
-              f"{f', cpu layout {client.cpu_layout}' if client.cpu_layout else ''}"
+              f"{f', cpu layout {cpu_layout}' if cpu_layout else ''}"
+              f"{', engine inline' if args.inline_engine else ''}"
               f"{', API key required' if options.api_key else ''}"
               f"{f', {args.api_server_count} API servers' if args.api_server_count > 1 else ''}"
               f"{f', {dp.size} engines ({dp.routing}{routed_by})' if dp.size > 1 else ''})", flush=True)
 
-    launch = None
-    try:
+    if args.inline_engine:
+        from l3worker.serving.inline_engine import InlineEngine
+
+        stop.before_server = worker.engine.request_stop  # a stop while the children start ends their start
+        return until_stopped(stop, lambda: run_server(serve(InlineEngine(worker), model, options, sock,
+                                                            on_ready=on_ready, on_server=stop.on_server)),
+                             worker.close)
+    launch = client = None  # the engine cores and the other API servers, and the client of the cores
+
+    def run() -> None:
+        nonlocal launch, client
         launch, client = launch_core(worker_kwargs, args.api_server_count, dp, router, remote)
         launch_api_servers(launch, args.api_server_count, sock, info, options, router)
         # A stop while the engines load (or wait for the ones on other nodes) ends their start-up.
@@ -217,6 +234,19 @@ def serve_command(args: argparse.Namespace) -> int:
             launch.signal_api_servers()
 
         run_server(serve(client, model, options, sock, on_ready=on_ready, on_server=stop.on_server, on_stop=on_stop))
+
+    def clean_up() -> None:
+        if launch is not None:
+            launch.kill()
+
+    return until_stopped(stop, run, clean_up)
+
+
+def until_stopped(stop, run: Callable[[], None], clean_up: Callable[[], None]) -> int:
+    """Serves (`run`) until the server stops; `clean_up` runs then, a no-op after an orderly stop.
+    Returns the exit status: 0 after a stop, also one before anything served, else 1."""
+    try:
+        run()
     except Exception:
         if stop.requested and stop.server is None:  # stopped before it served: nothing failed
             print("l3worker serve: stopped while starting", flush=True)
@@ -224,8 +254,7 @@ def serve_command(args: argparse.Namespace) -> int:
         log.exception("l3worker serve failed")
         return 1
     finally:
-        if launch is not None:
-            launch.kill()  # a no-op after an orderly stop
+        clean_up()
     print("l3worker serve: stopped", flush=True)
     return 0
 

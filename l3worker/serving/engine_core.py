@@ -101,7 +101,7 @@ class EngineCore:
         try:
             self.worker.prepare()
             if os.environ.get(STEP_TRACE_ENV):
-                self.engine.recorder = GenerateStats()
+                self.engine.output_processor.recorder = GenerateStats()
             self.engine.driven_by_loop_thread = True
             self._thread = threading.Thread(target=run_step_loop, name="l3worker-engine", daemon=True,
                                             args=(self.worker, self.stop.is_set, self._publish, self._dead))
@@ -151,7 +151,7 @@ class EngineCore:
                 shutil.rmtree(os.path.dirname(self.config.control.removeprefix("ipc://")), ignore_errors=True)
 
     def _write_step_trace(self) -> None:
-        recorder, path = self.engine.recorder, os.environ.get(STEP_TRACE_ENV)
+        recorder, path = self.engine.output_processor.recorder, os.environ.get(STEP_TRACE_ENV)
         if recorder is not None and path:
             with open(path, "w") as f:
                 json.dump(recorder.step_table(), f)

@@ -1,6 +1,7 @@
 """Runs the API: the engine's lifetime around uvicorn's, on a socket bound before the model loads.
-The engine is an AsyncEngine over a worker in this process (ServerThread) or a CoreClient of an
-engine-core process (`l3worker serve`, server/launcher.py).
+The engine is an AsyncEngine over a worker in this process (ServerThread), an InlineEngine stepped
+by this event loop (`l3worker serve --inline-engine`), or a CoreClient of an engine-core process
+(`l3worker serve`, serving/launcher.py).
 
 Stopping (SIGINT/SIGTERM in `l3worker serve`, or ServerThread.stop) first refuses new requests and
 aborts those in flight, then lets uvicorn close its connections, then shuts the engine down, which
@@ -251,10 +252,13 @@ async def serve(engine, model: ServedModel, options: ServeOptions, sock: socket.
 
 
 class ServerThread:
-    """The server on a loopback port in a background thread of this process (tests, notebooks)."""
+    """The server on a loopback port in a background thread of this process (tests, notebooks).
+    `inline`: the server's event loop steps the engine (`--inline-engine`), not a thread of its own."""
 
-    def __init__(self, worker, model: ServedModel | None = None, options: ServeOptions | None = None):
+    def __init__(self, worker, model: ServedModel | None = None, options: ServeOptions | None = None,
+                 inline: bool = False):
         self.options = options or ServeOptions(host="127.0.0.1", port=0)
+        self.inline = inline
         self.model = model or served_model(worker, self.options)
         self.worker = worker
         self.running: Running | None = None
@@ -264,10 +268,12 @@ class ServerThread:
 
     def _main(self) -> None:
         from l3worker.serving.async_engine import AsyncEngine
+        from l3worker.serving.inline_engine import InlineEngine
 
         try:
             sock = bind(self.options.host, self.options.port)
-            run_server(serve(AsyncEngine(self.worker), self.model, self.options, sock, on_ready=self._on_ready))
+            engine = (InlineEngine if self.inline else AsyncEngine)(self.worker)
+            run_server(serve(engine, self.model, self.options, sock, on_ready=self._on_ready))
         except BaseException as e:  # reported to start()/stop()
             self.error = e
         finally:

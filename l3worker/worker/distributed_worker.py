@@ -455,7 +455,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         engine = self.engine
         mine = {s.request_id for s in states}
         left = set(mine)
-        engine.recorder = self._last
+        engine.output_processor.recorder = self._last
         try:
             while left:
                 for out in engine.step():
@@ -473,7 +473,7 @@ class DistributedWorker(RolloutControls, LoraControls):
             self.close()
             raise
         finally:
-            engine.recorder = None
+            engine.output_processor.recorder = None
         self._last.wall_s = time.perf_counter() - self._last.started_at
         self._requests_served += len(states)
 

@@ -67,6 +67,10 @@ class Doorbell:
         if wake_fd is not None:
             self.poller.register(wake_fd, zmq.POLLIN)
 
+    def done(self, step: int) -> bool:
+        """`step` completed, and no error reply waits (wait() raises that one)."""
+        return self.word[0] > step and not self.word[2]
+
     def wait(self, step: int, timeout_s: float | None, queued_behind: bool = False) -> None:
         """Returns once `step` completed; raises if a child failed, died or timed out.
         `queued_behind`: the child already holds the next command, so waking late costs nothing."""

@@ -1,5 +1,5 @@
-"""The RL rollout endpoints over HTTP, in both layouts (`l3worker serve` with its engine-core process,
-and the in-process AsyncEngine): 404 without --enable-sleep-mode / --enable-weight-updates, 401
+"""The RL rollout endpoints over HTTP, in every layout (`l3worker serve` with its engine-core process
+or its engine inline, and the in-process AsyncEngine): 404 without --enable-sleep-mode / --enable-weight-updates, 401
 without the key; sleep and wake (503 naming sleep meanwhile, the same greedy tokens after; level 2
 refuses requests until a weight update); update_weights_from_disk (what a server on the new
 checkpoint answers, its weight_version in /v1/models and the responses; another shape is a 400
@@ -51,13 +51,14 @@ def plain(checkpoints):
         s.stop()
 
 
-@pytest.fixture(scope="module", params=["engine-core", "in-process"])
+@pytest.fixture(scope="module", params=["engine-core", "inline", "in-process"])
 def url(request, checkpoints):
-    """A server on A with both flags and an API key: `l3worker serve` (its engine-core process), or
-    a ServerThread over a worker in this process (AsyncEngine)."""
-    if request.param == "engine-core":
-        s = Served(checkpoints["a"], *SERVE, "--api-key", KEY,
-                   "--enable-sleep-mode", "--enable-weight-updates")
+    """A server on A with both flags and an API key: `l3worker serve` (its engine-core process, or
+    the engine inline: controls are handed from its event loop to the executor), or a ServerThread
+    over a worker in this process (AsyncEngine)."""
+    if request.param != "in-process":
+        s = Served(checkpoints["a"], *SERVE, "--api-key", KEY, "--enable-sleep-mode", "--enable-weight-updates",
+                   *(["--inline-engine"] if request.param == "inline" else []))
         try:
             yield s.ready()[1]
         finally:
