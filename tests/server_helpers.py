@@ -7,6 +7,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -107,6 +108,27 @@ def metric(client: httpx.Client, name: str, labels: str = "") -> float:
     if not found:
         raise AssertionError(f"{name}{{{labels}}} not in /metrics")
     return sum(found)
+
+
+def sigterm_mid_stream(served: "Served", client: httpx.Client, body: dict) -> list[dict | str]:
+    """Streams POST /v1/completions `body` from `served`, sends it SIGTERM at the first bytes, checks
+    that it exits 0, and returns the stream's events (sse_events: it must end with [DONE])."""
+    raw: list[bytes] = []
+    first = threading.Event()
+
+    def read() -> None:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            for chunk in r.iter_raw():
+                raw.append(chunk)
+                first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(60) == 0, served.stderr[-20:]
+    reader.join(30)
+    return sse_events(b"".join(raw))
 
 
 def leave_mid_stream(client: httpx.Client, path: str, body: dict) -> None:

@@ -164,10 +164,14 @@ class AsyncEngine:
         self._closed = True
         self._stopping = True
         self.engine.request_stop()  # a wait on a hung child or a restart gives up
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        await self._stop_stepping()
         self._fail_waiters(EngineDeadError("the server is shutting down"))
         await asyncio.get_running_loop().run_in_executor(None, self.worker.close)
+
+    async def _stop_stepping(self) -> None:
+        """Returns once nothing steps the engine any more: here, the loop thread has ended."""
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     # -- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:

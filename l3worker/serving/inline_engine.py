@@ -157,13 +157,9 @@ class InlineEngine(AsyncEngine):
         self._fail_waiters(EngineDeadError(f"the engine stopped: {exc}"))
         self._loop.run_in_executor(None, self.worker.close)
 
-    async def shutdown(self) -> None:
-        """Aborts what is in flight, waits for a call handed off, and closes the worker. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stopping = True
-        self.engine.request_stop()  # a wait handed off gives up at its next liveness poll
+    async def _stop_stepping(self) -> None:
+        """AsyncEngine.shutdown's wait: no timer, no reader, and a call handed off has returned
+        (a wait there gives up at its next liveness poll once the engine is told to stop)."""
         if self._timer is not None:
             self._timer.cancel()
         if self._thread is not None:
@@ -171,5 +167,3 @@ class InlineEngine(AsyncEngine):
         if self._busy is not None:
             await asyncio.wait([self._busy])
         self.engine.on_work = lambda: None
-        self._fail_waiters(EngineDeadError("the server is shutting down"))
-        await asyncio.get_running_loop().run_in_executor(None, self.worker.close)

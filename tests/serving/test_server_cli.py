@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import threading
 
 import httpx
 import psutil
@@ -15,7 +14,7 @@ import pytest
 
 from fault_helpers import GUARD_S, alive, wait_for
 from hub_cache import REPO, lay_out_hub_cache
-from server_helpers import sse_events
+from server_helpers import sigterm_mid_stream
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
 
@@ -37,23 +36,8 @@ def test_sigterm_mid_stream_exits_0_and_leaves_nothing(served, tmp_path) -> None
     chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3}).json()
     assert chat["usage"]["prompt_tokens"] == len("[system]S\n[user]hi\n>")
 
-    raw: list[bytes] = []
-    first = threading.Event()
-
-    def read_stream() -> None:
-        body = {"prompt": "Hello", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            for chunk in r.iter_raw():
-                raw.append(chunk)
-                first.set()
-
-    reader = threading.Thread(target=read_stream)
-    reader.start()
-    assert first.wait(60)
-    s.proc.send_signal(signal.SIGTERM)
-    assert s.proc.wait(60) == 0, s.stderr[-20:]
-    reader.join(30)
-    events = sse_events(b"".join(raw))
+    body = {"prompt": "Hello", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+    events = sigterm_mid_stream(s, client, body)
     assert events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "abort"
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]

@@ -6,8 +6,6 @@ name, and a SIGTERM mid-stream leaves nothing behind."""
 from __future__ import annotations
 
 import os
-import signal
-import threading
 
 import httpx
 import psutil
@@ -16,8 +14,8 @@ import pytest
 from fault_helpers import assert_nothing_left, shm_entries
 from l3worker import DistributedWorker
 from l3worker.serving.runner import ServeOptions, ServerThread
-from server_helpers import (concurrent_greedy_texts, leave_mid_stream, metric, offline_greedy_texts, sse_events,
-                            started_processes, stream_raw, wait_until)
+from server_helpers import (concurrent_greedy_texts, leave_mid_stream, metric, offline_greedy_texts, sigterm_mid_stream,
+                            sse_events, started_processes, stream_raw, wait_until)
 
 SERVE = ("--max-num-seqs", "4", "--max-model-len", "4096", "--block-size", "16")
 PROMPTS = [[5 + k, 80, 17, 200 + k, 3, 3, 9] for k in range(5)]  # more than --max-num-seqs: some wait
@@ -46,23 +44,7 @@ def test_served_inline_it_runs_beside_its_child_alone_and_gives_offline_tokens(s
         text, _ = streamed_text(http, GREEDY)
         assert text == http.post("/v1/completions", json=GREEDY).json()["choices"][0]["text"]
 
-        raw: list[bytes] = []
-        first = threading.Event()
-
-        def read() -> None:
-            body = {**GREEDY, "max_tokens": 4000, "stream": True}
-            with http.stream("POST", "/v1/completions", json=body) as r:
-                for chunk in r.iter_raw():
-                    raw.append(chunk)
-                    first.set()
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        assert first.wait(60)
-        s.proc.send_signal(signal.SIGTERM)
-        assert s.proc.wait(60) == 0, s.stderr[-20:]
-        reader.join(30)
-    events = sse_events(b"".join(raw))
+        events = sigterm_mid_stream(s, http, {**GREEDY, "max_tokens": 4000, "stream": True})
     assert events[-2]["choices"][0]["finish_reason"] == "abort"
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert os.listdir(s.tmpdir) == []
