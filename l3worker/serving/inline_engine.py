@@ -3,10 +3,10 @@
 With one API server and one engine, the engine can live in the API server's process without a
 thread of its own. The leader child's eventfd (l3worker/worker/doorbell.py) is a reader on the
 event loop: when a step completes, the loop reads its tokens, sends the next command and writes
-the streamed chunks, in one wake-up of one thread. The default layout takes three processes and
-five threads for the same token (the engine core's loop thread and ZeroMQ thread, the API
-server's ZeroMQ thread and its event loop), which on a machine whose cores the child's threads
-fill each preempt a step.
+the streamed chunks, in one wake-up of one thread (and of the ZeroMQ thread that carries the
+command). The default layout wakes five threads in two processes for the same token (the engine
+core's loop thread and two ZeroMQ threads, the API server's ZeroMQ thread and its event loop), and
+on a machine whose cores the child's threads fill, each wake-up preempts the step.
 
 The loop never waits on a child here: `Engine.step(wait=False)` sends commands and completes a
 step only once it is done. What has to wait goes to the executor, as AsyncEngine's loop thread
@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import threading
 from typing import Callable
 
 from l3worker.params import RequestOutput
 from l3worker.serving.async_engine import AsyncEngine, EngineDeadError
 from l3worker.worker.child_process import LIVENESS_POLL_MS
+from l3worker.worker.doorbell import ORDERED_STORES
 
 WATCH_S = LIVENESS_POLL_MS / 1000
 
@@ -34,6 +36,8 @@ def inline_refusal(api_server_count: int, data_parallel_size: int, remote: bool)
     """Why --inline-engine cannot serve this layout, or None."""
     if not hasattr(os, "eventfd"):
         return "--inline-engine needs an OS with eventfd (Linux)"
+    if not ORDERED_STORES:  # step_ready() reads the doorbell, then the ring, with no fence between
+        return f"--inline-engine needs a cpu that keeps stores in order (x86), not {platform.machine()}"
     if api_server_count != 1:
         return f"--inline-engine serves from one API server, got --api-server-count {api_server_count}"
     if data_parallel_size != 1 or remote:
@@ -55,8 +59,8 @@ class InlineEngine(AsyncEngine):
             return
         self._loop = asyncio.get_running_loop()
         await self._loop.run_in_executor(None, self.worker.prepare)
-        if self.engine.wake_fd is None:
-            raise RuntimeError("--inline-engine: the chip-child has no eventfd to wake the event loop with")
+        if (why := inline_refusal(1, 1, False)) or self.engine.wake_fd is None:
+            raise RuntimeError(why or "--inline-engine: the chip-child has no eventfd to wake the event loop with")
         self.engine.driven_by_loop_thread = True  # controls queue for the loop, which hands them off
         self._thread = threading.current_thread()  # the thread that steps the engine: this loop's
         self.engine.on_work = self._wake

@@ -58,6 +58,14 @@ def test_layouts_it_cannot_serve_exit_2_naming_the_flag(served, flags, named) ->
     assert any("--inline-engine" in line and named in line for line in s.stderr), s.stderr[-5:]
 
 
+def test_a_cpu_that_reorders_stores_is_refused_by_name(monkeypatch) -> None:
+    """step_ready() reads the doorbell and then the ring with no fence between: x86 only."""
+    from l3worker.serving import inline_engine
+
+    monkeypatch.setattr(inline_engine, "ORDERED_STORES", False)
+    assert "keeps stores in order" in inline_engine.inline_refusal(1, 1, False)
+
+
 @pytest.fixture(scope="module")
 def server():
     worker = DistributedWorker(None, max_batch_size=2, max_seq_len=4096, page_size=16)
