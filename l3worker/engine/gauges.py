@@ -12,10 +12,14 @@ def num_running(requests: dict) -> int:
 
 def num_waiting(requests: dict, inbox: deque) -> int:
     return sum(1 for s in list(requests.values()) if all(q.row < 0 and not q.finished for q in s.seqs)) + \
-        sum(1 for kind, _ in list(inbox) if kind == "add")
+        _adds(inbox)
 
 
 def num_queued(scheduler, inbox: deque) -> int:
     """Samples waiting for a row, cheaply (submit checks it under load)."""
-    waiting = len(scheduler.waiting) if scheduler is not None else 0
-    return waiting + sum(1 for kind, _ in list(inbox) if kind == "add")
+    return (len(scheduler.waiting) if scheduler is not None else 0) + _adds(inbox)
+
+
+def _adds(inbox: deque) -> int:
+    """Requests in the inbox, not yet taken in by the loop."""
+    return sum(1 for kind, _ in list(inbox) if kind == "add")

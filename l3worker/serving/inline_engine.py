@@ -166,8 +166,7 @@ class InlineEngine(AsyncEngine):
         (a wait there gives up at its next liveness poll once the engine is told to stop)."""
         if self._timer is not None:
             self._timer.cancel()
-        if self._thread is not None:
-            self._unlisten()
+        self._unlisten()
         if self._busy is not None:
             await asyncio.wait([self._busy])
         self.engine.on_work = lambda: None

@@ -313,8 +313,8 @@ def _frontend_args(g: argparse._ArgumentGroup) -> None:
                         "engine-core process")
     g.add_argument("--inline-engine", action="store_true",
                    help="l3worker: run the engine in the API server's process, stepped by its event loop, instead "
-                        "of in an engine-core process (one API server and one engine, on Linux): a token wakes one "
-                        "process instead of three")
+                        "of in an engine-core process (one API server and one engine, on Linux on x86): a token wakes "
+                        "one process instead of three")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="accepted: uvicorn's access log is always off (the request log line replaces it)")
     g.add_argument("--uvicorn-log-level", default="warning",

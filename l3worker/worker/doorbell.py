@@ -74,9 +74,9 @@ class Doorbell:
     def wait(self, step: int, timeout_s: float | None, queued_behind: bool = False) -> None:
         """Returns once `step` completed; raises if a child failed, died or timed out.
         `queued_behind`: the child already holds the next command, so waking late costs nothing."""
-        word = self.word
-        if word[0] > step and not word[2]:
+        if self.done(step):
             return
+        word = self.word
         t0, first = time.perf_counter(), int(word[0])
         if step > first and self._step_s:
             # Steps complete before this one (stream_interval reads several at once): sleep through
