@@ -8,6 +8,9 @@
            the prefix cache on and off
   pages    a pool that fits only half the rows at their worst case: how many rows ran at once,
            preemptions, and whether every output equals a large pool's
+  host     the parent's scheduling time per decode step (next_command and on_tokens, no model) with
+           1 and 16 rows decoding, at max_num_seqs 16 and 256: what a step costs should follow the
+           rows that run, not the rows that could
 
 Model: a random Qwen3 checkpoint of a few million parameters (4 layers, hidden 256), fp32 on
 the cpu. Timings are medians over --repeats; compare ratios within one run.
@@ -28,6 +31,8 @@ import torch
 from bench_models import write_random_qwen3  # scripts/, next to this file
 
 from l3worker import DistributedWorker, SamplingParams
+from l3worker.engine.scheduler import Scheduler
+from l3worker.engine.sequence import Sequence
 
 MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, tie_word_embeddings=False, max_position_embeddings=8192,
@@ -113,6 +118,26 @@ def pages(model_dir: Path, rows: int = 8, prompt_len: int = 64, new: int = 192, 
             "identical_to_large_pool": got == want}
 
 
+def host(max_num_seqs: int, running: int, steps: int = 4000) -> float:
+    """Seconds of scheduling per decode step, `running` rows decoding (prefilled before timing)."""
+    sched = Scheduler(max_batch_size=max_num_seqs, page_size=16, max_blocks_per_row=512, num_pages=running * 512 + 1,
+                      max_num_batched_tokens=8192, enable_prefix_caching=True, full_state=False)
+    params = SamplingParams(temperature=0.0, max_new_tokens=2 * steps, ignore_eos=True)
+    sched.add([Sequence(i, 0, np.arange(1, 129, dtype=np.int32), params, 0, frozenset(), request_id=str(i))
+               for i in range(running)])
+    ids = np.ones(max_num_seqs, np.int32)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            s = sched.next_command()
+            sched.on_tokens(s.producers, ids, 0.0)
+
+    run(8)  # the prefill and the first decode steps
+    t0 = time.perf_counter()
+    run(steps)
+    return (time.perf_counter() - t0) / steps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
@@ -148,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pages  {p['num_pages']} pages for {p['rows']} rows needing {p['worst_case_pages_per_row']} each at worst: "
               f"{p['rows_at_once']} rows ran at once (reserving the worst case: {p['rows_at_once_reserving_worst_case']}), "
               f"{p['preemptions']} preemptions, outputs identical to a large pool: {p['identical_to_large_pool']}")
+    result["host"] = {f"{n}/{b}": statistics.median(host(b, n) for _ in range(args.repeats))
+                      for n in (1, 16) for b in (16, 256)}
+    for key, t in result["host"].items():
+        n, b = key.split("/")
+        print(f"host   {n:>2} rows decoding, max_num_seqs {b:>3}: {t * 1e6:.1f} us of scheduling per step")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if result["pages"]["identical_to_large_pool"] else 1

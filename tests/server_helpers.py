@@ -168,10 +168,12 @@ class Served:
     socket paths under it fit a Unix socket address, so the server's socket dirs land there, where
     tests check them."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None):
+        """`command`: what runs `serve` with the arguments that follow (default: `python -m l3worker serve`)."""
         self.tmpdir = private_tmpdir("served-")
         env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT), **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "l3worker", "serve", "--port", "0", *args], cwd=ROOT,
+        command = command or [sys.executable, "-m", "l3worker", "serve"]
+        self.proc = subprocess.Popen([*command, "--port", "0", *args], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.stderr: list[str] = []

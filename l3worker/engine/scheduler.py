@@ -67,6 +67,7 @@ class Scheduler:
         self._pool_args = (num_pages, page_size, enable_prefix_caching, host_pages)
         self.pages = self._new_pool()
         self.rows: list[Sequence | None] = [None] * max_batch_size
+        self.running: dict[int, Sequence] = {}  # the occupied rows: scans cost what runs, not max_batch_size
         self.waiting: deque[Sequence] = deque()
         self.pending_finish: list[int] = []
         self.step = 0
@@ -96,8 +97,9 @@ class Scheduler:
         chunk_rows = {c.row for c in chunks}
         k, page = self.k, self.page_size
         decoding = False
-        for row, seq in enumerate(self.rows):
-            if seq is None or seq.prefilling or row in chunk_rows:
+        for row in sorted(self.running):  # in row order, as the rows were
+            seq = self.running[row]
+            if seq.prefilling or row in chunk_rows:
                 continue
             fed = seq.fed
             if k:  # every page up to its bound, each sent once
@@ -177,8 +179,8 @@ class Scheduler:
     def forget_cache(self) -> int:
         """New weights: no page written before may be found again, in use or not, and running
         rows register nothing more (their K/V mixes the two). Returns the pages forgotten."""
-        for seq in self.rows:
-            if seq is not None and seq.cursor is not None:
+        for seq in self.running.values():
+            if seq.cursor is not None:
                 seq.cursor.serial = -1
         return self.pages.reset_prefix_cache(in_use=True)
 
@@ -201,7 +203,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and all(r is None for r in self.rows)
+        return not self.waiting and not self.running
 
     # -- internals -------------------------------------------------------------------------------
     def _whole_budget(self, decoding: int) -> bool:
@@ -212,22 +214,22 @@ class Scheduler:
         they join, and keep the batch small while it trickles in."""
         if not decoding or self.prefill_cap is None:
             return True
-        free_rows = sum(1 for r in self.rows if r is None)
-        starting = sum(1 for s in self.rows if s is not None and s.prefilling) + min(len(self.waiting), free_rows)
+        free_rows = len(self.rows) - len(self.running)
+        starting = sum(1 for s in self.running.values() if s.prefilling) + min(len(self.waiting), free_rows)
         return starting > decoding
 
     def _decoding_tokens(self) -> int:
-        return sum(1 for s in self.rows if s is not None and not s.prefilling)
+        return sum(1 for s in self.running.values() if not s.prefilling)
 
     def _prefilling_rows(self) -> list[Sequence]:
-        return sorted((s for s in self.rows if s is not None and s.prefilling), key=lambda s: s.admit_order)
+        return sorted((s for s in self.running.values() if s.prefilling), key=lambda s: s.admit_order)
 
     def _grow_decoding_rows(self) -> None:
         """Gives every decoding row the page its next input needs, preempting when dry."""
         k, page = self.k, self.page_size
         # Positions a step may write: its input's, and with speculation k drafts after it.
-        ends = [(s, min(s.fed + k + 1, s.kv_end) if k else s.fed + 1) for s in self.rows
-                if s is not None and not s.prefilling]
+        ends = [(s, min(s.fed + k + 1, s.kv_end) if k else s.fed + 1) for s in self.running.values()
+                if not s.prefilling]
         short = [(s, end) for s, end in ends if end > len(s.pages) * page]  # most steps: none
         for seq, end in sorted(short, key=lambda pair: pair[0].admit_order):  # the oldest first
             while seq.row >= 0 and not self._extend(seq, end):  # (a preempted one has no row)
@@ -246,7 +248,7 @@ class Scheduler:
 
     def _preempt_newest(self) -> None:
         """The victim: the lowest priority, then the newest (all priorities are 0 under fcfs)."""
-        self._preempt(max((s for s in self.rows if s is not None), key=_victim_key))
+        self._preempt(max(self.running.values(), key=_victim_key))
         self.num_preemptions += 1
 
     def _make_room_for_better(self) -> None:
@@ -254,7 +256,7 @@ class Scheduler:
         running one that it outranks is preempted for it."""
         while self.waiting:
             best = self.waiting[0]
-            running = [s for s in self.rows if s is not None]
+            running = list(self.running.values())
             need = self.pages.pages_for(min(best.known, self.budget))
             if not running or (len(running) < len(self.rows) and self.pages.num_free + self.pages.num_evictable >= need):
                 return
@@ -328,12 +330,14 @@ class Scheduler:
 
     def _newest_other(self, seq: Sequence) -> Sequence | None:
         """A running sequence that would be preempted before `seq` (lower priority, or newer)."""
-        others = [s for s in self.rows if s is not None and s is not seq and _victim_key(s) > _victim_key(seq)]
+        others = [s for s in self.running.values() if s is not seq and _victim_key(s) > _victim_key(seq)]
         return max(others, key=_victim_key) if others else None
 
     def _admit(self, used: int, limit: int, chunks: list, staging: list, scoring: list, triples: list) -> list[Admit]:
         """Admits waiting sequences into free rows while the step has room (`limit` tokens)."""
-        admits = []
+        admits: list[Admit] = []
+        if not self.waiting:  # most steps: no scan of the rows
+            return admits
         free_rows = [i for i, r in enumerate(self.rows) if r is None]
         while self.waiting and free_rows and used < limit:
             seq = self.waiting[0]
@@ -367,7 +371,7 @@ class Scheduler:
                 seq.num_cached_tokens = hit.num_tokens
                 seq.admitted_at = time.perf_counter()
             seq.admit_order = next(self._admissions)
-            self.rows[seq.row] = seq
+            self.rows[seq.row] = self.running[seq.row] = seq
             values = seq.row_values()
             if self.k and hit.num_tokens:  # the child's token history needs the ids its chunks skip
                 values["cached_ids"] = seq.ids[:hit.num_tokens]
@@ -376,7 +380,7 @@ class Scheduler:
         return admits
 
     def _other_suspect_running(self, seq: Sequence) -> bool:
-        return any(r is not None and r.suspect and r.request_id != seq.request_id for r in self.rows)
+        return any(r.suspect and r.request_id != seq.request_id for r in self.running.values())
 
     def _commit(self, seq: Sequence) -> None:
         """Registers the sequence's full pages whose ids are final and whose K/V a sent command writes."""
@@ -394,6 +398,7 @@ class Scheduler:
             return
         self._commit(seq)
         self.rows[seq.row] = None
+        del self.running[seq.row]
         self.pending_finish.append(seq.row)
         self.pages.free(seq.pages)
         seq.pages, seq.cursor, seq.row = [], None, -1

@@ -127,6 +127,8 @@ def run(prompts, new_tokens, *, rows=4, num_pages=400, budget=10_000, caching=Fa
             continue
         s, ids = inflight.popleft()
         sched.on_tokens(s.producers, ids, float(step))
+        # The index of occupied rows that the scheduler's scans use is the rows list's, exactly.
+        assert sched.running == {i: q for i, q in enumerate(sched.rows) if q is not None}
         for i, n in (abort_at or {}).items():
             if len(seqs[i].tokens) >= n:
                 sched.finish(seqs[i], "abort")
