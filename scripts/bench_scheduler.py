@@ -110,7 +110,7 @@ def pages(model_dir: Path, rows: int = 8, prompt_len: int = 64, new: int = 192, 
             for out in engine.step():
                 if out.finished:
                     finals[out.request_id] = out
-            most = max(most, sum(r is not None for r in engine.scheduler.rows))
+            most = max(most, len(engine.scheduler.running))
         got = [finals[s.request_id].token_ids for s in states]
         preemptions = engine.scheduler.num_preemptions
     return {"rows": rows, "worst_case_pages_per_row": worst, "num_pages": rows * worst // 2,

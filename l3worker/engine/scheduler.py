@@ -66,8 +66,8 @@ class Scheduler:
         self.lora_loads: list[tuple[int, str]] = []  # (slot, adapter file) to send before the next command
         self._pool_args = (num_pages, page_size, enable_prefix_caching, host_pages)
         self.pages = self._new_pool()
-        self.rows: list[Sequence | None] = [None] * max_batch_size
-        self.running: dict[int, Sequence] = {}  # the occupied rows: scans cost what runs, not max_batch_size
+        self.max_batch_size = max_batch_size
+        self.running: dict[int, Sequence] = {}  # row -> its sequence, occupied rows only: scans cost what runs
         self.waiting: deque[Sequence] = deque()
         self.pending_finish: list[int] = []
         self.step = 0
@@ -93,11 +93,11 @@ class Scheduler:
         for seq in self._prefilling_rows():  # continue prompts already under way, oldest first
             used += self._schedule_chunk(seq, limit - used, chunks, staging, scoring, triples)
         admits = self._admit(used, limit, chunks, staging, scoring, triples)
-        producers = [(c.row, self.rows[c.row], self.rows[c.row].epoch) for c in chunks if c.last]
+        producers = [(c.row, self.running[c.row], self.running[c.row].epoch) for c in chunks if c.last]
         chunk_rows = {c.row for c in chunks}
         k, page = self.k, self.page_size
         decoding = False
-        for row in sorted(self.running):  # in row order, as the rows were
+        for row in sorted(self.running):  # in row order
             seq = self.running[row]
             if seq.prefilling or row in chunk_rows:
                 continue
@@ -214,7 +214,7 @@ class Scheduler:
         they join, and keep the batch small while it trickles in."""
         if not decoding or self.prefill_cap is None:
             return True
-        free_rows = len(self.rows) - len(self.running)
+        free_rows = self.max_batch_size - len(self.running)
         starting = sum(1 for s in self.running.values() if s.prefilling) + min(len(self.waiting), free_rows)
         return starting > decoding
 
@@ -258,7 +258,7 @@ class Scheduler:
             best = self.waiting[0]
             running = list(self.running.values())
             need = self.pages.pages_for(min(best.known, self.budget))
-            if not running or (len(running) < len(self.rows) and self.pages.num_free + self.pages.num_evictable >= need):
+            if not running or (len(running) < self.max_batch_size and self.pages.num_free + self.pages.num_evictable >= need):
                 return
             worst = max(running, key=_victim_key)
             if worst.params.priority <= best.params.priority:
@@ -338,7 +338,7 @@ class Scheduler:
         admits: list[Admit] = []
         if not self.waiting:  # most steps: no scan of the rows
             return admits
-        free_rows = [i for i, r in enumerate(self.rows) if r is None]
+        free_rows = [i for i in range(self.max_batch_size) if i not in self.running]
         while self.waiting and free_rows and used < limit:
             seq = self.waiting[0]
             if seq.suspect and self._other_suspect_running(seq):
@@ -371,7 +371,7 @@ class Scheduler:
                 seq.num_cached_tokens = hit.num_tokens
                 seq.admitted_at = time.perf_counter()
             seq.admit_order = next(self._admissions)
-            self.rows[seq.row] = self.running[seq.row] = seq
+            self.running[seq.row] = seq
             values = seq.row_values()
             if self.k and hit.num_tokens:  # the child's token history needs the ids its chunks skip
                 values["cached_ids"] = seq.ids[:hit.num_tokens]
@@ -394,10 +394,9 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Frees the row and pages now; the child deactivates the row at the start of the next
         command, before anything it computes, and commands run in order, so reuse is safe."""
-        if seq.row < 0 or self.rows[seq.row] is not seq:
+        if seq.row < 0 or self.running.get(seq.row) is not seq:
             return
         self._commit(seq)
-        self.rows[seq.row] = None
         del self.running[seq.row]
         self.pending_finish.append(seq.row)
         self.pages.free(seq.pages)
@@ -417,7 +416,7 @@ class Scheduler:
         """copy_policy="always": rebuild every decode input from scratch, as older systems did.
         Speculating, positions and slots are left out: acceptance moves them on the device, and
         `fed` is only a bound on them while steps are in flight."""
-        b, page = len(self.rows), self.page_size
+        b, page = self.max_batch_size, self.page_size
         positions, active = np.zeros(b, np.int64), np.zeros(b, bool)
         block_table, slot_mapping = np.zeros((b, self.max_blocks), np.int32), np.zeros(b, np.int64)
         for row, seq in producers:

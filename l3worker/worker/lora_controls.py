@@ -55,6 +55,6 @@ class LoraControls:
 def lora_info(engine) -> tuple[int, list[str], list[str]]:
     """For the lora_requests_info metric: max_loras, and the adapters of running and waiting sequences."""
     scheduler = engine.scheduler
-    running = {s.lora.request.lora_name for s in (scheduler.rows if scheduler else ()) if s is not None and s.lora}
+    running = {s.lora.request.lora_name for s in (scheduler.running.values() if scheduler else ()) if s.lora}
     waiting = {s.lora.request.lora_name for s in (list(scheduler.waiting) if scheduler else ()) if s.lora}
     return engine.loras.max_loras, sorted(running), sorted(waiting)

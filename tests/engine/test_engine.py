@@ -129,7 +129,7 @@ def test_abort_frees_row_and_pages_and_leaves_others_unchanged(worker, solo) -> 
     engine.abort(victim.request_id)
     engine.abort("no-such-request")  # unknown ids are ignored
     outs += drive(engine, lambda: victim.finished)
-    assert victim.seqs[0].row == -1 or engine.scheduler.rows[victim.seqs[0].row] is not victim.seqs[0]
+    assert victim.seqs[0].row == -1 or engine.scheduler.running.get(victim.seqs[0].row) is not victim.seqs[0]
     outs += drive(engine, lambda: not engine.has_unfinished())
     finals = {o.request_id: o for o in outs if o.finished}
     assert finals[victim.request_id].finish_reason == "abort"

@@ -127,8 +127,8 @@ def run(prompts, new_tokens, *, rows=4, num_pages=400, budget=10_000, caching=Fa
             continue
         s, ids = inflight.popleft()
         sched.on_tokens(s.producers, ids, float(step))
-        # The index of occupied rows that the scheduler's scans use is the rows list's, exactly.
-        assert sched.running == {i: q for i, q in enumerate(sched.rows) if q is not None}
+        # The occupied rows are keyed by each sequence's own row, within the batch.
+        assert all(q.row == i and 0 <= i < rows for i, q in sched.running.items())
         for i, n in (abort_at or {}).items():
             if len(seqs[i].tokens) >= n:
                 sched.finish(seqs[i], "abort")
@@ -332,7 +332,7 @@ def test_waiting_requests_start_in_priority_then_arrival_order() -> None:
         s = sched.next_command()
         if s is None:
             break
-        started += [sched.rows[a.row].seq_id for a in s.command.admits]
+        started += [sched.running[a.row].seq_id for a in s.command.admits]
         sched.on_tokens(s.producers, dev.execute(s.command, _staging(s)), float(step))
     assert started == [3, 1, 4, 0, 2, 5] and sched.num_preemptions == 0
 
