@@ -6,7 +6,9 @@
 #   c16new  16 clients, fresh prompts (seed 7): a burst of new prompts, nothing cached
 # (LOADS="c1" runs only those named). An engine named l3worker-si<N> is l3worker with --stream-interval N
 # (tokens streamed N a chunk), and l3worker-inline is l3worker with --inline-engine (the engine in the
-# API server's process), each measured as an engine of its own.
+# API server's process), each measured as an engine of its own. The engine base is l3worker with the
+# same flags from another checkout, BASE_TREE (say a `git worktree` of an earlier revision): the ratios
+# then give this checkout over it, round by round, beside the peers.
 # Uses what scripts/bench_peers.sh installed under PEERS_BUILD (the vLLM venv for the client, the
 # llama.cpp build, the checkpoints); run that once first. Each engine is started, measured and
 # stopped in turn; every log stays under PEERS_BUILD/served/<engine>-<n>/. Each row also gives the
@@ -16,6 +18,7 @@
 #   scripts/bench_served_peers.sh 128m                   # l3worker and llama.cpp, one round
 #   REPEATS=2 ENGINES="l3worker llama" scripts/bench_served_peers.sh 128m
 #   L3WORKER_FLAGS="--max-num-batched-tokens 256" scripts/bench_served_peers.sh 128m
+#   git worktree add ../base HEAD~1 && BASE_TREE=../base ENGINES="l3worker base llama" scripts/bench_served_peers.sh 27m
 #   CLIENT_FLAGS="--temperature 0.6 --top-k 20 --top-p 0.95" scripts/bench_served_peers.sh 128m   # Qwen3's sampling
 # The client sends no sampling parameters unless CLIENT_FLAGS gives them: each engine then uses its
 # own defaults (l3worker and vLLM: the checkpoint's generation_config.json; llama-server: its chain).
@@ -29,6 +32,9 @@ for need in "$VV/bin/vllm" "$CK/config.json" "$LV/bin/l3worker"; do
   [ -e "$need" ] || { echo "missing $need: run scripts/bench_peers.sh $SIZE first (in l3worker's venv)" >&2
                       exit 2; }
 done
+if [[ " ${ENGINES:-} " == *" base "* ]] && [ ! -d "${BASE_TREE:-}/l3worker" ]; then
+  echo "the engine base needs BASE_TREE, a checkout of l3worker (a git worktree of another revision)" >&2; exit 2
+fi
 GGUF="$BUILD/served/model-$SIZE.gguf"; mkdir -p "$BUILD/served"
 if [[ " ${ENGINES:-l3worker llama} " == *" llama "* ]] && [ ! -f "$GGUF" ]; then
   PATH="$VV/bin:$PATH" "$LCPP/convert.sh" "$CK" "$GGUF" > "$BUILD/served/convert-$SIZE.log" 2>&1
@@ -37,8 +43,10 @@ LEN=$((IN + OUTLEN + 256))
 start() {  # engine port: becomes the server (exec), so that its pid is the server's
   case $1 in
     # shellcheck disable=SC2086  # L3WORKER_FLAGS is a list of flags
-    l3worker*) interval=${1#l3worker-si}; [ "$interval" = "$1" ] && interval=1
+    l3worker*|base) interval=${1#l3worker-si}; [ "$interval" = "$1" ] && interval=1
                layout=(); [ "$1" = l3worker-inline ] && layout=(--inline-engine)
+               # base: the other checkout's packages (l3worker, chip_child) come first on the path
+               [ "$1" = base ] && export PYTHONPATH="$(cd "$BASE_TREE" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
                exec "$LV/bin/l3worker" serve "$CK" --dtype bfloat16 --max-num-seqs "$SEQS" --max-model-len $LEN \
                 --port "$2" --gpu-memory-utilization 0.3 --stream-interval "$interval" "${layout[@]}" \
                 ${L3WORKER_FLAGS:-} ;;

@@ -24,12 +24,17 @@ using l3::pairs_of;
 
 constexpr int KC = 32;            // k pairs per chunk when several micro-tiles share a block (8 KB of it)
 constexpr int MG = 64;            // most x rows that take the block in chunks: their fp32 sums fit 16 KB
+constexpr int STREAM_AHEAD = 8;   // k pairs (8 x 256 bytes) ahead that a lone micro-tile asks for its block
 
 // acc[m][v] over the k pairs [p0, p1) (and the odd last k when `tail`) for R rows of x and one
 // packed block. The sums start at 0 (`first`) or from `part` [R][BLOCK], and end in y[m][0 .. cols)
 // (`last`) or back in `part`. fp32 sums stored and reloaded are exact, so a row's result is the
 // same bits whether its k pairs ran in one go or in chunks.
-template <int R, bool CHUNKED = false, bool PREFETCH = false>
+// STREAM: this tile is the only one to read the block (a decode step of up to MR rows), so its
+// lines are asked for ahead as non-temporal: read once, they are not kept in the shared cache,
+// where they would push out what the rest of the step and the serving processes on the other
+// cores work on (the step streams the whole model's weights, more than the cache holds).
+template <int R, bool CHUNKED = false, bool PREFETCH = false, bool STREAM = false>
 inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t p0, int64_t p1, bool tail,
                        float* part, bool first, bool last, const uint16_t* bias, uint16_t* y, int64_t ldy,
                        int64_t cols, const uint16_t* pf = nullptr, int64_t pf_step = 0) {
@@ -39,6 +44,10 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
       acc[m][v] = !CHUNKED || first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (m * NV + v) * VEC);
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* wp = wb + p * BLOCK * 2;
+    if (STREAM) {
+      const char* ahead = (const char*)(wp + STREAM_AHEAD * BLOCK * 2);
+      for (int l = 0; l < NV; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_NTA);
+    }
     if (PREFETCH) {  // pf_step lines (32 uint16 each) of the next chunk, spread over this chunk's tiles
       for (int64_t l = 0; l < pf_step; ++l) _mm_prefetch((const char*)(pf + ((p - p0) * pf_step + l) * 32), _MM_HINT_T1);
     }
@@ -105,6 +114,19 @@ inline void rows_range(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
   }
 }
 
+// Up to MR rows against one block in one micro-tile, its lines asked for as they stream past.
+inline void lone_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t M, int64_t full, bool odd,
+                      const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t cols) {
+  static_assert(MR == 4, "one case per row count up to MR");
+  switch (M) {
+    case 4: micro_tile<4, false, false, true>(x, ldx, wb, 0, full, odd, nullptr, true, true, bias, y, ldy, cols); break;
+    case 3: micro_tile<3, false, false, true>(x, ldx, wb, 0, full, odd, nullptr, true, true, bias, y, ldy, cols); break;
+    case 2: micro_tile<2, false, false, true>(x, ldx, wb, 0, full, odd, nullptr, true, true, bias, y, ldy, cols); break;
+    case 1: micro_tile<1, false, false, true>(x, ldx, wb, 0, full, odd, nullptr, true, true, bias, y, ldy, cols); break;
+    default: break;  // no rows
+  }
+}
+
 // Every row of x against one block. One micro-tile, or more than MG rows (a prompt chunk): each
 // micro-tile takes the whole K, the block streamed once and then read from L2. From MR + 1 to MG
 // rows (a decode step's): the micro-tiles take the block KC pairs at a time, and while they
@@ -116,7 +138,11 @@ inline void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
                        const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t cols) {
   const int64_t full = K / 2;
   const bool odd = K & 1;
-  if (M <= MR || M > MG) {
+  if (M <= MR) {  // one micro-tile: the block streamed past once
+    lone_tile(x, ldx, wb, M, full, odd, bias, y, ldy, cols);
+    return;
+  }
+  if (M > MG) {
     rows_range<false>(x, ldx, wb, M, 0, full, odd, nullptr, true, true, bias, y, ldy, cols);
     return;
   }

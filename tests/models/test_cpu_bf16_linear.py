@@ -25,13 +25,13 @@ def avx512_only(monkeypatch) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 16, 17, 64, 65, 70])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 16, 17, 64, 65, 70])
 @pytest.mark.parametrize("out_in", [(64, 64), (67, 33), (67, 129), (130, 768), (1000, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_float32(rows: int, out_in: tuple[int, int], bias: bool) -> None:
     """Blocks of 64 outputs (a partial last block at 67, 130, 1000), k in pairs (an odd 33 and 129),
-    micro-tiles of 4 rows (partial at 3, 5, 17, 65, 70), from 5 to 64 rows k in chunks of 32 pairs
-    (129: two and the odd last k)."""
+    up to 4 rows in one micro-tile that streams the block (1, 2, 3, 4), micro-tiles of 4 rows (partial
+    at 5, 17, 65, 70), from 5 to 64 rows k in chunks of 32 pairs (129: two and the odd last k)."""
     assert_packed_linear_matches_float32("avx512_bf16", rows, *out_in, bias)
 
 
