@@ -87,7 +87,8 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
 // CHUNKED: the sums carry over in `part` between calls, and `next`, the `next_lines` cache lines
 // (32 uint16 each) that follow, are prefetched into L2, shared out over the full micro-tiles'
 // iterations so the stream from memory runs beside the compute. Else the whole K in one call.
-template <bool CHUNKED>
+// STREAM: the tiles stream their block (see micro_tile); for a lone micro-tile only.
+template <bool CHUNKED, bool STREAM = false>
 inline void rows_range(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t M, int64_t p0, int64_t p1,
                        bool tail, float* part, bool first, bool last, const uint16_t* bias, uint16_t* y,
                        int64_t ldy, int64_t cols, const uint16_t* next = nullptr, int64_t next_lines = 0) {
@@ -103,27 +104,24 @@ inline void rows_range(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
       micro_tile<MR, CHUNKED, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
                                     cols, pf, pf_step);
     else
-      micro_tile<MR, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols);
+      micro_tile<MR, CHUNKED, false, STREAM>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy,
+                                             ldy, cols);
   }
   float* pm = CHUNKED ? part + m * BLOCK : nullptr;
   switch (M - m) {
-    case 3: micro_tile<3, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
-    case 2: micro_tile<2, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
-    case 1: micro_tile<1, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    case 3:
+      micro_tile<3, CHUNKED, false, STREAM>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
+                                             cols);
+      break;
+    case 2:
+      micro_tile<2, CHUNKED, false, STREAM>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
+                                             cols);
+      break;
+    case 1:
+      micro_tile<1, CHUNKED, false, STREAM>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
+                                             cols);
+      break;
     default: break;
-  }
-}
-
-// Up to MR rows against one block in one micro-tile, its lines asked for as they stream past.
-inline void lone_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t M, int64_t full, bool odd,
-                      const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t cols) {
-  static_assert(MR == 4, "one case per row count up to MR");
-  switch (M) {
-    case 4: micro_tile<4, false, false, true>(x, ldx, wb, 0, full, odd, nullptr, true, true, bias, y, ldy, cols); break;
-    case 3: micro_tile<3, false, false, true>(x, ldx, wb, 0, full, odd, nullptr, true, true, bias, y, ldy, cols); break;
-    case 2: micro_tile<2, false, false, true>(x, ldx, wb, 0, full, odd, nullptr, true, true, bias, y, ldy, cols); break;
-    case 1: micro_tile<1, false, false, true>(x, ldx, wb, 0, full, odd, nullptr, true, true, bias, y, ldy, cols); break;
-    default: break;  // no rows
   }
 }
 
@@ -139,7 +137,7 @@ inline void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
   const int64_t full = K / 2;
   const bool odd = K & 1;
   if (M <= MR) {  // one micro-tile: the block streamed past once
-    lone_tile(x, ldx, wb, M, full, odd, bias, y, ldy, cols);
+    rows_range<false, true>(x, ldx, wb, M, 0, full, odd, nullptr, true, true, bias, y, ldy, cols);
     return;
   }
   if (M > MG) {
