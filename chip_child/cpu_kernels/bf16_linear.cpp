@@ -9,8 +9,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "avx512_common.h"
 #include "bf16_packing.h"
+#include "block_shares.h"
 
 namespace {
 
@@ -24,17 +27,12 @@ using l3::pairs_of;
 
 constexpr int KC = 32;            // k pairs per chunk when several micro-tiles share a block (8 KB of it)
 constexpr int MG = 64;            // most x rows that take the block in chunks: their fp32 sums fit 16 KB
-constexpr int STREAM_AHEAD = 8;   // k pairs (8 x 256 bytes) ahead that a lone micro-tile asks for its block
 
 // acc[m][v] over the k pairs [p0, p1) (and the odd last k when `tail`) for R rows of x and one
 // packed block. The sums start at 0 (`first`) or from `part` [R][BLOCK], and end in y[m][0 .. cols)
 // (`last`) or back in `part`. fp32 sums stored and reloaded are exact, so a row's result is the
 // same bits whether its k pairs ran in one go or in chunks.
-// STREAM: this tile is the only one to read the block (a decode step of up to MR rows), so its
-// lines are asked for ahead as non-temporal: read once, they are not kept in the shared cache,
-// where they would push out what the rest of the step and the serving processes on the other
-// cores work on (the step streams the whole model's weights, more than the cache holds).
-template <int R, bool CHUNKED = false, bool PREFETCH = false, bool STREAM = false>
+template <int R, bool CHUNKED = false, bool PREFETCH = false>
 inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t p0, int64_t p1, bool tail,
                        float* part, bool first, bool last, const uint16_t* bias, uint16_t* y, int64_t ldy,
                        int64_t cols, const uint16_t* pf = nullptr, int64_t pf_step = 0) {
@@ -44,10 +42,6 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
       acc[m][v] = !CHUNKED || first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (m * NV + v) * VEC);
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* wp = wb + p * BLOCK * 2;
-    if (STREAM) {
-      const char* ahead = (const char*)(wp + STREAM_AHEAD * BLOCK * 2);
-      for (int l = 0; l < NV; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_NTA);
-    }
     if (PREFETCH) {  // pf_step lines (32 uint16 each) of the next chunk, spread over this chunk's tiles
       for (int64_t l = 0; l < pf_step; ++l) _mm_prefetch((const char*)(pf + ((p - p0) * pf_step + l) * 32), _MM_HINT_T1);
     }
@@ -87,8 +81,7 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
 // CHUNKED: the sums carry over in `part` between calls, and `next`, the `next_lines` cache lines
 // (32 uint16 each) that follow, are prefetched into L2, shared out over the full micro-tiles'
 // iterations so the stream from memory runs beside the compute. Else the whole K in one call.
-// STREAM: the tiles stream their block (see micro_tile); for a lone micro-tile only.
-template <bool CHUNKED, bool STREAM = false>
+template <bool CHUNKED>
 inline void rows_range(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64_t M, int64_t p0, int64_t p1,
                        bool tail, float* part, bool first, bool last, const uint16_t* bias, uint16_t* y,
                        int64_t ldy, int64_t cols, const uint16_t* next = nullptr, int64_t next_lines = 0) {
@@ -104,23 +97,13 @@ inline void rows_range(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
       micro_tile<MR, CHUNKED, true>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
                                     cols, pf, pf_step);
     else
-      micro_tile<MR, CHUNKED, false, STREAM>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy,
-                                             ldy, cols);
+      micro_tile<MR, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols);
   }
   float* pm = CHUNKED ? part + m * BLOCK : nullptr;
   switch (M - m) {
-    case 3:
-      micro_tile<3, CHUNKED, false, STREAM>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
-                                             cols);
-      break;
-    case 2:
-      micro_tile<2, CHUNKED, false, STREAM>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
-                                             cols);
-      break;
-    case 1:
-      micro_tile<1, CHUNKED, false, STREAM>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy,
-                                             cols);
-      break;
+    case 3: micro_tile<3, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    case 2: micro_tile<2, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
+    case 1: micro_tile<1, CHUNKED>(x + m * ldx, ldx, wb, p0, p1, tail, pm, first, last, bias, y + m * ldy, ldy, cols); break;
     default: break;
   }
 }
@@ -136,11 +119,7 @@ inline void block_rows(const uint16_t* x, int64_t ldx, const uint16_t* wb, int64
                        const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t cols) {
   const int64_t full = K / 2;
   const bool odd = K & 1;
-  if (M <= MR) {  // one micro-tile: the block streamed past once
-    rows_range<false, true>(x, ldx, wb, M, 0, full, odd, nullptr, true, true, bias, y, ldy, cols);
-    return;
-  }
-  if (M > MG) {
+  if (M <= MR || M > MG) {
     rows_range<false>(x, ldx, wb, M, 0, full, odd, nullptr, true, true, bias, y, ldy, cols);
     return;
   }
@@ -161,16 +140,21 @@ extern "C" {
 
 // x [M, K] with row stride ldx, the packed weight of l3_bf16_pack, bias [N] or null,
 // y [M, N] with row stride ldy, on `threads` OpenMP threads (torch's pool: the same libgomp).
-// Threads take blocks two at a time as they come free: where a server's other processes share
-// the cores, a preempted thread holds back only its current blocks, not the whole call (served
-// on 2 cores: about 8% less time per token than a static split, at 1 and at 16 clients).
+// Each thread streams its own run of blocks and then helps with the others' (block_shares.h).
 void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
                     int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t blocks = (N + BLOCK - 1) / BLOCK, block_elems = pairs_of(K) * BLOCK * 2;
-#pragma omp parallel for schedule(dynamic, 2) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) {
+  const auto one = [&](int64_t b) {
     const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
     block_rows(x, ldx, packed + b * block_elems, M, K, bias ? bias + n0 : nullptr, y + n0, ldy, cols);
+  };
+  const int count = threads < 1 ? 1 : threads < l3::MAX_SHARES ? threads : l3::MAX_SHARES;
+  l3::BlockShare shares[l3::MAX_SHARES];
+  l3::share_out(shares, count, blocks);
+#pragma omp parallel num_threads(threads)
+  {
+    const int me = omp_get_thread_num() % count;  // threads past MAX_SHARES only help with the others' runs
+    for (int64_t b; (b = l3::take_block(shares, count, me)) >= 0;) one(b);
   }
 }
 

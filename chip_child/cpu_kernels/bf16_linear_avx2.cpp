@@ -8,10 +8,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <omp.h>
 #include <vector>
 
 #include "avx2_common.h"
 #include "bf16_packing.h"
+#include "block_shares.h"
 
 #define UNROLL L3_UNROLL
 
@@ -220,6 +222,9 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
   static thread_local std::vector<float> xf;  // x in fp32, an odd K padded with a 0
   xf.resize(M * ldf);
   float* xp = xf.data();
+  const int count = threads < 1 ? 1 : threads < l3::MAX_SHARES ? threads : l3::MAX_SHARES;
+  l3::BlockShare shares[l3::MAX_SHARES];
+  l3::share_out(shares, count, blocks);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -230,8 +235,9 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
       }
       if (K & 1) xp[m * ldf + K] = 0.0f;
     }
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t b = 0; b < blocks; ++b) {
+    // Threads past MAX_SHARES only help with the others' runs.
+    const int me = omp_get_thread_num() % count;
+    for (int64_t b; (b = l3::take_block(shares, count, me)) >= 0;) {
       const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
       block_rows(xp, ldf, packed + b * block_elems, M, pairs, bias ? bias + n0 : nullptr, y + n0, ldy, cols);
     }
