@@ -86,21 +86,3 @@ def assert_bf16_model_matches_torch_mm(path, kernel: str) -> None:
     assert results[True].token_ids == results[False].token_ids
     for mine, theirs in zip(results[True].logits, results[False].logits):
         assert rel_error(mine[0], theirs[0].float()) <= 5e-2
-
-
-def assert_any_threads_write_every_block_once(lib, rows: int, threads: int) -> None:
-    """The kernel's l3_bf16_linear on `threads` threads (block_shares.h: each thread takes its own
-    run of 64-column blocks, then the others' leftovers) writes every output column, with the bits
-    of one thread. The output starts as NaN, so a block left out shows."""
-    from chip_child.cpu_kernels import bf16_linear
-    g = torch.Generator().manual_seed(rows + threads)
-    n, k = 64 * 7 + 3, 96  # 8 blocks, the last partial: runs of unequal length, and empty ones past 8 threads
-    packed = bf16_linear.pack(lib, torch.randn(n, k, generator=g).bfloat16())
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    outs = []
-    for t in (1, threads):
-        y = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
-        lib.l3_bf16_linear(x.data_ptr(), k, packed.data_ptr(), None, y.data_ptr(), n, rows, n, k, t)
-        assert not y.isnan().any(), f"{threads} threads left columns unwritten"
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1])

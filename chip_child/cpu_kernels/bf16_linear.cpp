@@ -153,7 +153,7 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
   l3::share_out(shares, count, blocks);
 #pragma omp parallel num_threads(threads)
   {
-    const int me = omp_get_thread_num() % count;  // threads past MAX_SHARES only help with the others' runs
+    const int me = omp_get_thread_num() % count;  // threads past MAX_SHARES share a run with another
     for (int64_t b; (b = l3::take_block(shares, count, me)) >= 0;) one(b);
   }
 }

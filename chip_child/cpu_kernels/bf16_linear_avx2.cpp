@@ -235,7 +235,7 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
       }
       if (K & 1) xp[m * ldf + K] = 0.0f;
     }
-    // Threads past MAX_SHARES only help with the others' runs.
+    // Threads past MAX_SHARES share a run with another.
     const int me = omp_get_thread_num() % count;
     for (int64_t b; (b = l3::take_block(shares, count, me)) >= 0;) {
       const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;

@@ -16,7 +16,7 @@
 
 namespace l3 {
 
-constexpr int MAX_SHARES = 64;  // runs at most: more threads than this share them
+constexpr int MAX_SHARES = 64;  // runs at most: threads past this share one with another thread
 
 struct alignas(64) BlockShare {
   std::atomic<uint64_t> span;  // the blocks [lo, hi) not taken yet, as lo | hi << 32

@@ -13,8 +13,7 @@ from chip_child.cpu_kernels import bf16_amx, bf16_linear, build
 from chip_child.models.prepack import PackedLinear, cpu_linear_kernel, prepacked
 
 from kernel_helpers import (assert_bf16_model_matches_torch_mm, assert_packed_linear_matches_float32,  # noqa: E402
-                            assert_any_threads_write_every_block_once, assert_rows_independent,
-                            bf16_without_our_kernels, decide_again)
+                            assert_rows_independent, bf16_without_our_kernels, decide_again)
 
 needs_kernel = pytest.mark.skipif(not bf16_linear.KERNEL.usable(), reason=f"kernel unusable here: {bf16_linear.KERNEL.why_not()}")
 
@@ -35,25 +34,6 @@ def test_kernel_matches_float32(rows: int, out_in: tuple[int, int], bias: bool) 
     at 5, 17, 65, 70), from 5 to 64 rows k in chunks of 32 pairs (129: two and the odd last k)."""
     assert_packed_linear_matches_float32("avx512_bf16", rows, *out_in, bias)
 
-
-
-
-def test_the_kernel_passes_its_self_check_on_a_cpu_with_its_instructions(monkeypatch) -> None:
-    """A kernel that fails its self-check falls back loudly, and the tests above then skip: here
-    that would not go unseen."""
-    missing = build.missing_cpu_flags(bf16_linear.KERNEL.cpu_flags)
-    if missing:
-        pytest.skip(missing)
-    decide_again(monkeypatch, bf16_linear.KERNEL)
-    assert bf16_linear.KERNEL.usable(), bf16_linear.KERNEL.why_not()
-
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 6])
-@pytest.mark.parametrize("threads", [2, 3, 9, 70])
-def test_every_block_is_written_once_on_any_number_of_threads(rows: int, threads: int) -> None:
-    """Runs of blocks per thread, then the others' leftovers: uneven runs (3), more threads than
-    blocks (9), more than block_shares.h's 64 runs (70)."""
-    assert_any_threads_write_every_block_once(bf16_linear.KERNEL.library(), rows, threads)
 
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:

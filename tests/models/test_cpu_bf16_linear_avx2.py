@@ -8,14 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chip_child.cpu_kernels import bf16_amx, bf16_linear, build
+from chip_child.cpu_kernels import bf16_amx, bf16_linear
 from chip_child.cpu_kernels.build import first_usable
 from chip_child.models import prepack
 from chip_child.models.prepack import PackedLinear, cpu_linear_kernel, prepacked, resolve_cpu_prepack
 
 from kernel_helpers import (assert_bf16_model_matches_torch_mm, assert_packed_linear_matches_float32,  # noqa: E402
-                            assert_any_threads_write_every_block_once, assert_rows_independent,
-                            bf16_without_our_kernels, decide_again, rule_out)
+                            assert_rows_independent, bf16_without_our_kernels, decide_again, rule_out)
 
 needs_avx2 = pytest.mark.skipif(not bf16_linear.AVX2_KERNEL.usable(),
                                 reason=f"AVX2 kernel unusable here: {bf16_linear.AVX2_KERNEL.why_not()}")
@@ -38,25 +37,6 @@ def test_kernel_matches_float32(rows: int, out_in: tuple[int, int], bias: bool) 
     groups of 96 (200: two and 8 rows left, which take the few-rows path)."""
     assert_packed_linear_matches_float32("avx2_bf16", rows, *out_in, bias)
 
-
-
-
-def test_the_kernel_passes_its_self_check_on_a_cpu_with_its_instructions(monkeypatch) -> None:
-    """A kernel that fails its self-check falls back loudly, and the tests above then skip: here
-    that would not go unseen."""
-    missing = build.missing_cpu_flags(bf16_linear.AVX2_KERNEL.cpu_flags)
-    if missing:
-        pytest.skip(missing)
-    decide_again(monkeypatch, bf16_linear.AVX2_KERNEL)
-    assert bf16_linear.AVX2_KERNEL.usable(), bf16_linear.AVX2_KERNEL.why_not()
-
-@needs_avx2
-@pytest.mark.parametrize("rows", [1, 6])
-@pytest.mark.parametrize("threads", [2, 3, 9, 70])
-def test_every_block_is_written_once_on_any_number_of_threads(rows: int, threads: int) -> None:
-    """Runs of blocks per thread, then the others' leftovers: uneven runs (3), more threads than
-    blocks (9), more than block_shares.h's 64 runs (70)."""
-    assert_any_threads_write_every_block_once(bf16_linear.AVX2_KERNEL.library(), rows, threads)
 
 @needs_avx2
 def test_a_rows_result_does_not_depend_on_the_other_rows() -> None:
