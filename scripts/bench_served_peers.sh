@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # l3worker serve against llama-server (and optionally vllm serve), served figures only, the engines
-# alternated REPEATS times on one checkpoint, each driven by vLLM's own client (`vllm bench serve`):
+# alternated REPEATS times on one checkpoint (every other round in reverse order), each driven by vLLM's
+# own client (`vllm bench serve`):
 #   c1      1 client, prompts of seed 0
 #   c16rep  16 clients, the same prompts again (as the peers kit runs it: caches may hold them)
 #   c16new  16 clients, fresh prompts (seed 7): a burst of new prompts, nothing cached
@@ -32,6 +33,15 @@ for need in "$VV/bin/vllm" "$CK/config.json" "$LV/bin/l3worker"; do
   [ -e "$need" ] || { echo "missing $need: run scripts/bench_peers.sh $SIZE first (in l3worker's venv)" >&2
                       exit 2; }
 done
+for tag in ${LOADS:-}; do
+  case $tag in c1|c16rep|c16new) ;; *) echo "unknown load $tag in LOADS: c1, c16rep or c16new" >&2; exit 2 ;; esac
+done
+for engine in ${ENGINES:-}; do
+  case $engine in l3worker|l3worker-inline|l3worker-si[0-9]*|base|llama|vllm) ;;
+    *) echo "unknown engine $engine in ENGINES: l3worker, l3worker-inline, l3worker-si<N>, base, llama or vllm" >&2
+       exit 2 ;;
+  esac
+done
 if [[ " ${ENGINES:-} " == *" base "* ]] && [ ! -d "${BASE_TREE:-}/l3worker" ]; then
   echo "the engine base needs BASE_TREE, a checkout of l3worker (a git worktree of another revision)" >&2; exit 2
 fi
@@ -59,8 +69,13 @@ start() {  # engine port: becomes the server (exec), so that its pid is the serv
 pick() { grep -m1 "$2" "$1" | awk -F: '{gsub(/ /,"",$2); print $2}'; }
 FIGURES="$BUILD/served/figures.tsv"; : > "$FIGURES"  # the same figures, tab-separated, for served_ratios.py
 printf "%-15s %-7s %10s %12s %10s %10s %8s %9s\n" engine load "tok/s" "TTFT p50" "TPOT p50" "P99 ITL" failed launch_s
+read -ra ORDER <<< "${ENGINES:-l3worker llama}"
 for n in $(seq 1 "${REPEATS:-1}"); do
-  for engine in ${ENGINES:-l3worker llama}; do
+  # Every other round runs the engines in reverse: a place in the round can be worth a few percent
+  # on a shared machine (docs/performance/peers.md), and this way no engine always has the same one.
+  engines=("${ORDER[@]}")
+  if (( n % 2 == 0 )); then engines=(); for e in "${ORDER[@]}"; do engines=("$e" "${engines[@]}"); done; fi
+  for engine in "${engines[@]}"; do
     out="$BUILD/served/$engine-$n"; rm -rf "$out"; mkdir -p "$out"; port=8110
     if curl -s -o /dev/null "http://127.0.0.1:$port/"; then echo "port $port is already in use" >&2; exit 1; fi
     t0=$(date +%s.%N)

@@ -1,10 +1,11 @@
-"""scripts/bench_served_peers.sh's checks before it starts anything: the engine `base` (l3worker from
-another checkout) needs BASE_TREE to be one. The runs themselves need the peers kit, which CI does not
-install."""
+"""scripts/bench_served_peers.sh's checks before it starts anything: a load or an engine it does not
+know is refused by name, and the engine `base` (l3worker from another checkout) needs BASE_TREE to be
+one. The runs themselves need the peers kit, which CI does not install."""
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,63 @@ def test_the_engine_base_is_refused_without_a_checkout(build: dict[str, str], tm
     assert result.returncode == 2
     assert "the engine base needs BASE_TREE" in result.stderr
     assert not (tmp_path / "peers" / "served" / "base-1").exists()  # nothing was started
+
+
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("LOADS", "c1 c16", "unknown load c16 in LOADS"),
+    ("ENGINES", "l3worker llamacpp", "unknown engine llamacpp in ENGINES"),
+    ("ENGINES", "l3worker-si", "unknown engine l3worker-si in ENGINES"),
+])
+def test_an_unknown_load_or_engine_is_refused_by_name(build: dict[str, str], tmp_path: Path, variable: str,
+                                                     value: str, message: str) -> None:
+    """Before, a load it did not know was skipped: the run measured nothing and its last step failed."""
+    result = run({**build, "ENGINES": "l3worker", variable: value})
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / "peers" / "served").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("engines", ["l3worker-inline l3worker-si4 vllm", "llama"])
+def test_the_known_engines_pass_the_checks(build: dict[str, str], tmp_path: Path, engines: str) -> None:
+    """Past the checks the driver makes its served/ folder, then converts the checkpoint for llama.cpp
+    (no build here) or starts an engine (a stub venv's l3worker that cannot run): it fails there,
+    not with a refusal."""
+    result = run({**build, "ENGINES": engines})
+    assert result.returncode != 0 and "unknown" not in result.stderr
+    assert (tmp_path / "peers" / "served").is_dir()
+
+
+STUB_SERVER = """#!{python}
+import http.server, os, signal, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with open(os.environ["ORDER_FILE"], "a") as f:  # base puts its checkout first on PYTHONPATH
+    f.write(("base" if os.environ.get("PYTHONPATH", "").startswith(os.environ["BASE_TREE"]) else "l3worker") + "\\n")
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+STUB_CLIENT = """#!/bin/sh
+printf 'Output token throughput (tok/s): 1\\nMedian TTFT (ms): 1\\nMedian TPOT (ms): 1\\n'
+printf 'P99 ITL (ms): 1\\nFailed requests: 0\\n'
+"""
+
+
+def test_every_other_round_runs_the_engines_in_reverse(build: dict[str, str], tmp_path: Path) -> None:
+    """Stub engines (a /health server in place of l3worker serve, a client that prints fixed figures):
+    rounds 1 and 3 start l3worker then base, round 2 base then l3worker, so neither always goes first."""
+    for path, text in (("venv/bin/l3worker", STUB_SERVER.format(python=sys.executable)),
+                       ("peers/vllm-venv/bin/vllm", STUB_CLIENT)):
+        (tmp_path / path).write_text(text)
+        (tmp_path / path).chmod(0o755)
+    (tmp_path / "venv/bin/python").symlink_to(sys.executable)  # the driver's ratios at the end
+    (tmp_path / "base" / "l3worker").mkdir(parents=True)
+    order = tmp_path / "order.txt"
+    result = run({**build, "ENGINES": "l3worker base", "REPEATS": "3", "BASE_TREE": str(tmp_path / "base"),
+                  "ORDER_FILE": str(order)})
+    assert result.returncode == 0, result.stderr
+    assert order.read_text().split() == ["l3worker", "base", "base", "l3worker", "l3worker", "base"]
+    assert "| 1 client: TPOT p50 | 1.00, 1.00, 1.00 (median 1.00) |" in result.stdout
