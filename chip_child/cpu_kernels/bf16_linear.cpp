@@ -148,14 +148,9 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
     const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
     block_rows(x, ldx, packed + b * block_elems, M, K, bias ? bias + n0 : nullptr, y + n0, ldy, cols);
   };
-  const int count = threads < 1 ? 1 : threads < l3::MAX_SHARES ? threads : l3::MAX_SHARES;
-  l3::BlockShare shares[l3::MAX_SHARES];
-  l3::share_out(shares, count, blocks);
+  l3::BlockShares shares(threads, blocks);
 #pragma omp parallel num_threads(threads)
-  {
-    const int me = omp_get_thread_num() % count;  // threads past MAX_SHARES share a run with another
-    for (int64_t b; (b = l3::take_block(shares, count, me)) >= 0;) one(b);
-  }
+  for (int64_t b; (b = shares.next(omp_get_thread_num())) >= 0;) one(b);
 }
 
 }  // extern "C"

@@ -222,9 +222,7 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
   static thread_local std::vector<float> xf;  // x in fp32, an odd K padded with a 0
   xf.resize(M * ldf);
   float* xp = xf.data();
-  const int count = threads < 1 ? 1 : threads < l3::MAX_SHARES ? threads : l3::MAX_SHARES;
-  l3::BlockShare shares[l3::MAX_SHARES];
-  l3::share_out(shares, count, blocks);
+  l3::BlockShares shares(threads, blocks);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -235,9 +233,7 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
       }
       if (K & 1) xp[m * ldf + K] = 0.0f;
     }
-    // Threads past MAX_SHARES share a run with another.
-    const int me = omp_get_thread_num() % count;
-    for (int64_t b; (b = l3::take_block(shares, count, me)) >= 0;) {
+    for (int64_t b; (b = shares.next(omp_get_thread_num())) >= 0;) {
       const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
       block_rows(xp, ldf, packed + b * block_elems, M, pairs, bias ? bias + n0 : nullptr, y + n0, ldy, cols);
     }
