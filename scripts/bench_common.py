@@ -26,14 +26,27 @@ if TYPE_CHECKING:
 # -- kernels -------------------------------------------------------------------------------------------
 def past_cpu_kernel(kernel, rev: str, out_dir: str):
     """`kernel`'s source (a chip_child.cpu_kernels.build.CheckedKernel) as it was at git revision
-    `rev`, built with that kernel's compile flags (into the kernel cache, with the working tree's
-    headers) and bound as the kernel binds its own, for an A/B against the current one."""
+    `rev`, built with that kernel's compile flags and that revision's headers (into the kernel
+    cache) and bound as the kernel binds its own, for an A/B against the current one."""
     from chip_child.cpu_kernels.build import load
 
     root = Path(__file__).resolve().parent.parent
+
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout
+
+    kernels = "chip_child/cpu_kernels"
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{kernels}"], cwd=root, capture_output=True,
+                            text=True, check=True).stdout.split()
+    headers = {name: show(f"{kernels}/{name}") for name in listed if name.endswith(".h")}
+    for name, text in headers.items():  # quoted includes find these first, beside the source
+        (Path(out_dir) / name).write_text(text)
     past = Path(out_dir) / f"{Path(kernel.source).stem}_past.cpp"
-    past.write_text(subprocess.run(["git", "show", f"{rev}:chip_child/cpu_kernels/{kernel.source}"], cwd=root,
-                                   capture_output=True, text=True, check=True).stdout)
+    # The cache key hashes the source and the working tree's headers: the past headers' hash goes in
+    # the source, so that two revisions differing only in their headers do not share a build.
+    tag = hashlib.sha256("".join(headers[n] for n in sorted(headers)).encode()).hexdigest()[:16]
+    past.write_text(show(f"{kernels}/{kernel.source}") + f"\n// headers of {rev}: {tag}\n")
     return kernel.bind(load(str(past), kernel.compile_flags))
 
 

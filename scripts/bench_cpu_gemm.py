@@ -13,7 +13,7 @@ today's kernels; compare it with the step time `scripts/step_breakdown.py` repor
     python scripts/bench_cpu_gemm.py --against HEAD~1 --rows 1,8,16,65   # our kernel against a past version
 
 --against REV builds the kernel in use (bf16_linear.cpp, or bf16_linear_avx2.cpp on a cpu without
-AVX-512) as it was at git revision REV beside the working tree's
+AVX-512) as it was at git revision REV, with that revision's headers, beside the working tree's
 and times the two alternately on the same packed weights (their packed layouts must agree),
 printing each one's median and the ratio; their outputs must be the same bits.
 """

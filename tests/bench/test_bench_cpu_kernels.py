@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from chip_child.cpu_kernels import bf16_amx, bf16_linear, decode_attention, huge_pages
+from chip_child.cpu_kernels.build import first_usable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,6 +76,23 @@ def test_bench_cpu_gemm_times_our_kernel_against_a_past_revision() -> None:
     assert_times_both_against_head("bench_cpu_gemm.py", ["--layers", "1", "--rows", "1,8", "--repeats", "1", "--hidden",
                                                          "128", "--intermediate", "256", "--heads", "2", "--kv-heads",
                                                          "1"], ("1", "8"))
+
+
+@pytest.mark.skipif(bf16_linear.best_kernel() is None, reason="neither bf16 projection kernel runs here")
+def test_a_past_kernel_builds_with_its_own_revisions_headers(tmp_path: Path) -> None:
+    """The past source meets the headers it was written against (a header's functions can change
+    between revisions), written beside it, where its quoted includes look first."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench_common import past_cpu_kernel
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert past_cpu_kernel(first_usable(bf16_linear.KERNEL, bf16_linear.AVX2_KERNEL), "HEAD",
+                           str(tmp_path)) is not None
+    for name in ("bf16_packing.h", "block_shares.h"):
+        head = subprocess.run(["git", "show", f"HEAD:chip_child/cpu_kernels/{name}"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+        assert (tmp_path / name).read_text() == head
 
 
 @pytest.mark.skipif(decode_attention.library() is None, reason="neither decode attention kernel runs here")
