@@ -32,21 +32,19 @@ def past_cpu_kernel(kernel, rev: str, out_dir: str):
 
     root = Path(__file__).resolve().parent.parent
 
-    def show(path: str) -> str:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
 
     kernels = "chip_child/cpu_kernels"
-    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{kernels}"], cwd=root, capture_output=True,
-                            text=True, check=True).stdout.split()
-    headers = {name: show(f"{kernels}/{name}") for name in listed if name.endswith(".h")}
+    listed = git("ls-tree", "--name-only", f"{rev}:{kernels}").split()
+    headers = {name: git("show", f"{rev}:{kernels}/{name}") for name in listed if name.endswith(".h")}
     for name, text in headers.items():  # quoted includes find these first, beside the source
         (Path(out_dir) / name).write_text(text)
     past = Path(out_dir) / f"{Path(kernel.source).stem}_past.cpp"
     # The cache key hashes the source and the working tree's headers: the past headers' hash goes in
     # the source, so that two revisions differing only in their headers do not share a build.
     tag = hashlib.sha256("".join(headers[n] for n in sorted(headers)).encode()).hexdigest()[:16]
-    past.write_text(show(f"{kernels}/{kernel.source}") + f"\n// headers of {rev}: {tag}\n")
+    past.write_text(git("show", f"{rev}:{kernels}/{kernel.source}") + f"\n// headers of {rev}: {tag}\n")
     return kernel.bind(load(str(past), kernel.compile_flags))
 
 

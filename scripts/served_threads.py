@@ -5,7 +5,9 @@ tree, over one run of a load client:
     python scripts/served_threads.py PID -- vllm bench serve --backend vllm --base-url http://127.0.0.1:8000 ...
 
 PID is the server's first process (`l3worker serve`'s API server, or `llama-server`); the tree
-under it (engine core, chip-child) is read from /proc before and after the client runs. The
+under it (engine core, chip-child) is found with psutil, and each thread's counters are read from
+/proc (psutil has neither thread names nor a thread's context switches), before and after the
+client runs. The
 output tokens come from the client's "Total generated tokens:" line (vLLM's and l3worker's bench
 serve print it), or --tokens. Per thread: user+system CPU and system CPU in µs per token, and the
 switches per token: involuntary (the thread was preempted) and voluntary (it slept). On a machine
@@ -20,6 +22,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import psutil
+
 TOKENS_LINE = re.compile(r"Total generated tokens:\s*(\d+)")
 
 
@@ -32,28 +36,12 @@ class ThreadCounts:
     voluntary: int
 
 
-def parents() -> dict[int, int]:
-    """pid -> parent pid, for every process in /proc."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:  # a process that just ended
-                continue
-            out[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
-    return out
-
-
 def tree(root: int) -> list[int]:
-    """root and every process under it."""
-    ppid = parents()
-    out, i = [root], 0
-    while i < len(out):
-        out.extend(pid for pid, parent in ppid.items() if parent == out[i])
-        i += 1
-    return out
+    """root and every process under it (psutil walks the parent links); empty once root is gone."""
+    try:
+        return [root, *(p.pid for p in psutil.Process(root).children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def thread_counts(pid: int, tid: int) -> ThreadCounts | None:
@@ -66,8 +54,8 @@ def thread_counts(pid: int, tid: int) -> ThreadCounts | None:
             status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
     except OSError:
         return None
-    name = stat[stat.index("(") + 1:stat.rindex(")")]
-    fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on
+    close = stat.rindex(")")  # the name may hold parentheses; the fields after it cannot
+    name, fields = stat[stat.index("(") + 1:close], stat[close + 2:].split()  # fields from 3 (state) on
     utime, stime = int(fields[11]), int(fields[12])
     return ThreadCounts(name, utime + stime, stime, int(status["nonvoluntary_ctxt_switches"]),
                         int(status["voluntary_ctxt_switches"]))
