@@ -10,7 +10,8 @@ import os
 # (chip_child.attention.self_check) and the cpu kernels (chip_child.cpu_kernels).
 KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe", "fp8_gemm", "attention", "cpu_bf16_linear",
            "cpu_bf16_linear_avx2", "cpu_bf16_amx", "cpu_decode_attention", "cpu_decode_attention_avx2",
-           "cpu_layer_ops", "cpu_layer_ops_avx2", "cpu_sampling_noise", "cpu_decode_layers")
+           "cpu_layer_ops", "cpu_layer_ops_avx2", "cpu_sampling_noise", "cpu_decode_layers",
+           "cpu_step_team")
 
 
 def forced_reference() -> set[str]:

@@ -153,4 +153,15 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
   for (int64_t b; (b = shares.next(omp_get_thread_num())) >= 0;) one(b);
 }
 
+// The blocks [b0, b1) of the same product on the calling thread alone (no OpenMP region): a unit
+// of a projection on decode_layers.cpp's step team.
+void l3_bf16_linear_blocks(const uint16_t* x, int64_t ldx, const uint16_t* packed, uint16_t* y, int64_t ldy,
+                           int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
+  const int64_t block_elems = pairs_of(K) * BLOCK * 2;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
+    block_rows(x, ldx, packed + b * block_elems, M, K, nullptr, y + n0, ldy, cols);
+  }
+}
+
 }  // extern "C"

@@ -216,19 +216,26 @@ void decode_attention(const T* q, int64_t q_row_stride, T* k, T* v, int64_t head
                       int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t page_size, float scale,
                       T* out, int64_t out_row_stride, const NewKV& nkv, int threads) {
   const PairFn<T> attend = pair_fn_at_least<T, 1>((head_dim + VEC - 1) / VEC);
+  const auto one = [&](int64_t pair, std::vector<float>& scores, std::vector<int64_t>& offsets) {
+    const int64_t r = pair / kv_heads, j = pair % kv_heads;
+    if (nkv.slots) write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
+    attend(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
+           block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
+           out + r * out_row_stride + j * group * head_dim, scores, offsets);
+  };
+  if (threads <= 0) {  // one pair, -threads - 1, on the calling thread (decode_layers.cpp's step team)
+    static thread_local std::vector<float> scores;
+    static thread_local std::vector<int64_t> offsets;
+    one(-(int64_t)threads - 1, scores, offsets);
+    return;
+  }
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
 // dynamic: rows differ in context, and a thread that other processes preempt holds back only its pairs
 #pragma omp for schedule(dynamic, 2)
-    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
-      const int64_t r = pair / kv_heads, j = pair % kv_heads;
-      if (nkv.slots) write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
-      attend(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
-                     block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
-                     out + r * out_row_stride + j * group * head_dim, scores, offsets);
-    }
+    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) one(pair, scores, offsets);
   }
 }
 
@@ -244,7 +251,9 @@ int l3_decode_attention_max_head_dim(void) { return MAX_HEAD_DIM; }
 // [rows, >= pages of the row] (table_stride); seq_lens int32 [rows], each >= 1 and counting the new
 // token; out like q. `bf16`: 1 for bfloat16 storage, 0 for float32. new_slots null: the new
 // tokens' keys and values are in the cache already; else new_k and new_v [rows, kv_heads, head_dim]
-// (row strides in elements) are written to int64 new_slots [rows] first.
+// (row strides in elements) are written to int64 new_slots [rows] first. `threads` <= 0: only the
+// pair (row, kv head) numbered -threads - 1 (row * kv_heads + head), on the calling thread, with no
+// OpenMP region (a unit of decode_layers.cpp's step team).
 void l3_decode_attention(int bf16, const void* q, int64_t q_row_stride, void* k, void* v,
                          int64_t head_stride, int64_t page_stride, const int32_t* block_table, int64_t table_stride,
                          const int32_t* seq_lens, int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim,

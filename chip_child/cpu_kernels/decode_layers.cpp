@@ -6,6 +6,10 @@
 // checked on its own; this file only sequences them.
 #include <stdint.h>
 
+#include "bf16_packing.h"
+#include "layer_ops_split.h"
+#include "step_team.h"
+
 extern "C" {
 
 typedef void (*LinearFn)(const uint16_t* x, int64_t ldx, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
@@ -13,6 +17,8 @@ typedef void (*LinearFn)(const uint16_t* x, int64_t ldx, const uint16_t* packed,
 typedef void (*AddRmsNormFn)(const uint16_t* h, int64_t h_stride, const uint16_t* delta, int64_t d_stride,
                              const uint16_t* weight, float eps, uint16_t* h_out, int64_t ho_stride, uint16_t* x,
                              int64_t x_stride, int64_t T, int64_t n);
+typedef void (*BlocksFn)(const uint16_t* x, int64_t ldx, const uint16_t* packed, uint16_t* y, int64_t ldy,
+                         int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1);
 typedef void (*QkNormRopeFn)(const uint16_t* qk, int64_t t_stride, int64_t h_stride, const uint16_t* weight,
                              int64_t w_stride, float eps, const uint16_t* rope, const void* positions, int pos64,
                              uint16_t* out, int64_t T, int64_t heads, int64_t hd);
@@ -28,6 +34,7 @@ typedef void (*AttentionFn)(int bf16, const void* q, int64_t q_row_stride, void*
 struct Projection {
   LinearFn run;
   const uint16_t* packed;
+  BlocksFn blocks;  // the same kernel on a range of blocks on the calling thread; null: it has none
 };
 
 // One layer's weights and its KV cache (bf16). qk_norm [heads + kv_heads, head_dim]: q_norm's row per
@@ -67,11 +74,87 @@ struct Step {
   const int32_t* seq_lens;  // the new token included
   const int64_t* slots;     // where each row's new key and value go
   int threads;
+  int team;  // 1: the projections and attention run on step_team.h's team, not OpenMP regions
 };
+
+}  // extern "C"
+
+namespace {
+
+// One projection on the team: a unit is one packed block of PACK_BLOCK outputs, run by the same
+// kernel's block entry on the calling thread.
+struct ProjectionJob {
+  const Projection* p;
+  const uint16_t* x;
+  int64_t ldx;
+  uint16_t* y;
+  int64_t ldy, M, N, K;
+
+  static void run(const void* ctx, int64_t b) {
+    const ProjectionJob& j = *(const ProjectionJob*)ctx;
+    j.p->blocks(j.x, j.ldx, j.p->packed, j.y, j.ldy, j.M, j.N, j.K, b, b + 1);
+  }
+};
+
+void team_linear(const Projection& p, const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t M,
+                 int64_t N, int64_t K, int threads) {
+  const ProjectionJob job{&p, x, ldx, y, ldy, M, N, K};
+  l3::step_team(threads).run(&ProjectionJob::run, &job, (N + l3::PACK_BLOCK - 1) / l3::PACK_BLOCK);
+}
+
+// One layer's decode attention: the new keys and values go into the cache first (q and the new k
+// from the rotated heads, the new v from the projection). As one OpenMP region of `threads`, or on
+// the team, where a unit is one (row, kv head) pair that the kernel runs on the calling thread
+// (its `threads` -1 - pair).
+struct AttentionJob {
+  const Model* m;
+  const Step* s;
+  const Layer* L;
+  const uint16_t *qk, *qkv;
+  uint16_t* attn;
+
+  void attend(int threads) const {
+    const int64_t hd = m->head_dim, qk_n = (m->heads + m->kv_heads) * hd, q_n = m->heads * hd;
+    m->attention(1, qk, qk_n, L->k_cache, L->v_cache, m->head_stride, m->page_stride, s->block_table,
+                 s->table_stride, s->seq_lens, s->rows, m->kv_heads, m->heads / m->kv_heads, hd, m->page_size,
+                 m->scale, attn, q_n, qk + q_n, qk_n, qkv + qk_n, qk_n + m->kv_heads * hd, s->slots, threads);
+  }
+  static void run(const void* ctx, int64_t pair) { ((const AttentionJob*)ctx)->attend((int)(-1 - pair)); }
+};
+
+}  // namespace
+
+extern "C" {
 
 // The sizes the Python side's ctypes structures must agree with (its load-time check).
 int64_t l3_decode_layers_abi(int64_t what) {
   return what == 0 ? (int64_t)sizeof(Layer) : what == 1 ? (int64_t)sizeof(Model) : (int64_t)sizeof(Step);
+}
+
+// The most rows a step may have to run on the step team: where every layer op stays on one thread.
+int64_t l3_decode_layers_team_rows(const Model* m) {
+  int64_t widest = m->hidden > m->intermediate ? m->hidden : m->intermediate;
+  if ((m->heads + m->kv_heads) * m->head_dim > widest) widest = (m->heads + m->kv_heads) * m->head_dim;
+  return l3::PARALLEL_ELEMENTS / widest;
+}
+
+// A projection on the step team (the lm_head of a step whose layers ran there); threads as a Step's.
+void l3_team_linear(const Projection* p, const uint16_t* x, int64_t ldx, uint16_t* y, int64_t ldy, int64_t M,
+                    int64_t N, int64_t K, int threads) {
+  team_linear(*p, x, ldx, y, ldy, M, N, K, threads);
+}
+
+// Tests: hold every team's helpers off (1) or let them work (0); the units they ran since the
+// last call.
+void l3_step_team_hold(int on) {
+  for (int m = 0; m <= l3::TEAM_MAX; ++m)
+    if (l3::StepTeam* t = l3::step_teams()[m].load()) t->hold(on != 0);
+}
+int64_t l3_step_team_helper_units(void) {
+  int64_t units = 0;
+  for (int m = 0; m <= l3::TEAM_MAX; ++m)
+    if (l3::StepTeam* t = l3::step_teams()[m].load()) units += t->take_helper_units();
+  return units;
 }
 
 // Bf16 scratch per row that l3_decode_layers needs (its `work`), in elements.
@@ -93,21 +176,35 @@ void l3_decode_layers(const Model* m, const Step* s, uint16_t* h, uint16_t* delt
   uint16_t* o = attn + T * q_n;            // [T, H]
   uint16_t* gate_up = o + T * H;           // [T, 2I]
   uint16_t* act = gate_up + T * 2 * I;     // [T, I]
+  bool team = s->team && s->threads > 1 && l3_decode_layers_team_rows(m) >= T;
+  for (int64_t i = 0; team && i < m->num_layers; ++i) {
+    const Layer& L = m->layers[i];
+    team = L.qkv.blocks && L.o_proj.blocks && L.gate_up.blocks && L.down.blocks;
+  }
+  // A projection of the step's T rows, on the team or as one OpenMP region.
+  const auto linear = [&](const Projection& p, const uint16_t* in, int64_t ld_in, uint16_t* out, int64_t N,
+                          int64_t K) {
+    if (team)
+      team_linear(p, in, ld_in, out, N, T, N, K, s->threads);
+    else
+      p.run(in, ld_in, p.packed, nullptr, out, N, T, N, K, s->threads);
+  };
   for (int64_t i = 0; i < m->num_layers; ++i) {
     const Layer& L = m->layers[i];
     // The residual add is taken with the norm that follows it; layer 0 has nothing to add.
     m->add_rms_norm(h, H, i ? delta : nullptr, H, L.input_norm, m->eps, h, H, x, H, T, H);
-    L.qkv.run(x, H, L.qkv.packed, nullptr, qkv, qkv_n, T, qkv_n, H, s->threads);
+    linear(L.qkv, x, H, qkv, qkv_n, H);
     m->qk_norm_rope(qkv, qkv_n, hd, L.qk_norm, hd, m->eps, s->rope, s->positions, s->pos64, qk, T, qk_heads, hd);
-    // q and the new k from the rotated heads, the new v from the projection; the kernel writes k, v first.
-    m->attention(1, qk, qk_heads * hd, L.k_cache, L.v_cache, m->head_stride, m->page_stride, s->block_table,
-                 s->table_stride, s->seq_lens, T, m->kv_heads, m->heads / m->kv_heads, hd, m->page_size, m->scale,
-                 attn, q_n, qk + q_n, qk_heads * hd, qkv + qk_heads * hd, qkv_n, s->slots, s->threads);
-    L.o_proj.run(attn, q_n, L.o_proj.packed, nullptr, o, H, T, H, q_n, s->threads);
+    const AttentionJob job{m, s, &L, qk, qkv, attn};
+    if (team)
+      l3::step_team(s->threads).run(&AttentionJob::run, &job, T * m->kv_heads);
+    else
+      job.attend(s->threads);
+    linear(L.o_proj, attn, q_n, o, H, q_n);
     m->add_rms_norm(h, H, o, H, L.post_norm, m->eps, h, H, x, H, T, H);
-    L.gate_up.run(x, H, L.gate_up.packed, nullptr, gate_up, 2 * I, T, 2 * I, H, s->threads);
+    linear(L.gate_up, x, H, gate_up, 2 * I, H);
     m->silu_mul(gate_up, 2 * I, act, T, I);
-    L.down.run(act, I, L.down.packed, nullptr, delta, H, T, H, I, s->threads);
+    linear(L.down, act, I, delta, H, I);
   }
 }
 

@@ -26,14 +26,14 @@ from chip_child.cpu_kernels.build import CheckedKernel
 from chip_child.models.kernel_checks import KernelVerdict
 from chip_child.models.loader import ModelConfig
 from chip_child.models.prepack import PackedLinear
-from chip_child.models.qwen3 import PROJECTIONS, LayerWeights, Qwen3Weights
+from chip_child.models.qwen3 import PROJECTIONS, LayerWeights, Qwen3Weights, final_logits
 
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 LAYER_OPS = ("add_rms_norm", "qk_norm_rope", "silu_mul")  # the kernel checks these must have passed
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("run", _PTR), ("packed", _PTR)]
+    _fields_ = [("run", _PTR), ("packed", _PTR), ("blocks", _PTR)]
 
 
 class _Layer(ctypes.Structure):
@@ -51,7 +51,7 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("rope", _PTR), ("positions", _PTR), ("pos64", _INT), ("block_table", _PTR),
-                ("table_stride", _I64), ("seq_lens", _PTR), ("slots", _PTR), ("threads", _INT)]
+                ("table_stride", _I64), ("seq_lens", _PTR), ("slots", _PTR), ("threads", _INT), ("team", _INT)]
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -59,6 +59,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.l3_decode_layers_work.argtypes, lib.l3_decode_layers_work.restype = [ctypes.POINTER(_Model)], _I64
     lib.l3_decode_layers.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), _PTR, _PTR, _PTR]
     lib.l3_decode_layers.restype = None
+    lib.l3_decode_layers_team_rows.argtypes = [ctypes.POINTER(_Model)]
+    lib.l3_decode_layers_team_rows.restype = _I64
+    lib.l3_team_linear.argtypes = [ctypes.POINTER(_Projection), _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT]
+    lib.l3_team_linear.restype = None
+    lib.l3_step_team_hold.argtypes, lib.l3_step_team_hold.restype = [_INT], None
+    lib.l3_step_team_helper_units.argtypes, lib.l3_step_team_helper_units.restype = [], _I64
     return lib
 
 
@@ -73,6 +79,30 @@ def check_abi(lib: ctypes.CDLL) -> float:
 # beside the AVX-512 kernels and the AVX2 ones alike.
 KERNEL = CheckedKernel("cpu_decode_layers", "decode_layers.cpp", "decode steps run layer by layer from Python",
                        _bind, check_abi, 0.0, cpu_flags=(), compile_flags=["-std=c++17", "-O2"])
+
+
+def check_team(lib: ctypes.CDLL) -> float:
+    """0 where a projection run on the step team gives the bits of the same kernel on one thread
+    (where the AVX-512 kernel is not usable, the team is never used: 0)."""
+    linear_lib = bf16_linear.KERNEL.library()
+    if linear_lib is None:
+        return 0.0
+    g = torch.Generator().manual_seed(0)
+    n, k = 4 * 64 + 5, 96  # a partial last block
+    packed = bf16_linear.pack(linear_lib, torch.randn(n, k, generator=g).to(torch.bfloat16))
+    x = torch.randn(2, k, generator=g).to(torch.bfloat16)
+    want, got = (torch.empty(2, n, dtype=torch.bfloat16) for _ in range(2))
+    linear_lib.l3_bf16_linear(x.data_ptr(), k, packed.data_ptr(), None, want.data_ptr(), n, 2, n, k, 1)
+    p = _Projection(_address(linear_lib, "l3_bf16_linear"), packed.data_ptr(),
+                    _address(linear_lib, "l3_bf16_linear_blocks"))
+    lib.l3_team_linear(p, x.data_ptr(), k, got.data_ptr(), n, 2, n, k, max(2, torch.get_num_threads()))
+    return 0.0 if torch.equal(want, got) else float("inf")
+
+
+# The step team (step_team.h) lives in the same library; this switch and check are its own, so
+# `L3WORKER_REFERENCE_KERNELS=cpu_step_team` puts the stages back on OpenMP regions alone.
+TEAM_KERNEL = CheckedKernel("cpu_step_team", "decode_layers.cpp", "decode steps run their stages as OpenMP regions",
+                            _bind, check_team, 0.0, cpu_flags=(), compile_flags=["-std=c++17", "-O2"])
 
 
 def _address(lib: ctypes.CDLL, name: str) -> int:
@@ -139,6 +169,10 @@ class DecodeLayers:
         self._caches = [tuple(rt.attn.layer_cache(i).unbind(0)) for i in range(len(rt.weights.layers))]
         self._built_for: tuple[int, ...] = ()  # the addresses the layer table holds
         self._work_per_row = 0
+        # Steps of up to this many rows run their projections and attention on the step team
+        # (step_team.h) instead of an OpenMP region each; 0: none do.
+        self.team_rows = 0
+        self._lm_head: _Projection | None = None  # the lm_head on the team, where it is packed for it
 
     @classmethod
     def of(cls, rt: Runtime) -> "DecodeLayers | None":
@@ -164,23 +198,24 @@ class DecodeLayers:
             out += (lw.input_norm.data_ptr(), lw.qkv.weight.data_ptr(), qk_norm,
                     lw.o_proj.weight.data_ptr(), lw.post_norm.data_ptr(), lw.gate_up.weight.data_ptr(),
                     lw.down.weight.data_ptr(), k.data_ptr(), v.data_ptr())
-        return tuple(out)
+        head = self.rt.weights.lm_head
+        return tuple(out) + (head.weight.data_ptr() if type(head) is PackedLinear else 0,)
 
     def _build(self, addresses: tuple[int, ...]) -> None:
         rt, mc = self.rt, self.rt.model_cfg
         ops_lib, attn_lib = layer_ops.library(), decode_attention.library()
         name, linear_lib = bf16_linear.best_kernel()  # what every PackedLinear here runs on
         runs = {name: _address(linear_lib, "l3_bf16_linear")}
+        blocks = {name: _address(linear_lib, "l3_bf16_linear_blocks")} if name == "avx512_bf16" else {}
         if name == "avx512_bf16" and bf16_amx.KERNEL.library() is not None:
             runs["amx_bf16"] = _address(bf16_amx.KERNEL.library(), "l3_bf16_amx_linear")
         layers = (_Layer * mc.num_layers)()
         for i, lw in enumerate(rt.weights.layers):
             lw: LayerWeights
             a = addresses[9 * i:9 * i + 9]
-            layers[i] = _Layer(a[0], _Projection(runs[lw.qkv.kernel], a[1]), a[2] or None,
-                               _Projection(runs[lw.o_proj.kernel], a[3]), a[4],
-                               _Projection(runs[lw.gate_up.kernel], a[5]), _Projection(runs[lw.down.kernel], a[6]),
-                               a[7], a[8])
+            p = {n: _Projection(runs[getattr(lw, n).kernel], a[j], blocks.get(getattr(lw, n).kernel))
+                 for n, j in (("qkv", 1), ("o_proj", 3), ("gate_up", 5), ("down", 6))}
+            layers[i] = _Layer(a[0], p["qkv"], a[2] or None, p["o_proj"], a[4], p["gate_up"], p["down"], a[7], a[8])
         k = rt.attn.layer_cache(0)[0]
         self._layers = layers  # the model points into it
         self._model = _Model(_address(ops_lib, "l3_add_rms_norm"), _address(ops_lib, "l3_qk_norm_rope"),
@@ -190,6 +225,13 @@ class DecodeLayers:
                              rt.attn.spec.softmax_scale)
         self._work_per_row = self.lib.l3_decode_layers_work(self._model)
         self._built_for = addresses
+        # The team runs units on the AVX-512 kernels' one-thread entries (a block, a pair) alone.
+        on_team = (TEAM_KERNEL.usable() and torch.get_num_threads() > 1 and name in blocks
+                   and attn_lib is decode_attention.KERNEL.library())
+        self.team_rows = self.lib.l3_decode_layers_team_rows(self._model) if on_team else 0
+        head = rt.weights.lm_head
+        self._lm_head = _Projection(runs[head.kernel], addresses[-1], blocks[head.kernel]) \
+            if on_team and type(head) is PackedLinear and head.kernel in blocks else None
 
     def forward(self, step: StepPlan, tokens: torch.Tensor, positions: torch.Tensor,
                 reference: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -213,7 +255,7 @@ class DecodeLayers:
         work = torch.empty(rows * self._work_per_row, dtype=torch.bfloat16)
         s = _Step(rows, rt.rope.data_ptr(), positions.data_ptr(), int(positions.dtype == torch.int64),
                   table.data_ptr(), table.stride(0), lens.data_ptr(), step.extra["slots"].data_ptr(),
-                  torch.get_num_threads())
+                  torch.get_num_threads(), int(rows <= self.team_rows))
         self.lib.l3_decode_layers(self._model, s, h.data_ptr(), delta.data_ptr(), work.data_ptr())
         hidden = h + delta
         if want is not None:
@@ -227,3 +269,17 @@ class DecodeLayers:
                 self.refused = True
                 return want
         return hidden
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """qwen3.final_logits of the last layer's hidden states (into `out`, fp32, when given), its
+        lm_head on the step team for a step of up to team_rows rows: the same kernel on the same
+        blocks, so the same bits."""
+        rows, rt = hidden.shape[0], self.rt
+        if self._lm_head is None or rows > self.team_rows or self.refused or not self.verified:
+            return final_logits(rt.weights, hidden, out, rt.ops)
+        x = rt.ops.add_rms_norm(hidden, None, rt.weights.norm, rt.weights)[1]
+        head = rt.weights.lm_head
+        y = torch.empty(rows, head.out_features, dtype=torch.bfloat16)
+        self.lib.l3_team_linear(self._lm_head, x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), rows,
+                                head.out_features, head.in_features, torch.get_num_threads())
+        return y.float() if out is None else out.copy_(y)

@@ -6,14 +6,12 @@
 #include <stdint.h>
 
 #include "avx512_common.h"
+#include "layer_ops_split.h"
 
 namespace {
 
 using l3::VEC, l3::load_bf16, l3::store_bf16, l3::round_bf16;
-// Below this many elements one thread does it all. A decode step's 16 rows are past it: the ops
-// run between projections whose thread team is still spinning, so splitting costs little, and
-// silu's and rope's per-element work pays for it (a 16-row step of the 128M model, 0.96x the time).
-constexpr int64_t PARALLEL_ELEMENTS = 1 << 12;
+using l3::PARALLEL_ELEMENTS;
 
 // silu(x) = x / (1 + e^-x), rounded to bf16 as torch's silu on bf16 is.
 inline __m512 silu(__m512 x) {

@@ -5,11 +5,12 @@
 #include <stdint.h>
 
 #include "avx2_common.h"
+#include "layer_ops_split.h"
 
 namespace {
 
 using l3avx2::VEC, l3avx2::load, l3avx2::store, l3avx2::round_bf16;
-constexpr int64_t PARALLEL_ELEMENTS = 1 << 12;  // as layer_ops.cpp
+using l3::PARALLEL_ELEMENTS;
 
 // silu(x) = x / (1 + e^-x), rounded to bf16 as torch's silu on bf16 is.
 inline __m256 silu(__m256 x) {

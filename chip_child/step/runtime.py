@@ -418,10 +418,10 @@ class ChipRuntime:
                       (self.lora and self.lora.step(v["lora_slot"])) if lora == "masked" else lora)
         fused = self.decode_layers  # None where LoRA, speculation or tensor parallelism runs
         hidden = run() if fused is None else fused.forward(step, f["input_ids"], f["positions"], run)
-        if live is None:
-            final_logits(self.weights, hidden, out=v["logits"], ops=self.ops)
-        else:
-            v["logits"].index_copy_(0, live.index, final_logits(self.weights, hidden, ops=self.ops))
+        out = v["logits"] if live is None else None
+        logits = final_logits(self.weights, hidden, out, self.ops) if fused is None else fused.logits(hidden, out)
+        if live is not None:
+            v["logits"].index_copy_(0, live.index, logits)
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
                 features: Features | None) -> None:

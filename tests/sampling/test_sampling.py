@@ -14,6 +14,7 @@ from chip_child.sampling.sampler import (
     filter_min_p,
     filter_top_k_top_p,
     first_max,
+    gumbel_noise,
     mask_stop_tokens,
     sample,
     sample_with_features,
@@ -21,6 +22,7 @@ from chip_child.sampling.sampler import (
     token_logprobs,
     uniform_noise,
 )
+from chip_child.sampling import sampler
 from chip_child.sampling.seeds import M32, hash32, unhash32
 
 # Token ids ranked by logit: 1 (4.0), 4 (3.0), 3 (2.0), 0 (1.0), 2 (0.0).
@@ -264,3 +266,23 @@ def test_penalties_equal_the_plain_formula_bit_for_bit() -> None:
     got = apply_penalties(logits, counts, prompt.float(), presence, frequency, repetition)
     assert torch.equal(got, want)
     assert torch.equal(got[-8:], logits[-8:])
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (4, 4096), (2, 40_000)])  # one thread for the first two
+def test_gumbel_noise_is_the_log_chain_on_one_thread_up_to_its_limit(monkeypatch, shape) -> None:
+    """The same bits as -log(-log(u)) on every thread; small noise runs on one thread (MKL's log
+    would wake the whole OpenMP team for it), and the thread count comes back after."""
+    u = torch.rand(shape, generator=torch.Generator().manual_seed(0)).clamp_min(1e-7)
+    want = u.clone().log_().neg_().log_().neg_()
+    seen: list[int] = []
+    real = torch.Tensor.log_
+    monkeypatch.setattr(torch.Tensor, "log_", lambda t: seen.append(torch.get_num_threads()) or real(t))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = gumbel_noise(u.clone())
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert seen == ([1, 1] if u.numel() <= sampler.ONE_THREAD_NOISE else [2, 2])
