@@ -93,8 +93,7 @@ def check_team(lib: ctypes.CDLL) -> float:
     x = torch.randn(2, k, generator=g).to(torch.bfloat16)
     want, got = (torch.empty(2, n, dtype=torch.bfloat16) for _ in range(2))
     linear_lib.l3_bf16_linear(x.data_ptr(), k, packed.data_ptr(), None, want.data_ptr(), n, 2, n, k, 1)
-    p = _Projection(_address(linear_lib, "l3_bf16_linear"), packed.data_ptr(),
-                    _address(linear_lib, "l3_bf16_linear_blocks"))
+    p = team_projection(linear_lib, packed.data_ptr())
     lib.l3_team_linear(p, x.data_ptr(), k, got.data_ptr(), n, 2, n, k, max(2, torch.get_num_threads()))
     return 0.0 if torch.equal(want, got) else float("inf")
 
@@ -107,6 +106,11 @@ TEAM_KERNEL = CheckedKernel("cpu_step_team", "decode_layers.cpp", "decode steps 
 
 def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), _PTR).value
+
+
+def team_projection(linear_lib: ctypes.CDLL, packed: int) -> _Projection:
+    """A matrix packed for the AVX-512 kernel (`linear_lib`), with the one-thread entry the team runs."""
+    return _Projection(_address(linear_lib, "l3_bf16_linear"), packed, _address(linear_lib, "l3_bf16_linear_blocks"))
 
 
 class Runtime(Protocol):
@@ -225,12 +229,14 @@ class DecodeLayers:
                              rt.attn.spec.softmax_scale)
         self._work_per_row = self.lib.l3_decode_layers_work(self._model)
         self._built_for = addresses
-        # The team runs units on the AVX-512 kernels' one-thread entries (a block, a pair) alone.
-        on_team = (TEAM_KERNEL.usable() and torch.get_num_threads() > 1 and name in blocks
-                   and attn_lib is decode_attention.KERNEL.library())
+        # The team runs units on the AVX-512 kernels' one-thread entries (a block, a pair) alone:
+        # every projection must have one (an AMX one has none), or no stage runs there.
+        on_team = (TEAM_KERNEL.usable() and torch.get_num_threads() > 1
+                   and attn_lib is decode_attention.KERNEL.library()
+                   and all(getattr(lw, n).kernel in blocks for lw in rt.weights.layers for n in PROJECTIONS))
         self.team_rows = self.lib.l3_decode_layers_team_rows(self._model) if on_team else 0
         head = rt.weights.lm_head
-        self._lm_head = _Projection(runs[head.kernel], addresses[-1], blocks[head.kernel]) \
+        self._lm_head = team_projection(linear_lib, addresses[-1]) \
             if on_team and type(head) is PackedLinear and head.kernel in blocks else None
 
     def forward(self, step: StepPlan, tokens: torch.Tensor, positions: torch.Tensor,
@@ -271,15 +277,16 @@ class DecodeLayers:
         return hidden
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """qwen3.final_logits of the last layer's hidden states (into `out`, fp32, when given), its
-        lm_head on the step team for a step of up to team_rows rows: the same kernel on the same
-        blocks, so the same bits."""
-        rows, rt = hidden.shape[0], self.rt
-        if self._lm_head is None or rows > self.team_rows or self.refused or not self.verified:
-            return final_logits(rt.weights, hidden, out, rt.ops)
-        x = rt.ops.add_rms_norm(hidden, None, rt.weights.norm, rt.weights)[1]
-        head = rt.weights.lm_head
-        y = torch.empty(rows, head.out_features, dtype=torch.bfloat16)
-        self.lib.l3_team_linear(self._lm_head, x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), rows,
+        """qwen3.final_logits of the last layer's hidden states (into `out` when given), its lm_head
+        on the step team for a step of up to team_rows rows: the same kernel on the same blocks, so
+        the same bits."""
+        rt = self.rt
+        team = self._lm_head is not None and hidden.shape[0] <= self.team_rows and self.verified and not self.refused
+        return final_logits(rt.weights, hidden, out, rt.ops, self._team_lm_head if team else None)
+
+    def _team_lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.rt.weights.lm_head
+        y = torch.empty(x.shape[0], head.out_features, dtype=torch.bfloat16)
+        self.lib.l3_team_linear(self._lm_head, x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
                                 head.out_features, head.in_features, torch.get_num_threads())
-        return y.float() if out is None else out.copy_(y)
+        return y

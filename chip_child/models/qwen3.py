@@ -298,12 +298,14 @@ def _mlp(lw: LayerWeights, x: torch.Tensor, ops: LayerOps, lora: "LoraStep | Non
 
 
 def final_logits(w: Qwen3Weights, h: torch.Tensor, out: torch.Tensor | None = None,
-                 ops: LayerOps = TORCH_OPS) -> torch.Tensor:
-    """fp32 logits [T, vocab] of the last layer's hidden states `h`, written into `out` when given."""
+                 ops: LayerOps = TORCH_OPS, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """fp32 logits [T, vocab] of the last layer's hidden states `h`, written into `out` when given.
+    `head`: what multiplies the normed states by the packed lm_head instead of `linear` (the cpu
+    decode step's team: chip_child.cpu_kernels.decode_layers)."""
     x = ops.add_rms_norm(h, None, w.norm, w)[1]
     if out is not None and x.dtype == out.dtype and type(w.lm_head) is not PackedLinear:
         return torch.mm(x, w.lm_head, out=out)
-    logits = linear(x, w.lm_head).float()
+    logits = (linear(x, w.lm_head) if head is None else head(x)).float()
     return logits if out is None else out.copy_(logits)
 
 

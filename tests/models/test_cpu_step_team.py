@@ -23,9 +23,7 @@ needs_team = pytest.mark.skipif(not (decode_layers.TEAM_KERNEL.usable() and bf16
 def projection(lib: ctypes.CDLL, n: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     packed = bf16_linear.pack(lib, torch.randn(n, k, generator=g).to(torch.bfloat16))
-    address = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # noqa: E731
-    return packed, decode_layers._Projection(address("l3_bf16_linear"), packed.data_ptr(),
-                                             address("l3_bf16_linear_blocks"))
+    return packed, decode_layers.team_projection(lib, packed.data_ptr())
 
 
 def on_one_thread(lib: ctypes.CDLL, packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -48,7 +46,7 @@ def test_a_projection_on_the_team_gives_the_bits_of_one_thread(rows, n, k) -> No
     packed, p = projection(lib, n, k, seed=n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     want = on_one_thread(lib, packed, x, n)
-    for threads in (2, 3, 2):  # a new size makes a new team; going back makes another
+    for threads in (2, 3, 2):  # a team per size, made on first use and kept
         assert torch.equal(on_team(team, p, x, n, threads), want)
 
 
