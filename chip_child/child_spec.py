@@ -22,6 +22,9 @@ class ChildSpec:
     wake_fd: int | None = None  # an eventfd the leader writes after every step, instead of wake-up messages
     cpu_cores: list[int] | None = None  # a cpu child's threads run here only
     service_cores: list[int] | None = None  # and its socket threads here
+    # Under every_core (fixed, or chosen by the trial): the core the step thread gets to itself
+    # (chip_child.device.pin_step_thread); cpu_cores then holds every core.
+    step_core: int | None = None
     # cpu_layout="auto": the layout the rule prefers, which the threads and pins above set up,
     # and chip_child.cpu_layout.LayoutCores' fields; the child times both layouts and keeps one
     layout_trial: dict | None = None

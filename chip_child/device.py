@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import zmq
@@ -74,15 +76,16 @@ def available_cores() -> int:
     return len(allowed_cores())
 
 
-def default_cpu_threads(children: int, layout: str = "spare_core") -> int:
-    """Threads per cpu child for a layout. `every_core`: every core this process may use, shared
-    among the children (torch's own default); the parent then has no core of its own and sleeps
-    through each step. `spare_core`: the same less one core, for the parent and the socket
-    threads. `auto` starts as `spare_core` (see chip_child.cpu_layout)."""
+def default_cpu_threads(children: int, layout: str = "spare_core", cores: int | None = None) -> int:
+    """Threads per cpu child for a layout, out of `cores` (default: every core this process may
+    use). `every_core`: every core, shared among the children (torch's own default); the parent
+    then has no core of its own and sleeps through each step. `spare_core`: the same less one
+    core, for the parent and the socket threads. `auto` starts as `spare_core` (see
+    chip_child.cpu_layout)."""
     if layout not in CPU_LAYOUTS:
         raise ValueError(f"cpu_layout must be one of {CPU_LAYOUTS}, got {layout!r}")
     spare = 0 if layout == "every_core" else 1
-    return max(1, (available_cores() - spare) // children)
+    return max(1, ((cores or available_cores()) - spare) // children)
 
 
 # How long (libgomp spin iterations) a cpu child's idle OpenMP thread spins before it sleeps.
@@ -112,14 +115,14 @@ class CorePlan:
     children: list[list[int]]
 
 
-def plan_cores(children: int, threads: int | None) -> CorePlan | None:
+def plan_cores(children: int, threads: int | None, cores: list[int] | None = None) -> CorePlan | None:
     """Socket threads wake on every command; left to the scheduler they can land on a child's
-    core and preempt its step. None where the children's threads leave no core over, or on a
-    platform without affinity masks."""
+    core and preempt its step. None where the children's threads leave no core over (of `cores`,
+    default: this process's), or on a platform without affinity masks."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    cores = allowed_cores()
-    threads = threads or default_cpu_threads(children)
+    cores = cores or allowed_cores()
+    threads = threads or default_cpu_threads(children, cores=len(cores))
     spare = len(cores) - children * threads
     if spare < 1:
         return None
@@ -166,14 +169,40 @@ def process_threads() -> dict[int, str]:
 def repin_socket_threads(cores: list[int]) -> None:
     """Moves the ZeroMQ threads already running in this process to `cores` (pin_socket_threads
     acts on a context before its threads start; this, after a layout changed under them)."""
+    pin_threads(lambda _, name: cores if is_socket_thread(name) else [])
+
+
+def pin_threads(mask_of: Callable[[int, str], list[int]]) -> None:
+    """Every thread of this process on the cores `mask_of(tid, name)` gives (skipped where empty)."""
     if not hasattr(os, "sched_setaffinity"):
         return
     for tid, name in process_threads().items():
-        if is_socket_thread(name):
-            try:
-                os.sched_setaffinity(tid, cores)
-            except OSError:
-                pass
+        mask = mask_of(tid, name)
+        try:
+            if mask:
+                os.sched_setaffinity(tid, mask)
+        except OSError:  # a thread that just ended
+            pass
+
+
+def pin_step_thread(step_core: int, cores: list[int]) -> None:
+    """A cpu child's step thread (the caller) alone on `step_core`, every other thread of the
+    process (its OpenMP workers, the decode step's team, socket threads) on the rest of `cores`:
+    the serving processes' threads keep off the step core too (move_threads_off), so their
+    wake-ups at every token land beside the helpers, which a step never waits for, and not on the
+    thread that runs the step."""
+    me, rest = threading.get_native_id(), [c for c in cores if c != step_core]
+    pin_threads(lambda tid, _: [step_core] if tid == me else rest)
+
+
+def move_threads_off(cores: list[int]) -> list[int]:
+    """Every thread of this process (and the threads and processes it starts from then on) on
+    this thread's cores less `cores`, a cpu child's step core; none moved where that leaves
+    nothing. Returns the cores they run on."""
+    mask = [c for c in allowed_cores() if c not in cores]
+    if mask:
+        pin_threads(lambda *_: mask)
+    return mask or allowed_cores()
 
 
 def synchronize(dev: torch.device) -> None:

@@ -28,7 +28,7 @@ from chip_child import protocol
 from chip_child.config import RuntimeConfig
 from chip_child.cpu_kernels import huge_pages
 from chip_child.cpu_layout import choose_cpu_layout, read_trial
-from chip_child.device import pin_socket_threads
+from chip_child.device import pin_socket_threads, pin_step_thread
 from chip_child.step.controls import RuntimeControls
 from chip_child.step.host_kv import HostKV
 from chip_child.step.runtime import ChipRuntime, LaunchedStep, StepOutputs
@@ -125,6 +125,11 @@ def start_runtime(spec: ChildSpec) -> tuple[ChipRuntime, dict]:
             layout = choose_cpu_layout(lambda: rt.time_steps(LAYOUT_PREFILL_TOKENS, LAYOUT_STEPS, LAYOUT_BUDGET_S),
                                        cores, preferred)
             rt.reset()
+        # The cores the child's threads run on, before the step thread has one to itself.
+        layout["cores"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        layout["step_core"] = spec.step_core if layout["layout"] in (None, "every_core") else None
+        if layout["step_core"] is not None:
+            pin_step_thread(layout["step_core"], layout["cores"])
         if spec.fault:
             _inject_fault(rt, spec.fault)
     except BaseException:
@@ -145,9 +150,10 @@ def ready_message(rt: ChipRuntime, layout: dict) -> bytes:
                            else None),
         # per fused kernel: [name, relative error of its self-check (None: forced off), whether it runs]
         "kernel_checks": [[v.kernel, v.error, v.used] for v in rt.kernel_checks],
-        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cores": layout["cores"],
         "cpu_layout": layout["layout"], "layout_preferred": layout["preferred"], "layout_step_s": layout["step_s"],
         "layout_other_cores": layout["other_cores"], "layout_trial_s": layout["trial_s"],
+        "step_core": layout["step_core"],
     })
 
 

@@ -199,3 +199,17 @@ class Served:
             self.proc.kill()
             self.proc.wait(30)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def assert_step_core_kept(line: str, servers: list[psutil.Process], child: psutil.Process) -> None:
+    """On a machine of 2 cores or more, a server whose chip-child runs every_core: the ready line
+    names the step thread's core, the child's step (main) thread runs there alone, and every thread
+    of the serving processes runs on the other cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return
+    assert f"(the step thread alone on core {cores[0]})" in line
+    assert os.sched_getaffinity(child.pid) == {cores[0]}
+    for proc in servers:
+        threads = proc.threads()
+        assert threads and all(os.sched_getaffinity(t.id) == set(cores[1:]) for t in threads), proc.cmdline()

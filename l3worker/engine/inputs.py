@@ -6,6 +6,8 @@ from typing import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
+from l3worker.params import SamplingParams
+
 Prompt = str | Sequence[int] | np.ndarray
 
 
@@ -21,6 +23,25 @@ def as_prompt_list(prompts) -> list:
     if all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in prompts):
         return [prompts]  # one prompt given as token ids
     return list(prompts)
+
+
+def per_prompt(prompts, params, lora_request) -> list[tuple]:
+    """(prompt, SamplingParams or None, LoRARequest or None) for each prompt of a generate() call:
+    `params` and `lora_request` are one for all or one per prompt."""
+    prompt_list = as_prompt_list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        params_list = [params] * len(prompt_list)
+    else:
+        params_list = list(params)
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"params: {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+    for i, p in enumerate(params_list):
+        if p is not None and not isinstance(p, SamplingParams):
+            raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
+    loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompt_list)
+    if len(loras) != len(prompt_list):
+        raise ValueError(f"lora_request: {len(loras)} LoRARequests for {len(prompt_list)} prompts")
+    return list(zip(prompt_list, params_list, loras))
 
 
 def token_ids(prompt, tokenizer: Tokenizer | None, vocab: int, where: str, model_dir: str) -> np.ndarray:

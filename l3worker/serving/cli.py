@@ -200,6 +200,7 @@ def serve_command(args: argparse.Namespace) -> int:
         cfg = worker.runtime_config
         pages = cfg.total_pages - 1
         cpu_layout = worker.cpu_layout_in_use if args.inline_engine else client.cpu_layout
+        step_core = worker.step_core if args.inline_engine else client.step_core
         print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
               f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}, "
               f"kv cache {pages} pages of {cfg.page_size} ({pages * cfg.page_size} tokens"
@@ -207,6 +208,7 @@ def serve_command(args: argparse.Namespace) -> int:
               f"{model.defaults.describe()}"
               f"{', chat template' if model.chat_template else ', no chat template'}"
               f"{f', cpu layout {cpu_layout}' if cpu_layout else ''}"
+              f"{f' (the step thread alone on core {step_core})' if step_core is not None else ''}"
               f"{', engine inline' if args.inline_engine else ''}"
               f"{', API key required' if options.api_key else ''}"
               f"{f', {args.api_server_count} API servers' if args.api_server_count > 1 else ''}"

@@ -30,6 +30,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from chip_child.device import move_threads_off
 from l3worker.serving.controls import combine, push_tensors
 from l3worker.serving.core_wire import error_from_wire, identity, output_from_wire, pack, params_to_wire, unpack
 from l3worker.engine.metrics import exposition
@@ -96,6 +97,7 @@ class CoreClient:
         self.router = router  # None: one engine core
         self.error: BaseException | None = None
         self.cpu_layout: str | None = None  # what the core's cpu children run with (its ready reply); None off the cpu
+        self.step_core: int | None = None  # the core a lone engine core's chip-child steps on alone (ready reply)
         self._on_shutdown = on_shutdown  # the launching API server's: stops the processes it started
         self._ctx = zmq.asyncio.Context()
         # A plain socket read from the event loop's own reader on its fd (_on_outputs): every
@@ -191,6 +193,8 @@ class CoreClient:
                     break
         # Data-parallel engines on a cpu each run their own layout: one word when they agree.
         self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
+        if self.router is None and self.step_core is not None:  # one engine core, on this machine
+            move_threads_off([self.step_core])
         loop.add_reader(self._pull.FD, self._on_outputs)
         self._on_outputs()  # what came before the reader: its fd signals only new arrivals
         self._tasks = [*(asyncio.ensure_future(self._read_control(e)) for e in range(len(self._controls))),
@@ -357,10 +361,13 @@ class CoreClient:
                 log.warning("data-parallel engine %d is back", engine)
 
     def _ready(self, engine: int, msg: list) -> None:
-        """["ready", healthy, cpu layout, why, weight_version]; without the version, it stays as it was."""
+        """["ready", healthy, cpu layout, why, weight_version, step core]; without the version, it
+        stays as it was."""
         self._core_healthy[engine], self._core_why[engine] = msg[1], msg[3]
         if len(msg) > 4:
             self._versions[engine] = msg[4]
+        if len(msg) > 5:
+            self.step_core = msg[5]
 
     def _lose(self, engine: int, text: str) -> None:
         """A remote engine is gone: its requests fail, the router skips it, /health says 503."""

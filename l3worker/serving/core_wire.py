@@ -2,7 +2,8 @@
 Each API server connects to every engine core (`--data-parallel-size`) alike.
 
 Control socket (each API server's DEALER, identity `api-<i>`, to the core's ROUTER):
-  in:  ["hello"]                       -> ["ready", healthy, cpu layout, why, weight_version] once the engine runs
+  in:  ["hello"]                       -> ["ready", healthy, cpu layout, why, weight_version, step core]
+                                       once the engine runs (step core: DistributedWorker.step_core)
        ["add", request_id, prompt_ids, params] (accepted silently; refused -> ["refused", id, kind, text])
        ["abort", request_id]
        ["metrics", seq]                -> ["metrics", seq, metric families (l3worker.engine.metrics.families_to_wire)]

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import zmq
 
+from chip_child.device import move_threads_off
 from l3worker.serving.async_engine import run_step_loop
 from l3worker.serving.controls import run_control
 from l3worker.serving.core_wire import error_kind, identity, output_to_wire, pack, params_from_wire, unpack
@@ -100,6 +101,8 @@ class EngineCore:
         parent = os.pidfd_open(self.config.parent_pid)
         try:
             self.worker.prepare()
+            if self.worker.step_core is not None:  # the core of the chip-child's step thread is its own
+                move_threads_off([self.worker.step_core])
             if os.environ.get(STEP_TRACE_ENV):
                 self.engine.output_processor.recorder = GenerateStats()
             self.engine.driven_by_loop_thread = True
@@ -169,7 +172,7 @@ class EngineCore:
             self._control(who, *msg[1:])
         elif kind == "hello":
             self._reply(who, ["ready", self.engine.healthy, self.worker.cpu_layout_in_use,
-                              self.engine.unavailable_reason, self.worker.weight_version])
+                              self.engine.unavailable_reason, self.worker.weight_version, self.worker.step_core])
         elif kind == "shutdown":
             self.stop.set()
         else:

@@ -24,6 +24,7 @@ import platform
 import threading
 from typing import Callable
 
+from chip_child.device import move_threads_off
 from l3worker.params import RequestOutput
 from l3worker.serving.async_engine import AsyncEngine, EngineDeadError
 from l3worker.worker.child_process import LIVENESS_POLL_MS
@@ -59,6 +60,8 @@ class InlineEngine(AsyncEngine):
             return
         self._loop = asyncio.get_running_loop()
         await self._loop.run_in_executor(None, self.worker.prepare)
+        if self.worker.step_core is not None:  # the core of the chip-child's step thread is its own
+            move_threads_off([self.worker.step_core])
         if (why := inline_refusal(1, 1, False)) or self.engine.wake_fd is None:
             raise RuntimeError(why or "--inline-engine: the chip-child has no eventfd to wake the event loop with")
         self.engine.driven_by_loop_thread = True  # controls queue for the loop, which hands them off

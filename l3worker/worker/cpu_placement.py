@@ -12,11 +12,10 @@ Restarts run the layout the first start chose, untimed.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from chip_child.cpu_layout import LayoutCores, preferred_cpu_layout, read_trial
-from chip_child.device import (CorePlan, allowed_cores, available_cores, default_cpu_threads, plan_cores,
-                               repin_socket_threads)
+from chip_child.device import CorePlan, allowed_cores, default_cpu_threads, plan_cores, repin_socket_threads
 
 # The trial times a prompt and two decode steps: a cache must hold three positions.
 TRIAL_MIN_POSITIONS = 3
@@ -32,12 +31,15 @@ class CpuPlacement:
     tensor_parallel_size: int
     reachable_positions: int
     chosen: str | None = None  # what the trial chose; later starts run it
+    # The cores the worker was made with: a serving process moves its threads off the step core
+    # after the first start (chip_child.device.move_threads_off), and a restart still counts all.
+    cores: list[int] = field(default_factory=lambda: allowed_cores())
 
     def times(self) -> bool:
         """Whether the next start runs the trial: one child (tensor-parallel ranks step together
         and keep spare_core), more than one core, room in the cache, and no choice made yet."""
         return (self.on_cpu and self.layout == "auto" and self.num_threads is None and self.tensor_parallel_size == 1
-                and self.chosen is None and len(allowed_cores()) >= 2
+                and self.chosen is None and len(self.cores) >= 2
                 and self.reachable_positions >= TRIAL_MIN_POSITIONS)
 
     def start_layout(self) -> str:
@@ -48,14 +50,14 @@ class CpuPlacement:
         if self.chosen is not None:
             return self.chosen
         if self.times():
-            return preferred_cpu_layout(self.step_weights, len(allowed_cores()))
+            return preferred_cpu_layout(self.step_weights, len(self.cores))
         return "spare_core"
 
     def threads(self, children: int) -> int | None:
         """Intra-op threads per cpu child (None off the cpu)."""
         if not self.on_cpu:
             return None
-        return self.num_threads or default_cpu_threads(children, self.start_layout())
+        return self.num_threads or default_cpu_threads(children, self.start_layout(), len(self.cores))
 
     def plan(self, children: int, others_pinned: bool) -> CorePlan | None:
         """Cores for the cpu children and the rest for socket threads, where their threads leave
@@ -63,27 +65,38 @@ class CpuPlacement:
         of this process holds its cores: both would pick the same ones)."""
         if not self.pin_cores or not self.on_cpu or others_pinned:
             return None
-        return plan_cores(children, self.threads(children))
+        return plan_cores(children, self.threads(children), self.cores)
 
     def trial(self, others_pinned: bool) -> dict | None:
         """What the child needs for the trial (chip_child.child_spec.ChildSpec.layout_trial), or None."""
         if not self.times():
             return None
-        every = allowed_cores()
-        spare = plan_cores(1, default_cpu_threads(1, "spare_core")) \
+        every = self.cores
+        spare = plan_cores(1, default_cpu_threads(1, "spare_core", len(every)), every) \
             if self.pin_cores and not others_pinned else None
         cores = LayoutCores(every=every, spare=spare.children[0] if spare else every,
                             service=spare.service if spare else [])
         return {"preferred": self.start_layout(), **asdict(cores)}
 
-    def started(self, trial: dict | None, chosen: str | None) -> None:
-        """After a start that ran `trial`: keep the child's choice for later starts, and move this
-        process's socket threads where a worker started with that layout would have them."""
-        if trial is None or chosen is None:
-            return
-        self.chosen = chosen
-        if chosen != trial["preferred"]:
-            repin_socket_threads(read_trial(trial)[1].socket_cores(chosen))
+    def step_core(self, children: int, others_pinned: bool) -> int | None:
+        """The core a lone cpu child's step thread gets to itself where it runs every_core (fixed,
+        or as the trial may choose), with the parent's socket threads on the others; None where
+        nothing is pinned or there is no other core."""
+        every_core = self.start_layout() == "every_core" or self.times()
+        if not (self.on_cpu and self.pin_cores and every_core) or others_pinned or children != 1 \
+                or self.tensor_parallel_size != 1 or len(self.cores) < 2:
+            return None
+        return self.cores[0]
+
+    def started(self, trial: dict | None, chosen: str | None, step_core: int | None = None) -> None:
+        """After a start: keep the trial's choice for later starts, and move this process's socket
+        threads where a worker started with that layout would have them (off the step core)."""
+        if trial is not None and chosen is not None:
+            self.chosen = chosen
+            if chosen != trial["preferred"]:
+                repin_socket_threads(read_trial(trial)[1].socket_cores(chosen))
+        if step_core is not None:
+            repin_socket_threads([c for c in self.cores if c != step_core])
 
     def in_use(self, info: dict, children: int) -> str | None:
         """The layout `children` cpu children whose first reported `info` run with: what the
@@ -96,15 +109,14 @@ class CpuPlacement:
             return chosen
         if self.layout != "auto":
             return self.layout
-        return "every_core" if info.get("threads", 1) * children >= available_cores() else "spare_core"
+        return "every_core" if info.get("threads", 1) * children >= len(self.cores) else "spare_core"
 
-    @staticmethod
-    def spin_budget(info: dict, children: int, spin_wait_s: float) -> float:
+    def spin_budget(self, info: dict, children: int, spin_wait_s: float) -> float:
         """How long the parent spins on the doorbell: only where a core is free for it (on
         accelerators, or where the cpu children's threads leave one); a spinning parent inside a
         child's OpenMP team slows every step."""
         if info.get("device") == "cpu":
-            cores = available_cores()
+            cores = len(self.cores)
             if info.get("threads", cores) * children >= cores:
                 return 0.0
         return spin_wait_s

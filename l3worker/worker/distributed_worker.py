@@ -46,7 +46,7 @@ from l3worker.engine.kv_events import KVEventsConfig
 from l3worker.engine.step_loop import Engine
 from l3worker.errors import ChildFailure, WorkerError
 from l3worker.hub import resolve_model
-from l3worker.engine.inputs import Prompt, as_prompt_list
+from l3worker.engine.inputs import Prompt, per_prompt
 from l3worker.distributed.nodes import NodeLayout, RemoteNode
 from l3worker.params import RequestOutput, SamplingParams
 from l3worker.engine.recovery import RestartPolicy
@@ -275,6 +275,8 @@ class DistributedWorker(RolloutControls, LoraControls):
         world = layout.tensor_parallel_size
         threads = self._placement.threads(len(self.device_ids))
         trial = self._placement.trial(others_pinned=self._others_pinned())
+        step_core = self._placement.step_core(len(self.device_ids), self._others_pinned())
+        cores = self._placement.cores if step_core is not None else None
         fault = self._faults[gen] if gen < len(self._faults) else None
         self._generation += 1
         dist_init = None if world == 1 else layout.dist_init if layout.nnodes > 1 else \
@@ -293,13 +295,14 @@ class DistributedWorker(RolloutControls, LoraControls):
                 rc = replace(rc, num_threads=threads)
             spec = child_spec(rank, rc, self._buffers, self._socket_dir, wake_every_step=not ORDERED_STORES,
                               wake_fd=self._wake_fd if rank == 0 else None,
-                              fault=fault, cpu_cores=plan.children[rank] if plan else None,
+                              # with a step core: all, for a restart forked from a thread kept off it
+                              fault=fault, cpu_cores=plan.children[rank] if plan else cores, step_core=step_core,
                               service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
                               layout_trial=trial, generation=gen)
             self._children.insert(rank, ChildProcess(self._ctx, spec, self._buffers))  # local ranks first
         wait_all_ready(self._children, self.startup_timeout_s, self.engine.stopping)
         # Restarts run what the trial chose, untimed (it takes seconds on a loaded machine).
-        self._placement.started(trial, self._children[0].info.get("cpu_layout"))
+        self._placement.started(trial, self._children[0].info.get("cpu_layout"), self.step_core)
         if trial is not None:
             self._core_plan = self._plan_cores()
         self._doorbell = Doorbell(self._buffers.doorbell.numpy(), self._children, self._spin_budget(),
@@ -311,6 +314,12 @@ class DistributedWorker(RolloutControls, LoraControls):
         """The layout the cpu children run with (None off the cpu or before they started)."""
         info = self._children[0].info if self._children else {}
         return self._placement.in_use(info, len(self._children))
+
+    @property
+    def step_core(self) -> int | None:
+        """The core a lone cpu child's step thread has to itself (every_core); serving processes
+        keep their threads off it (chip_child.device.move_threads_off). None: no such core."""
+        return self._children[0].info.get("step_core") if self._children else None
 
     def _relaunch(self) -> tuple[list[ChildProcess], Doorbell]:
         """The engine's restart: stops every child (tensor-parallel ranks go together), then
@@ -331,7 +340,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         self._doorbell = None
 
     def _others_pinned(self) -> bool:
-        return any(w._core_plan for w in _live_workers if w is not self)
+        return any(w._core_plan or w.step_core is not None for w in _live_workers if w is not self)
 
     def _plan_cores(self) -> CorePlan | None:
         return self._placement.plan(len(self.device_ids), self._others_pinned())
@@ -427,22 +436,9 @@ class DistributedWorker(RolloutControls, LoraControls):
             raise WorkerError("this worker was closed; make a new DistributedWorker")
         if self.engine.driven_by_loop_thread:
             raise WorkerError("an AsyncEngine drives this worker: submit requests through it")
-        prompt_list = as_prompt_list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params_list = [params] * len(prompt_list)
-        else:
-            params_list = list(params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(f"params: {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
-        for i, p in enumerate(params_list):
-            if p is not None and not isinstance(p, SamplingParams):
-                raise TypeError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
-        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompt_list)
-        if len(loras) != len(prompt_list):
-            raise ValueError(f"lora_request: {len(loras)} LoRARequests for {len(prompt_list)} prompts")
         # Every prompt is checked before any is queued: bad input leaves nothing behind.
         states = [self.engine.make_request(prompt, p, None, stream, f"prompts[{i}]", arrival=t0, lora_request=lora)
-                  for i, (prompt, p, lora) in enumerate(zip(prompt_list, params_list, loras))]
+                  for i, (prompt, p, lora) in enumerate(per_prompt(prompts, params, lora_request))]
         self.prepare()
         self._last = GenerateStats(started_at=t0, setup_s=time.perf_counter() - t0, requests=len(states))
         self._generate_calls += 1

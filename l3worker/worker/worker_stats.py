@@ -18,6 +18,7 @@ def worker_stats(worker) -> dict:
         "cpu_layout_step_s": info.get("layout_step_s"),  # the trial's prefill and decode steps under each
         "cpu_layout_other_cores": info.get("layout_other_cores"),  # cores other processes kept busy then
         "cpu_layout_trial_s": info.get("layout_trial_s"),  # how long that took
+        "cpu_step_core": info.get("step_core"),  # the core the child's step thread has to itself
         "prepare_s": worker._prepare_s,
         "tensor_parallel_size": worker.layout.tensor_parallel_size,
         "nnodes": worker.layout.nnodes,

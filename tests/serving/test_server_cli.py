@@ -14,7 +14,7 @@ import pytest
 
 from fault_helpers import GUARD_S, alive, wait_for
 from hub_cache import REPO, lay_out_hub_cache
-from server_helpers import sigterm_mid_stream
+from server_helpers import assert_step_core_kept, sigterm_mid_stream, started_processes
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
 
@@ -132,6 +132,8 @@ def test_the_cpu_layout_and_kv_events_flags_reach_the_worker(served) -> None:
                "--block-size", "16", "--kv-events-config", events)
     base = s.ready()
     assert ", cpu layout every_core" in base.string
+    servers = [psutil.Process(s.proc.pid), *started_processes(s.proc.pid, "l3worker.serving.engine_core")]
+    assert_step_core_kept(base.string, servers, started_processes(s.proc.pid, "chip_child")[0])
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{port}")

@@ -14,13 +14,23 @@ import pytest
 from fault_helpers import assert_nothing_left, shm_entries
 from l3worker import DistributedWorker
 from l3worker.serving.runner import ServeOptions, ServerThread
-from server_helpers import (concurrent_greedy_texts, leave_mid_stream, metric, offline_greedy_texts, sigterm_mid_stream,
-                            sse_events, started_processes, stream_raw, wait_until)
+from server_helpers import (assert_step_core_kept, concurrent_greedy_texts, leave_mid_stream, metric,
+                            offline_greedy_texts, sigterm_mid_stream, sse_events, started_processes, stream_raw,
+                            wait_until)
 
 SERVE = ("--max-num-seqs", "4", "--max-model-len", "4096", "--block-size", "16")
 PROMPTS = [[5 + k, 80, 17, 200 + k, 3, 3, 9] for k in range(5)]  # more than --max-num-seqs: some wait
 GREEDY = {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
 SEEDED = {**GREEDY, "temperature": 0.9, "top_p": 0.9, "seed": 7}
+
+
+def test_served_inline_on_every_core_its_threads_keep_off_the_step_core(served) -> None:
+    s = served("--inline-engine", "--device", "cpu", "--cpu-layout", "every_core", *SERVE)
+    line = s.ready()
+    assert_step_core_kept(line.string, [psutil.Process(s.proc.pid)], started_processes(s.proc.pid, "chip_child")[0])
+    with httpx.Client(base_url=line.group(1), timeout=60) as http:
+        text, _ = streamed_text(http, GREEDY)
+        assert text == http.post("/v1/completions", json=GREEDY).json()["choices"][0]["text"]
 
 
 def streamed_text(http: httpx.Client, body: dict) -> tuple[str, list[dict]]:

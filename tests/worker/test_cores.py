@@ -56,10 +56,17 @@ def child_env(pid: int) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
 
 
-def assert_every_core(w: DistributedWorker) -> None:
-    pid = w.child_pids[0]
-    assert w.stats()["child_threads"] == len(allowed_cores())
-    assert os.sched_getaffinity(pid) == set(allowed_cores())
+def assert_every_core(w: DistributedWorker, cores: list[int] | None = None) -> None:
+    """A thread per core of `cores` (default: this thread's); the step thread (the child's main
+    thread) alone on the first core, every other thread of the child on the rest."""
+    pid, cores = w.child_pids[0], cores or allowed_cores()
+    s = w.stats()
+    assert s["child_threads"] == len(cores) and s["child_cores"] == cores
+    assert w.step_core == s["cpu_step_core"] == cores[0]
+    assert os.sched_getaffinity(pid) == {cores[0]}
+    others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+    assert len(others) >= len(cores)  # OpenMP workers, the step team, socket threads
+    assert all(os.sched_getaffinity(t) == set(cores[1:]) for t in others)
     assert w._doorbell.spin_s == 0.0  # no core is free for a spinning parent
 
 
@@ -115,7 +122,7 @@ def test_auto_preferring_every_core_starts_and_runs_as_that_layout_fixed(ckpt: P
         child_io = zmq_threads(w.child_pids[0])
         if s["cpu_layout"] == "every_core":
             assert_every_core(w)
-            sockets = set(allowed_cores())
+            sockets = set(allowed_cores()[1:])  # off the step thread's core
         else:  # other processes kept the machine busy through the trial
             assert_spare_core(w)
             sockets = set(plan_cores(1, len(allowed_cores()) - 1).service)
@@ -137,6 +144,34 @@ def test_explicit_layouts_are_not_timed_and_are_reported(ckpt: Path) -> None:
         assert w.stats()["cpu_layout"] == "spare_core" and w.stats()["cpu_layout_step_s"] is None
         assert layout_metric(w) == {"every_core": 0.0, "spare_core": 1.0}
         assert_spare_core(w)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+def test_a_restart_forked_from_threads_kept_off_the_step_core_gets_every_core_again(ckpt: Path) -> None:
+    """A serving process moves its threads off the step core after the first start (the engine
+    core, the API server): the child that a restart forks from them must still get every core,
+    its thread count and its step core as the first had."""
+    cores = allowed_cores()
+    if len(cores) < 2:
+        pytest.skip("one core: no core of its own for the step thread")
+    options = {**COMMON, "num_threads": None, "cpu_layout": "every_core"}
+    with DistributedWorker(ckpt, **options, pin_cores=False) as unpinned:
+        assert unpinned.step_core is None and unpinned.stats()["cpu_step_core"] is None
+        want = unpinned.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
+    with DistributedWorker(ckpt, **options, fault_injection="exit@3") as w:  # the first child dies at step 3
+        assert_every_core(w)
+        first = w.child_pids[0]
+        with DistributedWorker(ckpt, **options) as second:  # its step thread would share the first's core
+            assert second.step_core is None
+        try:
+            assert device.move_threads_off([w.step_core]) == cores[1:]
+            assert all(os.sched_getaffinity(t) == set(cores[1:]) for t in device.process_threads())
+            got = w.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
+            assert w.engine.metrics.value("l3worker:engine_restarts_total") == 1 and w.child_pids[0] != first
+            assert_every_core(w, cores)
+        finally:
+            device.pin_threads(lambda *_: cores)  # this test process's threads, as they were
+        assert got == want  # pinned or not, restarted or not: the same tokens
 
 
 def test_cpu_layout_is_validated(ckpt: Path) -> None:
@@ -249,3 +284,26 @@ def test_core_plan_leaves_a_core_over_or_pins_nothing(monkeypatch) -> None:
     assert plan_cores(2, None) == CorePlan(service=[0, 1], children=[[2, 3, 4], [5, 6, 7]])  # spare_core's 3 each
     monkeypatch.setattr(device, "allowed_cores", lambda: [0])
     assert plan_cores(1, None) is None
+
+
+def test_the_step_core_is_the_first_core_of_a_lone_child_on_every_core(monkeypatch) -> None:
+    for module in (device, cpu_placement):
+        monkeypatch.setattr(module, "allowed_cores", lambda: [2, 3, 5])
+    every = placement(layout="every_core")
+    assert every.step_core(1, others_pinned=False) == 2
+    assert placement().step_core(1, False) == 2  # auto with a trial: the child keeps it if it keeps every core
+    assert placement(layout="spare_core").step_core(1, False) is None
+    assert placement(layout="every_core", pin_cores=False).step_core(1, False) is None
+    assert placement(layout="every_core", on_cpu=False).step_core(1, False) is None
+    assert every.step_core(1, others_pinned=True) is None  # another worker of this process pinned its cores
+    assert every.step_core(2, False) is None  # two children: no core to spare for each
+    assert placement(layout="every_core", tensor_parallel_size=2).step_core(1, False) is None
+    chosen = placement()
+    chosen.chosen = "spare_core"  # a restart after the trial chose spare_core
+    assert chosen.step_core(1, False) is None
+    # The cores it was made with count, whatever this thread's mask became since.
+    monkeypatch.setattr(device, "allowed_cores", lambda: [3, 5])
+    monkeypatch.setattr(cpu_placement, "allowed_cores", lambda: [3, 5])
+    assert every.threads(1) == 3 and every.step_core(1, False) == 2
+    monkeypatch.setattr(cpu_placement, "allowed_cores", lambda: [0])
+    assert placement(layout="every_core").step_core(1, False) is None  # one core

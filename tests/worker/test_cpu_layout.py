@@ -196,7 +196,7 @@ def test_back_to_back_starts_choose_the_same_layout_and_report_it(make_checkpoin
                        max_seq_len=64, page_size=8, num_threads=layouts.threads(preferred))
     spec = ChildSpec(rank=0, socket_dir="", runtime=asdict(rc), buffers={},
                      cpu_cores=layouts.spare if preferred == "spare_core" else None,
-                     layout_trial={"preferred": preferred, **asdict(layouts)})
+                     layout_trial={"preferred": preferred, **asdict(layouts)}, step_core=cores[0])
     for seed in range(2):
         monkeypatch.setattr(ChipRuntime, "time_steps", FakeSteps(cores, 1.0, every_s, seed))
         rt, layout = start_runtime(spec)
@@ -206,8 +206,16 @@ def test_back_to_back_starts_choose_the_same_layout_and_report_it(make_checkpoin
             rt.close()
         assert ready["cpu_layout"] == chosen and ready["layout_preferred"] == preferred
         assert ready["threads"] == layouts.threads(chosen) == torch.get_num_threads()
-        assert ready["cores"] == sorted(layouts.mask(chosen)) == sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, cores)  # as the next start's process would begin
+        assert ready["cores"] == sorted(layouts.mask(chosen))
+        # every_core: the step thread (this one) alone on the step core, the rest elsewhere
+        step = cores[0] if chosen == "every_core" else None
+        assert ready["step_core"] == step
+        assert os.sched_getaffinity(0) == ({step} if step is not None else set(layouts.mask(chosen)))
+        others = [tid for tid in process_threads() if tid != threading.get_native_id()]
+        if step is not None:
+            assert all(os.sched_getaffinity(t) == set(cores[1:]) for t in others)
+        for tid in process_threads():  # as the next start's process would begin
+            os.sched_setaffinity(tid, cores)
 
 
 @needs_affinity
