@@ -172,27 +172,41 @@ def repin_socket_threads(cores: list[int]) -> None:
     pin_threads(lambda _, name: cores if is_socket_thread(name) else [])
 
 
-def pin_threads(mask_of: Callable[[int, str], list[int]]) -> None:
-    """Every thread of this process on the cores `mask_of(tid, name)` gives (skipped where empty)."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
-    for tid, name in process_threads().items():
+def pin_threads(mask_of: Callable[[int, str], list[int]]) -> bool:
+    """Every thread of this process on the cores `mask_of(tid, name)` gives (skipped where empty).
+    False where the platform has no affinity masks or no /proc to list the threads by."""
+    threads = process_threads() if hasattr(os, "sched_setaffinity") else {}
+    for tid, name in threads.items():
         mask = mask_of(tid, name)
         try:
             if mask:
                 os.sched_setaffinity(tid, mask)
         except OSError:  # a thread that just ended
             pass
+    return bool(threads)
 
 
-def pin_step_thread(step_core: int, cores: list[int]) -> None:
+def pin_step_thread(step_core: int, cores: list[int]) -> bool:
     """A cpu child's step thread (the caller) alone on `step_core`, every other thread of the
     process (its OpenMP workers, the decode step's team, socket threads) on the rest of `cores`:
     the serving processes' threads keep off the step core too (move_threads_off), so their
     wake-ups at every token land beside the helpers, which a step never waits for, and not on the
-    thread that runs the step."""
+    thread that runs the step. False where nothing could be pinned."""
     me, rest = threading.get_native_id(), [c for c in cores if c != step_core]
-    pin_threads(lambda tid, _: [step_core] if tid == me else rest)
+    return pin_threads(lambda tid, _: [step_core] if tid == me else rest)
+
+
+def keep_off_step_core(step_core: int, rest: list[int]) -> None:
+    """Threads the step thread started since pin_step_thread (a grammar's compile pool, a library's
+    thread pool made on first use) inherited its one core: moves them to `rest`."""
+    me = threading.get_native_id()
+
+    def mask_of(tid: int, _: str) -> list[int]:
+        try:
+            return rest if tid != me and os.sched_getaffinity(tid) == {step_core} else []
+        except OSError:  # a thread that just ended
+            return []
+    pin_threads(mask_of)
 
 
 def move_threads_off(cores: list[int]) -> list[int]:

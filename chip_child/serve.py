@@ -28,7 +28,7 @@ from chip_child import protocol
 from chip_child.config import RuntimeConfig
 from chip_child.cpu_kernels import huge_pages
 from chip_child.cpu_layout import choose_cpu_layout, read_trial
-from chip_child.device import pin_socket_threads, pin_step_thread
+from chip_child.device import keep_off_step_core, pin_socket_threads, pin_step_thread
 from chip_child.step.controls import RuntimeControls
 from chip_child.step.host_kv import HostKV
 from chip_child.step.runtime import ChipRuntime, LaunchedStep, StepOutputs
@@ -36,6 +36,9 @@ from chip_child.child_spec import ChildSpec
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
+# Every this many steps the step thread moves threads it started since (they inherit its one core)
+# off its core: a listing of the process's threads, about 20 us.
+KEEP_OFF_EVERY = 64
 # The start-up layout trial (cpu_layout="auto"), per layout and round: a prefill step of up to
 # this many tokens (the step budget, if smaller), then at most this many decode steps timed, fewer
 # past this many seconds.
@@ -128,8 +131,8 @@ def start_runtime(spec: ChildSpec) -> tuple[ChipRuntime, dict]:
         # The cores the child's threads run on, before the step thread has one to itself.
         layout["cores"] = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         layout["step_core"] = spec.step_core if layout["layout"] in (None, "every_core") else None
-        if layout["step_core"] is not None:
-            pin_step_thread(layout["step_core"], layout["cores"])
+        if layout["step_core"] is not None and not pin_step_thread(layout["step_core"], layout["cores"]):
+            layout["step_core"] = None
         if spec.fault:
             _inject_fault(rt, spec.fault)
     except BaseException:
@@ -200,8 +203,12 @@ class StepLoop:
     never idles while this loop receives, publishes and launches. After a failed step the device
     state is suspect: every later command is refused, each with an error reply."""
 
-    def __init__(self, spec: ChildSpec, sock: zmq.Socket, rt: ChipRuntime, ring: Ring, overlap: bool):
+    def __init__(self, spec: ChildSpec, sock: zmq.Socket, rt: ChipRuntime, ring: Ring, overlap: bool,
+                 layout: dict | None = None):
         self.spec = spec
+        layout = layout or {}
+        self.step_core: int | None = layout.get("step_core")  # this thread's core of its own, if any
+        self.rest = [c for c in layout.get("cores") or () if c != self.step_core]
         self.sock = sock
         self.rt = rt
         self.ring = ring
@@ -309,6 +316,8 @@ class StepLoop:
         self.pending = (cmd.step, launched)
         if not self.overlap:
             self.publish()
+        if self.step_core is not None and cmd.step % KEEP_OFF_EVERY == 0:
+            keep_off_step_core(self.step_core, self.rest)
 
     def publish(self) -> bool:
         """Completes the pending step, if any, and tells the parent (steps are published in
@@ -370,7 +379,7 @@ def serve(spec: ChildSpec) -> None:
             print("chip-child: speculative decoding runs its steps in order (overlap_steps off)", file=sys.stderr,
                   flush=True)
             overlap = False
-        StepLoop(spec, sock, rt, ring, overlap).run()
+        StepLoop(spec, sock, rt, ring, overlap, layout).run()
     finally:
         if rt is not None:
             rt.close()

@@ -17,6 +17,12 @@ from checkpoints import write_hf_checkpoint
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Workers claim a step core machine-wide (l3worker.worker.cpu_placement.claim_core): each test process
+# (pytest-xdist runs several) claims under a name of its own, so the tests that expect their worker
+# to get a step core do not find it held by another test process's worker.
+# Set, not defaulted: pytest-xdist's workers inherit the environment of the process that starts them.
+os.environ["L3WORKER_CORE_CLAIMS"] = f"l3worker-tests-{os.getpid()}"
+
 # A suite started in the background (`cmd &` in a script) inherits SIGINT ignored, and so would
 # every program a test starts, so the Ctrl-C tests could not interrupt them. A handler here is
 # reset to the default in those programs when they start.

@@ -171,7 +171,10 @@ class Served:
     def __init__(self, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None):
         """`command`: what runs `serve` with the arguments that follow (default: `python -m l3worker serve`)."""
         self.tmpdir = private_tmpdir("served-")
-        env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT), **(env or {}))
+        # A step-core claim of its own (l3worker.worker.cpu_placement.claim_core): a worker that
+        # this test process keeps alive must not hold the server's core.
+        env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONPATH=str(ROOT),
+                   L3WORKER_CORE_CLAIMS=f"l3worker-{self.tmpdir.name}", **(env or {}))
         command = command or [sys.executable, "-m", "l3worker", "serve"]
         self.proc = subprocess.Popen([*command, "--port", "0", *args], cwd=ROOT,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

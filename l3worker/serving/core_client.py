@@ -97,7 +97,7 @@ class CoreClient:
         self.router = router  # None: one engine core
         self.error: BaseException | None = None
         self.cpu_layout: str | None = None  # what the core's cpu children run with (its ready reply); None off the cpu
-        self.step_core: int | None = None  # the core a lone engine core's chip-child steps on alone (ready reply)
+        self.step_core: int | None = None  # where a lone engine core's chip-child steps alone (its ready reply)
         self._on_shutdown = on_shutdown  # the launching API server's: stops the processes it started
         self._ctx = zmq.asyncio.Context()
         # A plain socket read from the event loop's own reader on its fd (_on_outputs): every
@@ -193,7 +193,7 @@ class CoreClient:
                     break
         # Data-parallel engines on a cpu each run their own layout: one word when they agree.
         self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
-        if self.router is None and self.step_core is not None:  # one engine core, on this machine
+        if self.step_core is not None:
             move_threads_off([self.step_core])
         loop.add_reader(self._pull.FD, self._on_outputs)
         self._on_outputs()  # what came before the reader: its fd signals only new arrivals
@@ -366,7 +366,7 @@ class CoreClient:
         self._core_healthy[engine], self._core_why[engine] = msg[1], msg[3]
         if len(msg) > 4:
             self._versions[engine] = msg[4]
-        if len(msg) > 5:
+        if len(msg) > 5 and self.router is None:  # one engine core, on this machine
             self.step_core = msg[5]
 
     def _lose(self, engine: int, text: str) -> None:

@@ -12,6 +12,8 @@ Restarts run the layout the first start chose, untimed.
 """
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import asdict, dataclass, field
 
 from chip_child.cpu_layout import LayoutCores, preferred_cpu_layout, read_trial
@@ -19,6 +21,23 @@ from chip_child.device import CorePlan, allowed_cores, default_cpu_threads, plan
 
 # The trial times a prompt and two decode steps: a cache must hold three positions.
 TRIAL_MIN_POSITIONS = 3
+# The machine-wide name under which a worker holds its step core: workers with different names do
+# not see each other's claims (the test suite gives each of its parallel workers one of its own).
+CORE_CLAIMS_ENV = "L3WORKER_CORE_CLAIMS"
+
+
+def claim_core(core: int) -> socket.socket | None:
+    """Holds `core` as one worker's step core, machine-wide, or None where another process (or
+    worker) holds it: an abstract Unix socket's name, which the kernel frees with the socket, so a
+    worker that dies leaves no claim and no file behind. Another server, script or data-parallel
+    engine on the same cores then leaves that core to the first and pins nothing of its own."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # not inherited by the children (PEP 446)
+    try:
+        sock.bind(f"\0{os.environ.get(CORE_CLAIMS_ENV) or 'l3worker'}-step-core-{core}")
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 @dataclass
@@ -34,6 +53,7 @@ class CpuPlacement:
     # The cores the worker was made with: a serving process moves its threads off the step core
     # after the first start (chip_child.device.move_threads_off), and a restart still counts all.
     cores: list[int] = field(default_factory=lambda: allowed_cores())
+    _claim: socket.socket | None = field(default=None, repr=False)  # the step core's, while held
 
     def times(self) -> bool:
         """Whether the next start runs the trial: one child (tensor-parallel ranks step together
@@ -80,13 +100,23 @@ class CpuPlacement:
 
     def step_core(self, children: int, others_pinned: bool) -> int | None:
         """The core a lone cpu child's step thread gets to itself where it runs every_core (fixed,
-        or as the trial may choose), with the parent's socket threads on the others; None where
-        nothing is pinned or there is no other core."""
+        or as the trial may choose), with the parent's socket threads on the others: the first,
+        claimed for this worker's life (claim_core). None where nothing is pinned, there is no
+        other core, the platform has no affinity masks or another worker holds that core."""
+        if self._claim is not None:  # a restart: the core the first start took
+            return self.cores[0]
         every_core = self.start_layout() == "every_core" or self.times()
         if not (self.on_cpu and self.pin_cores and every_core) or others_pinned or children != 1 \
-                or self.tensor_parallel_size != 1 or len(self.cores) < 2:
+                or self.tensor_parallel_size != 1 or len(self.cores) < 2 or not hasattr(os, "sched_setaffinity"):
             return None
-        return self.cores[0]
+        self._claim = claim_core(self.cores[0])
+        return self.cores[0] if self._claim is not None else None
+
+    def release(self) -> None:
+        """Gives the step core back (the worker closed, or its child did not take it)."""
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
 
     def started(self, trial: dict | None, chosen: str | None, step_core: int | None = None) -> None:
         """After a start: keep the trial's choice for later starts, and move this process's socket
@@ -97,6 +127,8 @@ class CpuPlacement:
                 repin_socket_threads(read_trial(trial)[1].socket_cores(chosen))
         if step_core is not None:
             repin_socket_threads([c for c in self.cores if c != step_core])
+        else:  # the trial chose spare_core, or the child could not pin its threads
+            self.release()
 
     def in_use(self, info: dict, children: int) -> str | None:
         """The layout `children` cpu children whose first reported `info` run with: what the

@@ -371,6 +371,7 @@ class DistributedWorker(RolloutControls, LoraControls):
             os.close(self._wake_fd)
             self._wake_fd = None
         self._core_plan = None  # its cores are free for another worker
+        self._placement.release()
         if self._state != "closed" and self.engine.error is None:
             self.engine.fail(WorkerError("the worker was closed"))
         self._state = "closed"

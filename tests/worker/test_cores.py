@@ -25,6 +25,17 @@ def ckpt(make_checkpoint) -> Path:
     return make_checkpoint("default")
 
 
+@pytest.fixture
+def sole_worker() -> None:
+    """A worker of another test module that this process keeps alive (a module-scoped fixture,
+    under pytest-xdist) holds its cores, and the workers made here then pin nothing, as they
+    should: the tests that check the pins skip."""
+    from l3worker.worker.distributed_worker import _live_workers
+
+    if any(w._core_plan or w.step_core is not None or w._placement._claim is not None for w in _live_workers):
+        pytest.skip("another live worker of this process holds its cores")
+
+
 def zmq_threads(pid: int) -> list[int]:
     """The ids of a process's ZeroMQ background threads (named ZMQbg/... by libzmq)."""
     task = f"/proc/{pid}/task"
@@ -32,6 +43,7 @@ def zmq_threads(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+@pytest.mark.usefixtures("sole_worker")
 def test_cpu_child_computes_on_its_own_cores_and_socket_threads_on_the_rest(ckpt: Path) -> None:
     plan = plan_cores(1, 1)
     if plan is None:
@@ -84,6 +96,7 @@ def layout_metric(w: DistributedWorker) -> dict[str, float]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+@pytest.mark.usefixtures("sole_worker")
 def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: Path) -> None:
     if len(allowed_cores()) < 2:
         pytest.skip("one core: nothing to choose")
@@ -107,6 +120,7 @@ def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: 
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+@pytest.mark.usefixtures("sole_worker")
 def test_auto_preferring_every_core_starts_and_runs_as_that_layout_fixed(ckpt: Path, monkeypatch) -> None:
     """The rule prefers every core (the threshold lowered for the test's small model): the child
     starts unpinned on every core, and whatever the trial keeps, every thread, the child's and
@@ -132,6 +146,7 @@ def test_auto_preferring_every_core_starts_and_runs_as_that_layout_fixed(ckpt: P
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+@pytest.mark.usefixtures("sole_worker")
 def test_explicit_layouts_are_not_timed_and_are_reported(ckpt: Path) -> None:
     if len(allowed_cores()) < 2:
         pytest.skip("one core: both layouts are one thread")
@@ -147,6 +162,7 @@ def test_explicit_layouts_are_not_timed_and_are_reported(ckpt: Path) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+@pytest.mark.usefixtures("sole_worker")
 def test_a_restart_forked_from_threads_kept_off_the_step_core_gets_every_core_again(ckpt: Path) -> None:
     """A serving process moves its threads off the step core after the first start (the engine
     core, the API server): the child that a restart forks from them must still get every core,
@@ -196,6 +212,7 @@ def test_the_users_openmp_wait_settings_win() -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+@pytest.mark.usefixtures("sole_worker")
 def test_a_second_worker_is_left_unpinned_while_the_first_holds_its_cores(ckpt: Path) -> None:
     plan = plan_cores(1, 1)
     if plan is None:
@@ -287,23 +304,84 @@ def test_core_plan_leaves_a_core_over_or_pins_nothing(monkeypatch) -> None:
 
 
 def test_the_step_core_is_the_first_core_of_a_lone_child_on_every_core(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_placement.CORE_CLAIMS_ENV, f"l3worker-unit-{os.getpid()}")
     for module in (device, cpu_placement):
         monkeypatch.setattr(module, "allowed_cores", lambda: [2, 3, 5])
-    every = placement(layout="every_core")
-    assert every.step_core(1, others_pinned=False) == 2
-    assert placement().step_core(1, False) == 2  # auto with a trial: the child keeps it if it keeps every core
-    assert placement(layout="spare_core").step_core(1, False) is None
-    assert placement(layout="every_core", pin_cores=False).step_core(1, False) is None
-    assert placement(layout="every_core", on_cpu=False).step_core(1, False) is None
-    assert every.step_core(1, others_pinned=True) is None  # another worker of this process pinned its cores
-    assert every.step_core(2, False) is None  # two children: no core to spare for each
-    assert placement(layout="every_core", tensor_parallel_size=2).step_core(1, False) is None
-    chosen = placement()
-    chosen.chosen = "spare_core"  # a restart after the trial chose spare_core
-    assert chosen.step_core(1, False) is None
+
+    def step_core(children: int = 1, others_pinned: bool = False, **fields) -> int | None:
+        p = placement(**fields)
+        try:
+            return p.step_core(children, others_pinned)
+        finally:
+            p.release()
+
+    assert step_core(layout="every_core") == 2
+    assert step_core() == 2  # auto with a trial: the child keeps it if it keeps every core
+    assert step_core(layout="spare_core") is None
+    assert step_core(layout="every_core", pin_cores=False) is None
+    assert step_core(layout="every_core", on_cpu=False) is None
+    assert step_core(others_pinned=True, layout="every_core") is None  # another worker of this process pinned
+    assert step_core(2, layout="every_core") is None  # two children: no core to spare for each
+    assert step_core(layout="every_core", tensor_parallel_size=2) is None
+    assert step_core(chosen="spare_core") is None  # a restart after the trial chose spare_core
+    # One worker on the machine holds it; a restart keeps it; a child that did not take it frees it.
+    first = placement(layout="every_core")
+    assert first.step_core(1, False) == 2
+    assert step_core(layout="every_core") is None
+    assert first.step_core(1, False) == 2
+    first.started(None, None, step_core=None)
+    assert step_core(layout="every_core") == 2
     # The cores it was made with count, whatever this thread's mask became since.
+    every = placement(layout="every_core")
     monkeypatch.setattr(device, "allowed_cores", lambda: [3, 5])
     monkeypatch.setattr(cpu_placement, "allowed_cores", lambda: [3, 5])
     assert every.threads(1) == 3 and every.step_core(1, False) == 2
+    every.release()
     monkeypatch.setattr(cpu_placement, "allowed_cores", lambda: [0])
-    assert placement(layout="every_core").step_core(1, False) is None  # one core
+    assert step_core(layout="every_core") is None  # one core
+
+
+def test_a_step_core_is_claimed_once_on_the_machine(monkeypatch) -> None:
+    """The claim is an abstract socket name: a second claim fails in this process and in another,
+    and it is free again once the socket is closed."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv(cpu_placement.CORE_CLAIMS_ENV, f"l3worker-claims-{os.getpid()}")
+    first, other = cpu_placement.claim_core(3), cpu_placement.claim_core(4)
+    try:
+        assert first is not None and other is not None and cpu_placement.claim_core(3) is None
+        code = "import sys; from l3worker.worker.cpu_placement import claim_core; sys.exit(claim_core(3) is not None)"
+        assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], timeout=120).returncode == 0
+    finally:
+        first.close()
+        other.close()
+    again = cpu_placement.claim_core(3)
+    assert again is not None
+    again.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
+def test_threads_the_step_thread_starts_later_are_moved_off_its_core() -> None:
+    """A thread started by the step thread after pin_step_thread inherits its one core (a lazily made
+    pool); keep_off_step_core, which the child's step loop calls every KEEP_OFF_EVERY steps, moves it
+    to the rest and leaves the step thread where it is."""
+    import threading
+
+    cores = allowed_cores()
+    if len(cores) < 2:
+        pytest.skip("one core: no core of its own for the step thread")
+    stop, late = threading.Event(), None
+    try:
+        assert device.pin_step_thread(cores[0], cores)  # this thread is the step thread
+        late = threading.Thread(target=stop.wait)
+        late.start()
+        assert os.sched_getaffinity(late.native_id) == {cores[0]}
+        device.keep_off_step_core(cores[0], cores[1:])
+        assert os.sched_getaffinity(late.native_id) == set(cores[1:])
+        assert os.sched_getaffinity(0) == {cores[0]}
+    finally:
+        stop.set()
+        if late is not None:
+            late.join()
+        device.pin_threads(lambda *_: cores)  # this test process's threads, as they were
