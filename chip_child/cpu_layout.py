@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from chip_child.device import is_socket_thread, process_threads
+from chip_child.device import is_socket_thread, pin_threads
 from chip_child.models.loader import ModelConfig
 
 # Weight elements a decode step reads from which every core is preferred: between the 230k- and
@@ -159,10 +159,5 @@ def set_layout(layout: str, cores: LayoutCores) -> None:
     """Every thread of this process on the layout's cores (OpenMP workers started under
     every_core stay outside spare_core's smaller team), socket threads where that layout puts
     them, and the layout's intra-op thread count."""
-    for tid, name in process_threads().items():
-        mask = cores.socket_cores(layout) if is_socket_thread(name) else cores.mask(layout)
-        try:
-            os.sched_setaffinity(tid, mask)
-        except OSError:  # a thread that just ended
-            pass
+    pin_threads(lambda _, name: cores.socket_cores(layout) if is_socket_thread(name) else cores.mask(layout))
     torch.set_num_threads(cores.threads(layout))

@@ -209,12 +209,12 @@ def keep_off_step_core(step_core: int, rest: list[int]) -> None:
     pin_threads(mask_of)
 
 
-def move_threads_off(cores: list[int]) -> list[int]:
+def move_threads_off(step_core: int | None) -> list[int]:
     """Every thread of this process (and the threads and processes it starts from then on) on
-    this thread's cores less `cores`, a cpu child's step core; none moved where that leaves
-    nothing. Returns the cores they run on."""
-    mask = [c for c in allowed_cores() if c not in cores]
-    if mask:
+    this thread's cores less a cpu child's `step_core`; none moved where there is no step core or
+    no other core. Returns the cores they run on."""
+    mask = [c for c in allowed_cores() if c != step_core]
+    if step_core is not None and mask:
         pin_threads(lambda *_: mask)
     return mask or allowed_cores()
 

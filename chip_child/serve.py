@@ -203,12 +203,10 @@ class StepLoop:
     never idles while this loop receives, publishes and launches. After a failed step the device
     state is suspect: every later command is refused, each with an error reply."""
 
-    def __init__(self, spec: ChildSpec, sock: zmq.Socket, rt: ChipRuntime, ring: Ring, overlap: bool,
-                 layout: dict | None = None):
+    def __init__(self, spec: ChildSpec, sock: zmq.Socket, rt: ChipRuntime, ring: Ring, overlap: bool, layout: dict):
         self.spec = spec
-        layout = layout or {}
-        self.step_core: int | None = layout.get("step_core")  # this thread's core of its own, if any
-        self.rest = [c for c in layout.get("cores") or () if c != self.step_core]
+        self.step_core: int | None = layout["step_core"]  # this thread's core of its own (start_runtime)
+        self.rest = [c for c in layout["cores"] or () if c != self.step_core]
         self.sock = sock
         self.rt = rt
         self.ring = ring

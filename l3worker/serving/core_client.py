@@ -193,8 +193,7 @@ class CoreClient:
                     break
         # Data-parallel engines on a cpu each run their own layout: one word when they agree.
         self.cpu_layout = "/".join(dict.fromkeys(x for x in layouts if x)) or None
-        if self.step_core is not None:
-            move_threads_off([self.step_core])
+        move_threads_off(self.step_core)
         loop.add_reader(self._pull.FD, self._on_outputs)
         self._on_outputs()  # what came before the reader: its fd signals only new arrivals
         self._tasks = [*(asyncio.ensure_future(self._read_control(e)) for e in range(len(self._controls))),

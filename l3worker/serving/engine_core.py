@@ -101,8 +101,7 @@ class EngineCore:
         parent = os.pidfd_open(self.config.parent_pid)
         try:
             self.worker.prepare()
-            if self.worker.step_core is not None:  # the core of the chip-child's step thread is its own
-                move_threads_off([self.worker.step_core])
+            move_threads_off(self.worker.step_core)  # the core of the chip-child's step thread is its own
             if os.environ.get(STEP_TRACE_ENV):
                 self.engine.output_processor.recorder = GenerateStats()
             self.engine.driven_by_loop_thread = True

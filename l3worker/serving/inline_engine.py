@@ -60,8 +60,7 @@ class InlineEngine(AsyncEngine):
             return
         self._loop = asyncio.get_running_loop()
         await self._loop.run_in_executor(None, self.worker.prepare)
-        if self.worker.step_core is not None:  # the core of the chip-child's step thread is its own
-            move_threads_off([self.worker.step_core])
+        move_threads_off(self.worker.step_core)  # the core of the chip-child's step thread is its own
         if (why := inline_refusal(1, 1, False)) or self.engine.wake_fd is None:
             raise RuntimeError(why or "--inline-engine: the chip-child has no eventfd to wake the event loop with")
         self.engine.driven_by_loop_thread = True  # controls queue for the loop, which hands them off

@@ -274,8 +274,9 @@ class DistributedWorker(RolloutControls, LoraControls):
         cfg, plan, gen, layout = self.runtime_config, self._core_plan, self._generation, self.layout
         world = layout.tensor_parallel_size
         threads = self._placement.threads(len(self.device_ids))
-        trial = self._placement.trial(others_pinned=self._others_pinned())
-        step_core = self._placement.step_core(len(self.device_ids), self._others_pinned())
+        others_pinned = self._others_pinned()
+        trial = self._placement.trial(others_pinned=others_pinned)
+        step_core = self._placement.step_core(len(self.device_ids), others_pinned)
         cores = self._placement.cores if step_core is not None else None
         fault = self._faults[gen] if gen < len(self._faults) else None
         self._generation += 1

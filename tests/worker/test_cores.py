@@ -180,7 +180,7 @@ def test_a_restart_forked_from_threads_kept_off_the_step_core_gets_every_core_ag
         with DistributedWorker(ckpt, **options) as second:  # its step thread would share the first's core
             assert second.step_core is None
         try:
-            assert device.move_threads_off([w.step_core]) == cores[1:]
+            assert device.move_threads_off(w.step_core) == cores[1:]
             assert all(os.sched_getaffinity(t) == set(cores[1:]) for t in device.process_threads())
             got = w.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
             assert w.engine.metrics.value("l3worker:engine_restarts_total") == 1 and w.child_pids[0] != first
