@@ -17,7 +17,6 @@ import sys
 from typing import Callable, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from chip_child.attention import AttentionBackend, StepPlan
 from chip_child.config import RuntimeConfig
@@ -172,7 +171,12 @@ class DecodeLayers:
         # whose addresses follow their storage (sleep frees and reallocates it).
         self._caches = [tuple(rt.attn.layer_cache(i).unbind(0)) for i in range(len(rt.weights.layers))]
         self._built_for: tuple[int, ...] = ()  # the addresses the layer table holds
+        # The addresses are read again only after something may have moved them: a control (sleep,
+        # wake-up, new weights; RuntimeControls calls weights_moved). Reading them takes about 70 us,
+        # a twentieth of a 27M model's decode step on two cores.
+        self._moved = True
         self._work_per_row = 0
+        self._step_buffers: dict[int, tuple[torch.Tensor, ...]] = {}  # by row count (_buffers)
         # Steps of up to this many rows run their projections and attention on the step team
         # (step_team.h) instead of an OpenMP region each; 0: none do.
         self.team_rows = 0
@@ -193,9 +197,13 @@ class DecodeLayers:
             return None
         return cls(lib, rt, rt.kernel_checks)
 
+    def weights_moved(self) -> None:
+        """Something may have moved a weight or a cache: the next step reads every address again.
+        The runtime's controls call it; anything else that moves one (a test) must too."""
+        self._moved = True
+
     def _addresses(self) -> tuple[int, ...]:
-        """Every address the layer table holds, in its order: read again each step (about 10 us for
-        12 layers), since a weight update, sleep or a test may move any of them."""
+        """Every address the layer table holds, in its order."""
         out = []
         for lw, (k, v) in zip(self.rt.weights.layers, self._caches):
             qk_norm = 0 if lw.qk_norm is None else lw.qk_norm.data_ptr()
@@ -228,6 +236,7 @@ class DecodeLayers:
                              mc.intermediate_size, k.stride(0), k.stride(1), k.shape[2], rt.weights.eps_value,
                              rt.attn.spec.softmax_scale)
         self._work_per_row = self.lib.l3_decode_layers_work(self._model)
+        self._step_buffers = {}
         self._built_for = addresses
         # The team runs units on the AVX-512 kernels' one-thread entries (a block, a pair) alone:
         # every projection must have one (an AMX one has none), or no stage runs there.
@@ -246,9 +255,11 @@ class DecodeLayers:
         hidden states must be equal, or the layer-by-layer path serves from then on."""
         if self.refused or not step.extra.get("kernel_decode"):  # a step the cpu attention kernel does not take
             return reference()
-        addresses = self._addresses()
-        if addresses != self._built_for:
-            self._build(addresses)
+        if self._moved:
+            addresses = self._addresses()
+            if addresses != self._built_for:
+                self._build(addresses)
+            self._moved = False
         meta, rt = step.meta, self.rt
         rows = tokens.shape[0]
         table, lens = meta.block_table, meta.seq_lens
@@ -256,14 +267,13 @@ class DecodeLayers:
                 or not positions.is_contiguous()):
             return reference()
         want = None if self.verified else reference()
-        h = F.embedding(tokens, rt.weights.embed)
-        delta = torch.empty_like(h)
-        work = torch.empty(rows * self._work_per_row, dtype=torch.bfloat16)
+        h, delta, work, hidden = self._buffers(rows)
+        torch.index_select(rt.weights.embed, 0, tokens, out=h)  # the embedding, into the step's own buffer
         s = _Step(rows, rt.rope.data_ptr(), positions.data_ptr(), int(positions.dtype == torch.int64),
                   table.data_ptr(), table.stride(0), lens.data_ptr(), step.extra["slots"].data_ptr(),
                   torch.get_num_threads(), int(rows <= self.team_rows))
         self.lib.l3_decode_layers(self._model, s, h.data_ptr(), delta.data_ptr(), work.data_ptr())
-        hidden = h + delta
+        torch.add(h, delta, out=hidden)
         if want is not None:
             same = torch.equal(hidden, want)
             error = ((hidden.float() - want.float()).abs().max() / want.float().abs().max()).item()
@@ -275,6 +285,18 @@ class DecodeLayers:
                 self.refused = True
                 return want
         return hidden
+
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The embedded tokens, the last layer's delta, the kernels' scratch and the hidden states for
+        a step of `rows` rows: made at the first such step, reused by the later ones (the hidden
+        states are read before the next step begins)."""
+        bufs = self._step_buffers.get(rows)
+        if bufs is None:
+            n = self.rt.model_cfg.hidden_size
+            bufs = self._step_buffers[rows] = (*(torch.empty(rows, n, dtype=torch.bfloat16) for _ in range(2)),
+                                               torch.empty(rows * self._work_per_row, dtype=torch.bfloat16),
+                                               torch.empty(rows, n, dtype=torch.bfloat16))
+        return bufs
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """qwen3.final_logits of the last layer's hidden states (into `out` when given), its lm_head

@@ -18,9 +18,16 @@ class RuntimeControls:
         self.sleeper = Sleeper(rt.state["kv_cache"], rt.weights, rt.device)
         self._updater: WeightUpdater | None = None
 
-    @torch.inference_mode()  # the pool's tensors are inference tensors
     def handle(self, name: str, args: dict) -> dict:
         """Runs one control; ValueError for what it cannot take (the child goes on serving)."""
+        try:
+            return self._handle(name, args)
+        finally:  # one that failed half-way may have moved tensors too
+            if self.rt.decode_layers is not None:
+                self.rt.decode_layers.weights_moved()
+
+    @torch.inference_mode()  # the pool's tensors are inference tensors
+    def _handle(self, name: str, args: dict) -> dict:
         if name == "sleep":
             return self.sleeper.sleep(args.get("level", 1))
         if name == "wake_up":

@@ -32,9 +32,9 @@ class LiveLanes:
 def live_lanes(v: dict[str, torch.Tensor], active: np.ndarray, seq_lens_host: np.ndarray | None) -> LiveLanes | None:
     """The active lanes' inputs packed, or None where every lane of `v` is active (or none is)."""
     lanes = v["input_ids"].shape[0]
-    live = np.flatnonzero(active[:lanes])
-    if live.size in (0, lanes):
+    if np.count_nonzero(active[:lanes]) in (0, lanes):  # the common case, without an index array
         return None
+    live = np.flatnonzero(active[:lanes])
     index = torch.from_numpy(live)
     inputs = {name: v[name].index_select(0, index) for name in _PER_LANE}
     inputs["lane_starts"] = v["lane_starts"][:live.size + 1]  # one token per lane: 0, 1, ..., n

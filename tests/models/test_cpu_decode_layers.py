@@ -155,3 +155,28 @@ def test_after_sleep_and_wake_up_it_gives_the_same_tokens(tmp_path) -> None:
         assert_same(LocalDriver(rt).run(REQUESTS, keep_logits=True), before)
     finally:
         rt.close()
+
+
+@needs_kernel
+def test_addresses_are_read_again_only_after_a_control(tmp_path, monkeypatch) -> None:
+    """Reading every weight's and cache's address costs tens of microseconds a step on a small
+    model: steady steps reuse the table, and any control (which may move a tensor), even one that
+    fails, has the next step read them again."""
+    rt = runtime(checkpoint(tmp_path / "ck"), enable_sleep_mode=True)
+    reads = []
+    real = decode_layers.DecodeLayers._addresses
+    monkeypatch.setattr(decode_layers.DecodeLayers, "_addresses", lambda self: reads.append(1) or real(self))
+    try:
+        before = LocalDriver(rt).run(REQUESTS, keep_logits=True)
+        assert reads == []  # warm-up's step read them
+        controls = RuntimeControls(rt)
+        controls.handle("sleep", {"level": 1})
+        controls.handle("wake_up", {})
+        assert_same(LocalDriver(rt).run(REQUESTS, keep_logits=True), before)
+        assert reads == [1]
+        with pytest.raises(ValueError, match="unknown control"):
+            controls.handle("no_such_control", {})
+        LocalDriver(rt).run(REQUESTS[:1])
+        assert reads == [1, 1]
+    finally:
+        rt.close()
