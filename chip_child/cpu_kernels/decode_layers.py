@@ -172,11 +172,12 @@ class DecodeLayers:
         self._caches = [tuple(rt.attn.layer_cache(i).unbind(0)) for i in range(len(rt.weights.layers))]
         self._built_for: tuple[int, ...] = ()  # the addresses the layer table holds
         # The addresses are read again only after something may have moved them: a control (sleep,
-        # wake-up, new weights; RuntimeControls calls weights_moved). Reading them takes about 70 us,
-        # a twentieth of a 27M model's decode step on two cores.
+        # wake-up, new weights; RuntimeControls calls weights_moved). Reading them every step took
+        # tens of microseconds of a 27M model's 1.3 ms decode step on two cores.
         self._moved = True
         self._work_per_row = 0
-        self._step_buffers: dict[int, tuple[torch.Tensor, ...]] = {}  # by row count (_buffers)
+        self._step_buffers: dict[int, tuple[torch.Tensor, ...]] = {}  # views of _widest's, by row count
+        self._widest: tuple[torch.Tensor, ...] = ()  # the buffers for the most rows a step has had
         # Steps of up to this many rows run their projections and attention on the step team
         # (step_team.h) instead of an OpenMP region each; 0: none do.
         self.team_rows = 0
@@ -236,7 +237,7 @@ class DecodeLayers:
                              mc.intermediate_size, k.stride(0), k.stride(1), k.shape[2], rt.weights.eps_value,
                              rt.attn.spec.softmax_scale)
         self._work_per_row = self.lib.l3_decode_layers_work(self._model)
-        self._step_buffers = {}
+        self._step_buffers, self._widest = {}, ()
         self._built_for = addresses
         # The team runs units on the AVX-512 kernels' one-thread entries (a block, a pair) alone:
         # every projection must have one (an AMX one has none), or no stage runs there.
@@ -288,14 +289,18 @@ class DecodeLayers:
 
     def _buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
         """The embedded tokens, the last layer's delta, the kernels' scratch and the hidden states for
-        a step of `rows` rows: made at the first such step, reused by the later ones (the hidden
-        states are read before the next step begins)."""
+        a step of `rows` rows: the first rows of one set sized for the most rows a step has had, so
+        the memory is one step's at the widest (the hidden states are read before the next step)."""
         bufs = self._step_buffers.get(rows)
         if bufs is None:
-            n = self.rt.model_cfg.hidden_size
-            bufs = self._step_buffers[rows] = (*(torch.empty(rows, n, dtype=torch.bfloat16) for _ in range(2)),
-                                               torch.empty(rows * self._work_per_row, dtype=torch.bfloat16),
-                                               torch.empty(rows, n, dtype=torch.bfloat16))
+            if not self._widest or self._widest[0].shape[0] < rows:
+                n = self.rt.model_cfg.hidden_size
+                self._widest = (*(torch.empty(rows, n, dtype=torch.bfloat16) for _ in range(2)),
+                                torch.empty(rows * self._work_per_row, dtype=torch.bfloat16),
+                                torch.empty(rows, n, dtype=torch.bfloat16))
+                self._step_buffers = {}  # views of the smaller set
+            h, delta, work, hidden = self._widest
+            bufs = self._step_buffers[rows] = (h[:rows], delta[:rows], work[:rows * self._work_per_row], hidden[:rows])
         return bufs
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -160,8 +160,8 @@ def test_after_sleep_and_wake_up_it_gives_the_same_tokens(tmp_path) -> None:
 @needs_kernel
 def test_addresses_are_read_again_only_after_a_control(tmp_path, monkeypatch) -> None:
     """Reading every weight's and cache's address costs tens of microseconds a step on a small
-    model: steady steps reuse the table, and any control (which may move a tensor), even one that
-    fails, has the next step read them again."""
+    model: steady steps reuse the table; after a sleep and wake-up (which move the tensors) the
+    next step reads them again and gives the same bits, and so it does after a control that fails."""
     rt = runtime(checkpoint(tmp_path / "ck"), enable_sleep_mode=True)
     reads = []
     real = decode_layers.DecodeLayers._addresses
@@ -180,3 +180,23 @@ def test_addresses_are_read_again_only_after_a_control(tmp_path, monkeypatch) ->
         assert reads == [1, 1]
     finally:
         rt.close()
+
+
+@needs_kernel
+def test_the_step_buffers_are_one_set_sized_for_the_widest_step(tmp_path, monkeypatch) -> None:
+    """Steps of 1, then 3, then 1 row: every row count's buffers are views of one set (the memory of
+    the widest step, not one set per row count), and each run gives the layer-by-layer bits."""
+    path = checkpoint(tmp_path / "ck")
+    rt = runtime(path)
+    try:
+        runs = [LocalDriver(rt).run(batch, keep_logits=True) for batch in (REQUESTS[:1], REQUESTS, REQUESTS[:1])]
+        layers = rt.decode_layers
+        widest = layers._widest
+        assert widest[0].shape[0] >= 3
+        assert 1 in layers._step_buffers and len(layers._step_buffers) > 1
+        assert all(b.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+                   for bufs in layers._step_buffers.values() for b, w in zip(bufs, widest))
+    finally:
+        rt.close()
+    assert_same(runs[0], runs[2])
+    assert_same(runs[1], layer_by_layer(monkeypatch, path))
