@@ -172,6 +172,7 @@ def test_addresses_are_read_again_only_after_a_control(tmp_path, monkeypatch) ->
         controls = RuntimeControls(rt)
         controls.handle("sleep", {"level": 1})
         controls.handle("wake_up", {})
+        assert rt.decode_layers._moved  # else the next step would run on the freed addresses
         assert_same(LocalDriver(rt).run(REQUESTS, keep_logits=True), before)
         assert reads == [1]
         with pytest.raises(ValueError, match="unknown control"):
