@@ -11,7 +11,7 @@ import os
 KERNELS = ("add_rms_norm", "qk_norm_rope", "silu_mul", "moe", "fp8_gemm", "attention", "cpu_bf16_linear",
            "cpu_bf16_linear_avx2", "cpu_bf16_amx", "cpu_decode_attention", "cpu_decode_attention_avx2",
            "cpu_layer_ops", "cpu_layer_ops_avx2", "cpu_sampling_noise", "cpu_decode_layers",
-           "cpu_step_team")
+           "cpu_step_team", "cpu_decode_head")
 
 
 def forced_reference() -> set[str]:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The host's own work in a bf16 cpu decode step: the chip runtime's step at batch 1 in a loop in
 this process (the benchmarks' floor: no parent, no IPC), split into the one C call that runs every
-layer (chip_child.cpu_kernels.decode_layers), the lm_head on the step team, and the rest: Python,
-torch's dispatch and the sampler, which the model does not need and a small model pays for at
-every token.
+layer (chip_child.cpu_kernels.decode_layers), the lm_head on the step team (in the greedy head's
+one C call with the final norm and the pick, where that runs), and the rest: Python, torch's
+dispatch and the sampler, which the model does not need and a small model pays for at every token.
 
     python scripts/bench_step_host.py --model ../peers/ck-27m --repeats 6
     PYTHONPATH=../base python scripts/bench_step_host.py --model ...   # another checkout, to alternate with
@@ -28,7 +28,7 @@ from bench_common import Floor, compute_cores, digest, pinned  # noqa: E402
 
 
 class Timed:
-    """Seconds spent in the decode layers' C call and in the team's lm_head, summed."""
+    """Seconds spent in the decode layers' C call and in the team's lm_head or the greedy head, summed."""
 
     def __init__(self, layers) -> None:
         self.layers_s = self.head_s = 0.0
@@ -42,6 +42,11 @@ class Timed:
                 t0 = time.perf_counter()
                 lib.l3_decode_layers(*args)
                 self.layers_s += time.perf_counter() - t0
+
+            def l3_decode_head(_, *args):  # the final norm, the lm_head and the greedy pick
+                t0 = time.perf_counter()
+                lib.l3_decode_head(*args)
+                self.head_s += time.perf_counter() - t0
 
         def timed_head(x):
             t0 = time.perf_counter()

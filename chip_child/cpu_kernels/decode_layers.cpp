@@ -5,6 +5,9 @@
 // their own libraries (layer_ops, bf16_linear / bf16_amx, decode_attention), each already built and
 // checked on its own; this file only sequences them.
 #include <stdint.h>
+#include <string.h>
+
+#include <vector>
 
 #include "bf16_packing.h"
 #include "layer_ops_split.h"
@@ -77,6 +80,13 @@ struct Step {
   int team;  // 1: the projections and attention run on step_team.h's team, not OpenMP regions
 };
 
+// A greedy decode step's end: the final norm, the packed lm_head and the pick (l3_decode_head).
+struct Head {
+  const uint16_t* norm;
+  Projection lm_head;
+  int64_t vocab;
+};
+
 }  // extern "C"
 
 namespace {
@@ -122,13 +132,56 @@ struct AttentionJob {
   static void run(const void* ctx, int64_t pair) { ((const AttentionJob*)ctx)->attend((int)(-1 - pair)); }
 };
 
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Whether `a` takes the place of `b` as the largest so far, as argmax sees it: NaN above every
+// number and the first of equals kept.
+inline bool beats(float a, float b) { return a != a ? b == b : a > b; }
+
+// The lm_head on the team: a unit is one packed block of PACK_BLOCK vocabulary ids, which it also
+// widens to fp32 into the logits and picks the block's largest from per row while the block is in
+// L1, so the caller only compares the blocks' picks.
+struct HeadJob {
+  const Projection* p;
+  const uint16_t* x;
+  uint16_t* y;
+  float* logits;
+  int64_t ldl, M, N, K, blocks;
+  float* best;        // [M, blocks]
+  int64_t* best_id;   // [M, blocks]
+
+  static void run(const void* ctx, int64_t b) {
+    const HeadJob& j = *(const HeadJob*)ctx;
+    j.p->blocks(j.x, j.K, j.p->packed, j.y, j.N, j.M, j.N, j.K, b, b + 1);
+    const int64_t lo = b * l3::PACK_BLOCK, hi = lo + l3::PACK_BLOCK < j.N ? lo + l3::PACK_BLOCK : j.N;
+    for (int64_t t = 0; t < j.M; ++t) {
+      const uint16_t* y = j.y + t * j.N;
+      float* out = j.logits + t * j.ldl;
+      float top = bf16_to_float(y[lo]);
+      int64_t at = lo;
+      for (int64_t n = lo; n < hi; ++n) {
+        const float f = out[n] = bf16_to_float(y[n]);
+        if (beats(f, top)) top = f, at = n;
+      }
+      j.best[t * j.blocks + b] = top;
+      j.best_id[t * j.blocks + b] = at;
+    }
+  }
+};
+
 }  // namespace
 
 extern "C" {
 
 // The sizes the Python side's ctypes structures must agree with (its load-time check).
 int64_t l3_decode_layers_abi(int64_t what) {
-  return what == 0 ? (int64_t)sizeof(Layer) : what == 1 ? (int64_t)sizeof(Model) : (int64_t)sizeof(Step);
+  return what == 0 ? (int64_t)sizeof(Layer) : what == 1 ? (int64_t)sizeof(Model)
+         : what == 2 ? (int64_t)sizeof(Step) : (int64_t)sizeof(Head);
 }
 
 // The most rows a step may have to run on the step team: where every layer op stays on one thread.
@@ -205,6 +258,28 @@ void l3_decode_layers(const Model* m, const Step* s, uint16_t* h, uint16_t* delt
     linear(L.gate_up, x, H, gate_up, 2 * I, H);
     m->silu_mul(gate_up, 2 * I, act, T, I);
     linear(L.down, act, I, delta, H, I);
+  }
+}
+
+// The end of a greedy decode step of `rows` rows after l3_decode_layers, as final_logits and the
+// sampler's first_max do it in Python, with the same kernels: hidden = h + delta and x its final
+// norm (m's add_rms_norm), y = x @ lm_head^T in bf16 on the step team of `threads`, the fp32
+// logits [rows, vocab] (row stride ldl) and each row's argmax into ids. x [rows, hidden] and
+// y [rows, vocab] are scratch.
+void l3_decode_head(const Model* m, const Head* head, int64_t rows, const uint16_t* h, const uint16_t* delta,
+                    uint16_t* hidden, uint16_t* x, uint16_t* y, float* logits, int64_t ldl, int64_t* ids,
+                    int threads) {
+  const int64_t H = m->hidden, V = head->vocab, blocks = (V + l3::PACK_BLOCK - 1) / l3::PACK_BLOCK;
+  m->add_rms_norm(h, H, delta, H, head->norm, m->eps, hidden, H, x, H, rows, H);
+  std::vector<float> best(rows * blocks);
+  std::vector<int64_t> best_id(rows * blocks);
+  const HeadJob job{&head->lm_head, x, y, logits, ldl, rows, V, H, blocks, best.data(), best_id.data()};
+  l3::step_team(threads).run(&HeadJob::run, &job, blocks);
+  for (int64_t t = 0; t < rows; ++t) {
+    int64_t at = 0;
+    for (int64_t b = 1; b < blocks; ++b)
+      if (beats(best[t * blocks + b], best[t * blocks + at])) at = b;
+    ids[t] = best_id[t * blocks + at];
   }
 }
 

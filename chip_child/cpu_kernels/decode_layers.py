@@ -26,6 +26,7 @@ from chip_child.models.kernel_checks import KernelVerdict
 from chip_child.models.loader import ModelConfig
 from chip_child.models.prepack import PackedLinear
 from chip_child.models.qwen3 import PROJECTIONS, LayerWeights, Qwen3Weights, final_logits
+from chip_child.sampling.sampler import first_max
 
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 LAYER_OPS = ("add_rms_norm", "qk_norm_rope", "silu_mul")  # the kernel checks these must have passed
@@ -53,6 +54,10 @@ class _Step(ctypes.Structure):
                 ("table_stride", _I64), ("seq_lens", _PTR), ("slots", _PTR), ("threads", _INT), ("team", _INT)]
 
 
+class _Head(ctypes.Structure):
+    _fields_ = [("norm", _PTR), ("lm_head", _Projection), ("vocab", _I64)]
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.l3_decode_layers_abi.argtypes, lib.l3_decode_layers_abi.restype = [_I64], _I64
     lib.l3_decode_layers_work.argtypes, lib.l3_decode_layers_work.restype = [ctypes.POINTER(_Model)], _I64
@@ -62,6 +67,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.l3_decode_layers_team_rows.restype = _I64
     lib.l3_team_linear.argtypes = [ctypes.POINTER(_Projection), _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _INT]
     lib.l3_team_linear.restype = None
+    lib.l3_decode_head.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Head), _I64, _PTR, _PTR, _PTR, _PTR, _PTR,
+                                   _PTR, _I64, _PTR, _INT]
+    lib.l3_decode_head.restype = None
     lib.l3_step_team_hold.argtypes, lib.l3_step_team_hold.restype = [_INT], None
     lib.l3_step_team_helper_units.argtypes, lib.l3_step_team_helper_units.restype = [], _I64
     return lib
@@ -70,8 +78,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 def check_abi(lib: ctypes.CDLL) -> float:
     """0 where the C structures are the sizes of their ctypes mirrors, else infinite: the driver
     has no arithmetic of its own to check (the model-level check is DecodeLayers' first step)."""
-    sizes = [ctypes.sizeof(s) for s in (_Layer, _Model, _Step)]
-    return 0.0 if [lib.l3_decode_layers_abi(i) for i in range(3)] == sizes else float("inf")
+    sizes = [ctypes.sizeof(s) for s in (_Layer, _Model, _Step, _Head)]
+    return 0.0 if [lib.l3_decode_layers_abi(i) for i in range(4)] == sizes else float("inf")
 
 
 # The driver only calls the kernels it is given, so it needs no instruction set of its own: it runs
@@ -105,6 +113,53 @@ TEAM_KERNEL = CheckedKernel("cpu_step_team", "decode_layers.cpp", "decode steps 
 
 def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), _PTR).value
+
+
+def check_head(lib: ctypes.CDLL) -> float:
+    """0 where l3_decode_head on the team gives the bits of its pieces run one by one (the norm
+    kernel, the projection on one thread, torch's widening and first_max): the hidden states, the
+    fp32 logits and the ids, with row 0's largest logit tied in two blocks (the first is its pick)
+    and then a NaN logit in every row (argmax picks it). Where the AVX-512 kernels are not usable
+    the team, and so the head, never runs: 0."""
+    linear_lib, ops_lib = bf16_linear.KERNEL.library(), layer_ops.library()
+    if linear_lib is None or ops_lib is None:
+        return 0.0
+    g = torch.Generator().manual_seed(0)
+    rows, n, vocab, eps = 2, 64, 3 * 64 + 5, 1e-6  # a partial last block
+    h, delta = (torch.randn(rows, n, generator=g).to(torch.bfloat16) for _ in range(2))
+    norm = (1 + 0.5 * torch.randn(n, generator=g)).to(torch.bfloat16)
+    want_hidden, want_x, hidden, x = (torch.empty(rows, n, dtype=torch.bfloat16) for _ in range(4))
+    ops_lib.l3_add_rms_norm(h.data_ptr(), n, delta.data_ptr(), n, norm.data_ptr(), eps, want_hidden.data_ptr(), n,
+                            want_x.data_ptr(), n, rows, n)
+    weight = 0.01 * torch.randn(vocab, n, generator=g)
+    weight[5] = weight[130] = want_x[0].float()  # x . x: row 0's largest logit, in blocks 0 and 2
+    model = _Model(add_rms_norm=_address(ops_lib, "l3_add_rms_norm"), hidden=n, eps=eps)
+    same = True
+    for nan_at in (None, 70):
+        w = weight.clone()
+        if nan_at is not None:
+            w[nan_at] = float("nan")
+        packed = bf16_linear.pack(linear_lib, w.to(torch.bfloat16))
+        y = torch.empty(rows, vocab, dtype=torch.bfloat16)
+        linear_lib.l3_bf16_linear(want_x.data_ptr(), n, packed.data_ptr(), None, y.data_ptr(), vocab, rows, vocab, n, 1)
+        want_logits = y.float()
+        want_ids = first_max(want_logits)
+        logits, ids, scratch = torch.empty(rows, vocab), torch.empty(rows, dtype=torch.int64), torch.empty_like(y)
+        head = _Head(norm.data_ptr(), team_projection(linear_lib, packed.data_ptr()), vocab)
+        lib.l3_decode_head(model, head, rows, h.data_ptr(), delta.data_ptr(), hidden.data_ptr(), x.data_ptr(),
+                           scratch.data_ptr(), logits.data_ptr(), vocab, ids.data_ptr(),
+                           max(2, torch.get_num_threads()))
+        same &= (torch.equal(hidden, want_hidden) and torch.equal(ids, want_ids)
+                 and torch.equal(logits.view(torch.int32), want_logits.view(torch.int32))  # NaNs too, bit for bit
+                 and int(want_ids[0]) == (5 if nan_at is None else nan_at))
+    return 0.0 if same else float("inf")
+
+
+# The end of a greedy step in C (l3_decode_head), switched and checked on its own:
+# `L3WORKER_REFERENCE_KERNELS=cpu_decode_head` puts it back on final_logits and the sampler.
+HEAD_KERNEL = CheckedKernel("cpu_decode_head", "decode_layers.cpp",
+                            "greedy decode steps take their final norm, lm_head and pick from Python", _bind,
+                            check_head, 0.0, cpu_flags=(), compile_flags=["-std=c++17", "-O2"])
 
 
 def team_projection(linear_lib: ctypes.CDLL, packed: int) -> _Projection:
@@ -182,6 +237,12 @@ class DecodeLayers:
         # (step_team.h) instead of an OpenMP region each; 0: none do.
         self.team_rows = 0
         self._lm_head: _Projection | None = None  # the lm_head on the team, where it is packed for it
+        # A greedy step's final norm, lm_head and pick in one C call (l3_decode_head), where the
+        # lm_head runs on the team and HEAD_KERNEL passed its check; its first step is checked
+        # against final_logits and first_max as well, and refused for good if they differ.
+        self._head: _Head | None = None
+        self.head_verified = self.head_refused = False
+        self._head_out = torch.empty(0, dtype=torch.bfloat16)  # its bf16 logits [rows, vocab]: scratch
 
     @classmethod
     def of(cls, rt: Runtime) -> "DecodeLayers | None":
@@ -211,8 +272,8 @@ class DecodeLayers:
             out += (lw.input_norm.data_ptr(), lw.qkv.weight.data_ptr(), qk_norm,
                     lw.o_proj.weight.data_ptr(), lw.post_norm.data_ptr(), lw.gate_up.weight.data_ptr(),
                     lw.down.weight.data_ptr(), k.data_ptr(), v.data_ptr())
-        head = self.rt.weights.lm_head
-        return tuple(out) + (head.weight.data_ptr() if type(head) is PackedLinear else 0,)
+        w = self.rt.weights
+        return tuple(out) + (w.norm.data_ptr(), w.lm_head.weight.data_ptr() if type(w.lm_head) is PackedLinear else 0)
 
     def _build(self, addresses: tuple[int, ...]) -> None:
         rt, mc = self.rt, self.rt.model_cfg
@@ -248,12 +309,20 @@ class DecodeLayers:
         head = rt.weights.lm_head
         self._lm_head = team_projection(linear_lib, addresses[-1]) \
             if on_team and type(head) is PackedLinear and head.kernel in blocks else None
+        norm = rt.weights.norm
+        fits = norm.dtype == torch.bfloat16 and norm.is_contiguous() and norm.shape == (mc.hidden_size,)
+        self._head = _Head(addresses[-2], self._lm_head, head.out_features) \
+            if self._lm_head is not None and fits and HEAD_KERNEL.usable() else None
 
     def forward(self, step: StepPlan, tokens: torch.Tensor, positions: torch.Tensor,
-                reference: Callable[[], torch.Tensor]) -> torch.Tensor:
+                reference: Callable[[], torch.Tensor],
+                greedy: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor | None:
         """The last layer's hidden states [rows, hidden], as qwen3.forward returns them. On the first
         step `reference` (that forward) runs first: both write the same keys and values, and the
-        hidden states must be equal, or the layer-by-layer path serves from then on."""
+        hidden states must be equal, or the layer-by-layer path serves from then on.
+        `greedy` (logits [lanes, vocab] fp32, ids [lanes] int64, the lanes of these rows or None: the
+        first rows), for a step whose rows all take the argmax: where the head runs in C, it writes
+        their logits and ids and this returns None."""
         if self.refused or not step.extra.get("kernel_decode"):  # a step the cpu attention kernel does not take
             return reference()
         if self._moved:
@@ -274,6 +343,10 @@ class DecodeLayers:
                   table.data_ptr(), table.stride(0), lens.data_ptr(), step.extra["slots"].data_ptr(),
                   torch.get_num_threads(), int(rows <= self.team_rows))
         self.lib.l3_decode_layers(self._model, s, h.data_ptr(), delta.data_ptr(), work.data_ptr())
+        if greedy is not None and self._head is not None and rows <= self.team_rows and self.verified \
+                and not self.head_refused:
+            self._greedy_head(h, delta, hidden, work, *greedy)
+            return None
         torch.add(h, delta, out=hidden)
         if want is not None:
             same = torch.equal(hidden, want)
@@ -286,6 +359,41 @@ class DecodeLayers:
                 self.refused = True
                 return want
         return hidden
+
+    def _greedy_head(self, h: torch.Tensor, delta: torch.Tensor, hidden: torch.Tensor, work: torch.Tensor,
+                     to_logits: torch.Tensor, to_ids: torch.Tensor, lanes: torch.Tensor | None) -> None:
+        """l3_decode_head into the rows' lanes of `to_logits` and `to_ids` (through buffers of their
+        own where the rows are packed). Its first step also runs final_logits and first_max (the
+        team's lm_head, as `logits` runs it) and must give the same bits, or those serve from then on."""
+        rows, vocab = h.shape[0], self._head.vocab
+        if self._head_out.shape[0] < rows:  # the bf16 logits; the fp32 logits and ids of packed rows
+            self._head_out = torch.empty(rows, vocab, dtype=torch.bfloat16)
+            self._packed = torch.empty(rows, vocab), torch.empty(rows, dtype=torch.int64)
+        logits, ids = (to_logits, to_ids) if lanes is None else (self._packed[0][:rows], self._packed[1][:rows])
+        if logits.stride() != (vocab, 1) or ids.dtype != torch.int64 or not ids.is_contiguous():
+            raise ValueError(f"the greedy head writes contiguous fp32 logits [rows, {vocab}] and int64 ids")
+        self.lib.l3_decode_head(self._model, self._head, rows, h.data_ptr(), delta.data_ptr(), hidden.data_ptr(),
+                                work.data_ptr(), self._head_out.data_ptr(), logits.data_ptr(), vocab, ids.data_ptr(),
+                                torch.get_num_threads())
+        if not self.head_verified:
+            self._verify_head(h + delta, logits, ids)
+        if lanes is not None:
+            to_logits.index_copy_(0, lanes, logits)
+            to_ids.index_copy_(0, lanes, ids)
+
+    def _verify_head(self, hidden: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        want_logits = final_logits(self.rt.weights, hidden, None, self.rt.ops, self._team_lm_head)
+        want_ids = first_max(want_logits)
+        same = (torch.equal(logits.view(torch.int32), want_logits.view(torch.int32)) and torch.equal(ids, want_ids))
+        error = ((logits - want_logits).abs().max() / want_logits.abs().max().clamp_min(1e-30)).item()
+        self.verdicts.append(KernelVerdict("decode_head", error, same))
+        self.head_verified = True
+        if not same:
+            print("chip-child: the one-call decode head differs from final_logits and the sampler's argmax on this "
+                  "model: greedy steps take them from Python from now on", file=sys.stderr, flush=True)
+            self.head_refused = True
+            logits.copy_(want_logits)
+            ids.copy_(want_ids)
 
     def _buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
         """The embedded tokens, the last layer's delta, the kernels' scratch and the hidden states for

@@ -181,8 +181,7 @@ class ChipRuntime:
     def close(self) -> None:
         """Frees the graphs and pooled tensors and leaves the process group."""
         self.grammars.close()
-        self.graphs = None
-        self.lane_views = {}
+        self.graphs, self.lane_views = None, {}
         self.pool.release()
         if self.cfg.tp_size > 1:
             import torch.distributed as dist
@@ -247,8 +246,7 @@ class ChipRuntime:
         timer.stop()
         # The sampled ids: the step's only synchronisation. Lanes [0, lanes) hold every active
         # row, the only rows the parent reads; the rest of `out` is left as it was.
-        v = self.lane_views[lanes]
-        done = None
+        v, done = self.lane_views[lanes], None
         if self._ids_host is None:
             out[:lanes].copy_(v["input_ids"])
         else:
@@ -301,8 +299,7 @@ class ChipRuntime:
 
     def h2d(self, arr: np.ndarray) -> torch.Tensor:
         """Every host-to-device transfer goes through here so the counters see it."""
-        self._h2d_copies += 1
-        self._h2d_bytes += arr.nbytes
+        self._h2d_copies, self._h2d_bytes = self._h2d_copies + 1, self._h2d_bytes + arr.nbytes
         return torch.from_numpy(np.ascontiguousarray(arr)).to(self.device)
 
     @torch.inference_mode()
@@ -312,10 +309,8 @@ class ChipRuntime:
 
     def _run_step(self, chunks: list[Chunk], staging: np.ndarray, compute_slots: bool,
                   want_logprobs: bool) -> tuple[int, ChunkPlan | None, int]:
-        """Returns N of the per-row log-probabilities computed (-1: none), the chunks' plan and
-        the lanes the step ran."""
-        rows = self.rows
-        plan = None
+        """N of the per-row log-probabilities computed (-1: none), the chunks' plan and the lanes run."""
+        rows, plan = self.rows, None
         if chunks:
             plan, ints = plan_chunks(chunks, staging, rows, want_logprobs, every_lane=self.spec is not None)
             self.prefill_state["chunk_ints"][:len(ints)].copy_(self.h2d(ints))
@@ -354,12 +349,13 @@ class ChipRuntime:
               lora=None, **pooled) -> None:
         """One step over lanes [0, lanes) of the pooled tensors the task arguments name, through
         their views made once per bucket; rows above are idle and left untouched."""
-        v = self.lane_views[lanes]
+        v, sampled = self.lane_views[lanes], False
         if plan is None:
             if self.graphs is not None:
                 self.graphs.replay(lanes)  # its inputs are already where the command and the last step left them
             else:
-                self._decode_logits(v, slots, max_lane_len, lane_lens, lora)
+                sampled = self._decode_logits(v, slots, max_lane_len, lane_lens, lora,
+                                              greedy=features is None and not any_random)
         else:
             self._lane_slots(v, slots)
             torch.add(v["positions"], 1, out=v["lane_seq_lens"])
@@ -377,12 +373,11 @@ class ChipRuntime:
             final_logits(self.weights, row_hidden, out=v["logits"], ops=self.ops)
         if features is not None and features.grammar:  # host work while the forward runs on an accelerator
             self.grammar_masks(v, lanes)
-        self._sample(v, any_random, any_filter, features)
+        self._sample(v, any_random, any_filter, features, sampled)
 
     def grammar_masks(self, v: dict[str, torch.Tensor], lanes: int) -> None:
         """The constrained rows' masks for this step's sample, on the device in v["grammar_mask"]."""
-        rows = self.rows
-        g = self.grammars
+        rows, g = self.rows, self.grammars
         g.fill(np.flatnonzero(rows.active[:lanes] & rows.constrained[:lanes]).tolist())
         if g.mask is not self.state["grammar_mask"]:
             v["grammar_mask"].copy_(g.mask[:lanes], non_blocking=True)
@@ -403,9 +398,10 @@ class ChipRuntime:
             v["slot_mapping"].add_(v["active"])  # no active row crosses a page boundary this step
 
     def _decode_logits(self, v: dict[str, torch.Tensor], slots: str, max_seq_len: int,
-                       seq_lens_host: np.ndarray | None, lora: object = "masked") -> None:
+                       seq_lens_host: np.ndarray | None, lora: object = "masked", greedy: bool = False) -> bool:
         """A decode-only step's forward into v["logits"]. Eager steps pass the longest context and
-        host lengths; a graph is captured with "compute" slots, max_seq_len and no host lengths."""
+        host lengths; a graph is captured with "compute" slots, max_seq_len and no host lengths. True:
+        every lane was `greedy` and the one-call layers' head wrote the ids into v["input_ids"] too."""
         self._lane_slots(v, slots)
         torch.add(v["positions"], 1, out=v["lane_seq_lens"])
         live = live_lanes(v, self.rows.active, seq_lens_host) if self.pack_lanes else None  # idle lanes left out
@@ -417,21 +413,25 @@ class ChipRuntime:
                       self.all_reduce, self.ops, self.spec and self.spec.aux(),
                       (self.lora and self.lora.step(v["lora_slot"])) if lora == "masked" else lora)
         fused = self.decode_layers  # None where LoRA, speculation or tensor parallelism runs
-        hidden = run() if fused is None else fused.forward(step, f["input_ids"], f["positions"], run)
+        head = (v["logits"], v["input_ids"], live and live.index) if greedy else None  # written after the layers read
+        hidden = run() if fused is None else fused.forward(step, f["input_ids"], f["positions"], run, head)
+        if hidden is None:
+            return True
         out = v["logits"] if live is None else None
         logits = final_logits(self.weights, hidden, out, self.ops) if fused is None else fused.logits(hidden, out)
         if live is not None:
             v["logits"].index_copy_(0, live.index, logits)
+        return False
 
     def _sample(self, v: dict[str, torch.Tensor], any_random: bool, any_filter: bool,
-                features: Features | None) -> None:
-        """The lanes' next ids into v["input_ids"]; then active lanes' positions advance."""
+                features: Features | None, sampled: bool = False) -> None:
+        """The lanes' next ids into v["input_ids"], unless `sampled` there; then active lanes' positions advance."""
         logits, input_ids, positions, active = v["logits"], v["input_ids"], v["positions"], v["active"]
         # Idle lanes' ids are never read: the parent ignores them and a chunk overwrites them.
-        if features is None:
+        if features is None and not sampled:
             input_ids.copy_(sample(logits, v["temperature"], v["top_k"], v["top_p"], v["seed_keys"], positions,
                                    v["vocab_keys"], any_random, any_filter))
-        else:
+        elif features is not None:
             input_ids.copy_(sample_with_features(logits, RowParams.of_state(v), positions, v["vocab_keys"], any_random,
                                                  any_filter, features, v["lp_values"], v["lp_ids"]))
             if features.penalties:  # the sampled ids join their rows' outputs, on the device

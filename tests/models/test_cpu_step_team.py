@@ -84,7 +84,10 @@ def test_decode_steps_and_their_lm_head_run_on_the_team_with_the_layer_by_layer_
     path = checkpoint(tmp_path / "ck", tie_word_embeddings=False)
     threads = torch.get_num_threads()  # a runtime sets the process's threads: put back after
     try:
-        rt = runtime(path, num_threads=2)
+        with monkeypatch.context() as m:  # the lm_head from Python, as a step with a sampled row runs it
+            m.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_decode_head")
+            decide_again(m, decode_layers.HEAD_KERNEL)
+            rt = runtime(path, num_threads=2)
         try:
             fused = rt.decode_layers
             assert fused.team_rows >= 3 and fused._lm_head is not None  # REQUESTS decode 3 rows at most

@@ -148,7 +148,7 @@ def test_decode_forward_with_bucket_bounds_equals_the_exact_one(ckpt) -> None:
     exact = rt._decode_logits
     checked = []
 
-    def both(v, slots, max_seq_len, seq_lens_host, lora=None):
+    def both(v, slots, max_seq_len, seq_lens_host, lora=None, greedy=False):
         before = v["slot_mapping"].clone()
         exact(v, "compute", rt.cfg.max_seq_len, None)
         bound_logits, bound_slots = v["logits"].clone(), v["slot_mapping"].clone()
@@ -160,6 +160,7 @@ def test_decode_forward_with_bucket_bounds_equals_the_exact_one(ckpt) -> None:
         assert torch.equal(bound_slots[active], v["slot_mapping"][active])
         assert not bound_slots[~active].any()  # idle lanes write to the scratch page
         checked.append((len(active), int(active.sum()), max_seq_len, slots))
+        return False  # the ids are the sampler's (float32: no one-call head)
 
     rt._decode_logits = both
     run_scheduled(rt)
@@ -192,8 +193,8 @@ def test_a_graph_that_froze_a_host_length_is_caught(ckpt, eager_tokens, monkeypa
     the block table) instead of the bound gives other tokens."""
     original = ChipRuntime._decode_logits
 
-    def frozen(self, v, slots, max_seq_len, seq_lens_host, lora="masked"):
-        original(self, v, slots, PAGE if seq_lens_host is None else max_seq_len, seq_lens_host, lora)
+    def frozen(self, v, slots, max_seq_len, seq_lens_host, lora="masked", greedy=False):
+        return original(self, v, slots, PAGE if seq_lens_host is None else max_seq_len, seq_lens_host, lora, greedy)
 
     monkeypatch.setattr(ChipRuntime, "_decode_logits", frozen)
     assert run_scheduled(make_runtime(ckpt, StandInCapturer())) != eager_tokens
