@@ -250,7 +250,8 @@ def _device_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--device-ids", type=_device_ids, default=None, metavar="IDS",
                    help="comma-separated ids of this node's devices; several: tensor parallel (None: 0, or "
                         "0 .. N-1 for N ranks per node)")
-    g.add_argument("--pipeline-depth", type=int, default=2, metavar="N", help="step commands in flight")
+    g.add_argument("--pipeline-depth", type=int, default=None, metavar="N",
+                   help="step commands in flight (None: 4 on the cpu, 2 on an accelerator or with speculation)")
     g.add_argument("--cpu-layout", choices=CPU_LAYOUTS, default="auto",
                    help="cpu: every_core (a thread per core), spare_core (a core left for the server and the "
                         "sockets) or auto (by the model's size, checked by a start-up trial)")

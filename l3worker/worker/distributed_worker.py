@@ -36,7 +36,7 @@ from l3worker.worker.child_process import ChildProcess, child_spec, wait_all_rea
 from l3worker.worker.worker_stats import worker_stats
 from l3worker.worker.lora_controls import LoraControls, lora_info, lora_registry
 from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check_kv_cache_dtype, check_limits,
-                                        check_speculation_switches, positive_int)
+                                        check_speculation_switches, default_pipeline_depth, positive_int)
 from l3worker.worker.kv_sizing import KvSizing, host_tier_pages, size_kv_cache
 from l3worker.worker.cpu_placement import CpuPlacement
 from l3worker.worker.shared_buffers import StepBuffers
@@ -77,7 +77,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",  # vLLM's: "fp8" / "fp8_e4m3" store the KV pages in float8
         kv_offloading_size: float | None = None,  # vLLM's: GiB of host memory for evicted prefix pages
-        pipeline_depth: int = 2,
+        pipeline_depth: int | None = None,  # None: default_pipeline_depth (4 on the cpu, else 2)
         max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",  # vLLM's: "priority" runs lower SamplingParams.priority first
@@ -131,6 +131,8 @@ class DistributedWorker(RolloutControls, LoraControls):
         # before any child starts, with the choices named.
         kind = device_type(device)
         page_size = default_page_size(kind) if page_size is None else page_size
+        if pipeline_depth is None:
+            pipeline_depth = default_pipeline_depth(kind, speculative is not None)
         backend = get_backend(kind, attention_backend)
         check_kv_cache_dtype(cache_dtype_of(kv_cache_dtype), backend.name)
         resolve_decode_graphs(decode_graphs, kind, backend.decode_capturable, backend.name)

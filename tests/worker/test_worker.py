@@ -324,6 +324,22 @@ def test_step_budget_defaults_to_the_offline_size_and_at_least_the_rows(ckpt: Pa
     assert wide.runtime_config.max_prefill_tokens == rows
 
 
+def test_pipeline_depth_defaults_to_4_on_the_cpu_and_2_with_speculation_or_elsewhere(ckpt: Path, monkeypatch) -> None:
+    """The CPU keeps 4 commands in flight (the parent may wait a scheduler slice for a core the
+    child's threads fill); speculation's steps run in order, and an accelerator's parent has cores."""
+    from l3worker.worker import distributed_worker as worker_module
+    from l3worker.worker.arg_checks import default_pipeline_depth
+
+    monkeypatch.setattr(worker_module, "ChildProcess", None)  # nothing starts before prepare()
+    assert DistributedWorker(ckpt, **COMMON).pipeline_depth == 4
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    assert DistributedWorker(ckpt, **COMMON, speculative_config=ngram).pipeline_depth == 2
+    assert DistributedWorker(ckpt, **COMMON, pipeline_depth=3).pipeline_depth == 3
+    assert [default_pipeline_depth(kind, False) for kind in ("cpu", "cuda", "npu")] == [4, 2, 2]
+    with pytest.raises(ValueError, match="pipeline_depth must be >= 1, got 0"):
+        DistributedWorker(ckpt, **COMMON, pipeline_depth=0)
+
+
 def test_page_size_defaults_to_the_devices_and_a_given_one_is_kept(ckpt: Path, monkeypatch) -> None:
     """Pages of 16 on the CPU (a repeated 128-token prompt hits 112 cached tokens; pages of 128
     would hit none), 128 on NPUs and GPUs."""
