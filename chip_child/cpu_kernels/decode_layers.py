@@ -9,7 +9,12 @@ projection packed for our kernels and without a bias, our layer ops and decode a
 one device, no LoRA slots, no speculation. Anything else runs forward as before and says why once
 on stderr. Its first step also runs forward and must give the same bits, or it is not used again
 (a KernelVerdict "decode_layers" in the runtime's kernel checks either way).
-`L3WORKER_REFERENCE_KERNELS=cpu_decode_layers` turns it off."""
+`L3WORKER_REFERENCE_KERNELS=cpu_decode_layers` turns it off.
+
+A step whose rows all take the argmax then ends in one more call, l3_decode_head: the final norm,
+the lm_head on the step team, the fp32 logits and the ids, checked at load (HEAD_KERNEL) and on
+its first step against final_logits and first_max (KernelVerdict "decode_head");
+`L3WORKER_REFERENCE_KERNELS=cpu_decode_head` turns that off alone."""
 from __future__ import annotations
 
 import ctypes
@@ -310,7 +315,8 @@ class DecodeLayers:
         self._lm_head = team_projection(linear_lib, addresses[-1]) \
             if on_team and type(head) is PackedLinear and head.kernel in blocks else None
         norm = rt.weights.norm
-        fits = norm.dtype == torch.bfloat16 and norm.is_contiguous() and norm.shape == (mc.hidden_size,)
+        fits = (norm.dtype == torch.bfloat16 and norm.is_contiguous() and norm.shape == (mc.hidden_size,)
+                and head.out_features == mc.vocab_size)  # its logits fill the step's rows
         self._head = _Head(addresses[-2], self._lm_head, head.out_features) \
             if self._lm_head is not None and fits and HEAD_KERNEL.usable() else None
 
@@ -349,13 +355,11 @@ class DecodeLayers:
             return None
         torch.add(h, delta, out=hidden)
         if want is not None:
-            same = torch.equal(hidden, want)
             error = ((hidden.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            self.verdicts.append(KernelVerdict("decode_layers", error, same))
             self.verified = True
-            if not same:
-                print("chip-child: the one-call decode layers differ from the layer-by-layer forward on this "
-                      "model: decode steps run layer by layer from now on", file=sys.stderr, flush=True)
+            if not self._verdict("decode_layers", torch.equal(hidden, want), error,
+                                 "layers differ from the layer-by-layer forward on this model: decode steps run "
+                                 "layer by layer from now on"):
                 self.refused = True
                 return want
         return hidden
@@ -386,14 +390,20 @@ class DecodeLayers:
         want_ids = first_max(want_logits)
         same = (torch.equal(logits.view(torch.int32), want_logits.view(torch.int32)) and torch.equal(ids, want_ids))
         error = ((logits - want_logits).abs().max() / want_logits.abs().max().clamp_min(1e-30)).item()
-        self.verdicts.append(KernelVerdict("decode_head", error, same))
         self.head_verified = True
-        if not same:
-            print("chip-child: the one-call decode head differs from final_logits and the sampler's argmax on this "
-                  "model: greedy steps take them from Python from now on", file=sys.stderr, flush=True)
+        if not self._verdict("decode_head", same, error, "head differs from final_logits and the sampler's "
+                             "argmax on this model: greedy steps take them from Python from now on"):
             self.head_refused = True
             logits.copy_(want_logits)
             ids.copy_(want_ids)
+
+    def _verdict(self, kernel: str, same: bool, error: float, differs: str) -> bool:
+        """Records a first step's check in the runtime's kernel checks; where it failed, says on
+        stderr what serves from then on."""
+        self.verdicts.append(KernelVerdict(kernel, error, same))
+        if not same:
+            print(f"chip-child: the one-call decode {differs}", file=sys.stderr, flush=True)
+        return same
 
     def _buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
         """The embedded tokens, the last layer's delta, the kernels' scratch and the hidden states for
