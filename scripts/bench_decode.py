@@ -4,7 +4,7 @@
 Variants, run alternately within each repeat (floor, l3, l3_depth1, l3_always, hf, then again):
 
   floor      ChipRuntime.execute in a loop in this process: no parent, no IPC
-  l3         DistributedWorker at the default pipeline depth (2)
+  l3         DistributedWorker at the default pipeline depth (4 on the CPU, 2 on an accelerator)
   l3_depth1  DistributedWorker with one command in flight
   l3_always  DistributedWorker with copy_policy="always"
   hf         transformers generate, best of the static and the dynamic cache
@@ -46,9 +46,9 @@ from chip_child.protocol import Command
 from chip_child.step.runtime import ChipRuntime
 
 VARIANTS = ("floor", "l3", "l3_depth1", "l3_always", "hf")
-L3_VARIANTS = {"l3": dict(pipeline_depth=2, copy_policy="dirty"),
+L3_VARIANTS = {"l3": dict(pipeline_depth=None, copy_policy="dirty"),
                "l3_depth1": dict(pipeline_depth=1, copy_policy="dirty"),
-               "l3_always": dict(pipeline_depth=2, copy_policy="always")}
+               "l3_always": dict(pipeline_depth=None, copy_policy="always")}
 BASE_MODEL = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                   max_position_embeddings=32768, eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
@@ -136,7 +136,7 @@ class Floor(FloorBase):
 
 # -- l3 ---------------------------------------------------------------------------------------------------
 class L3(L3Base):
-    def __init__(self, model_dir: str, wl: Workload, threads: int, pipeline_depth: int, copy_policy: str):
+    def __init__(self, model_dir: str, wl: Workload, threads: int, pipeline_depth: int | None, copy_policy: str):
         # The whole prefill in one step, as the floor sends it: the variants differ in decode alone.
         super().__init__(model_dir, device="cpu", max_batch_size=wl.batch, max_seq_len=wl.max_seq_len,
                          page_size=wl.page_size, pipeline_depth=pipeline_depth, copy_policy=copy_policy,

@@ -315,10 +315,9 @@ class DecodeLayers:
         self._lm_head = team_projection(linear_lib, addresses[-1]) \
             if on_team and type(head) is PackedLinear and head.kernel in blocks else None
         norm = rt.weights.norm
-        fits = (norm.dtype == torch.bfloat16 and norm.is_contiguous() and norm.shape == (mc.hidden_size,)
-                and head.out_features == mc.vocab_size)  # its logits fill the step's rows
-        self._head = _Head(addresses[-2], self._lm_head, head.out_features) \
-            if self._lm_head is not None and fits and HEAD_KERNEL.usable() else None
+        fits = self._lm_head is not None and head.out_features == mc.vocab_size and (  # logits fill a step's rows
+            norm.dtype == torch.bfloat16 and norm.is_contiguous() and norm.shape == (mc.hidden_size,))
+        self._head = _Head(addresses[-2], self._lm_head, head.out_features) if fits and HEAD_KERNEL.usable() else None
 
     def forward(self, step: StepPlan, tokens: torch.Tensor, positions: torch.Tensor,
                 reference: Callable[[], torch.Tensor],

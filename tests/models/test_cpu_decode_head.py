@@ -9,14 +9,25 @@ import ctypes
 
 import pytest
 
-from chip_child.cpu_kernels import build, decode_layers
+from chip_child.cpu_kernels import bf16_amx, bf16_linear, build, decode_layers
 from chip_child.local import LocalDriver, LocalRequest
 
 from kernel_helpers import decide_again  # noqa: E402
 from test_cpu_decode_layers import REQUESTS, assert_same, checkpoint, runtime  # noqa: E402
 
-needs_head = pytest.mark.skipif(not (decode_layers.HEAD_KERNEL.usable() and decode_layers.TEAM_KERNEL.usable()),
-                                reason=f"unusable here: {decode_layers.HEAD_KERNEL.why_not()}")
+# The head runs on the step team, which runs beside the AVX-512 projection kernel only.
+needs_head = pytest.mark.skipif(not (decode_layers.HEAD_KERNEL.usable() and decode_layers.TEAM_KERNEL.usable()
+                                     and bf16_linear.KERNEL.usable()),
+                                reason="the greedy head runs only beside the AVX-512 projection kernel")
+# Rows that end apart: steps of 3, 2 and 1 rows in lanes of 4 and 2, each packed into the head's own buffers.
+UNEVEN = [LocalRequest(list(range(3, 4)), 5), LocalRequest(list(range(3, 9)), 12), LocalRequest(list(range(3, 20)), 8)]
+
+
+@pytest.fixture(autouse=True)
+def no_amx(monkeypatch):
+    """AMX, where the cpu has it, would take these small projections, and the team does not run it."""
+    monkeypatch.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_bf16_amx")
+    decide_again(monkeypatch, bf16_amx.KERNEL)
 
 
 def run(path, requests=REQUESTS, calls: list | None = None):
@@ -40,7 +51,7 @@ def run(path, requests=REQUESTS, calls: list | None = None):
 def from_python(monkeypatch: pytest.MonkeyPatch, path, requests=REQUESTS):
     """The run with the head switched off (final_logits and the sampler), then on again."""
     with monkeypatch.context() as m:
-        m.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_decode_head")
+        m.setenv("L3WORKER_REFERENCE_KERNELS", "cpu_decode_head,cpu_bf16_amx")
         decide_again(m, decode_layers.HEAD_KERNEL)
         result, verdicts, _ = run(path, requests)
     assert verdicts == []
@@ -48,13 +59,16 @@ def from_python(monkeypatch: pytest.MonkeyPatch, path, requests=REQUESTS):
 
 
 @needs_head
-def test_greedy_steps_end_in_one_call_with_the_bits_of_final_logits_and_first_max(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("requests, rows", [(REQUESTS, [3] * 13), (UNEVEN, [3] * 4 + [2] * 3 + [1] * 4)],
+                         ids=["together", "apart"])
+def test_greedy_steps_end_in_one_call_with_the_bits_of_final_logits_and_first_max(tmp_path, monkeypatch, requests,
+                                                                                  rows) -> None:
     path = checkpoint(tmp_path / "ck")
     calls = []
-    mine, verdicts, _ = run(path, calls=calls)
+    mine, verdicts, _ = run(path, requests, calls)
     assert [(v.used, v.error) for v in verdicts] == [(True, 0.0)]  # checked once, on its first step
-    assert len(calls) >= 13 and set(calls) <= {3}  # the decode steps of the 3 rows (warm-up's too)
-    assert_same(mine, from_python(monkeypatch, path))
+    assert calls == rows  # every decode step after the prefill, with the rows still running
+    assert_same(mine, from_python(monkeypatch, path, requests))
 
 
 @needs_head
@@ -81,7 +95,7 @@ def test_a_step_with_a_sampled_row_takes_the_sampler(tmp_path, monkeypatch) -> N
     sampled = [LocalRequest(list(range(3, 9)), 10, temperature=0.8, seed=7), LocalRequest(list(range(4, 9)), 10)]
     calls = []
     mine, _, _ = run(path, sampled, calls)
-    assert calls == [] or set(calls) == {1}  # warm-up's one-row greedy steps only
+    assert calls == []
     assert_same(mine, from_python(monkeypatch, path, sampled))
 
 
