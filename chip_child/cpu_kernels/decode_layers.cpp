@@ -143,24 +143,23 @@ inline float bf16_to_float(uint16_t b) {
 // number and the first of equals kept.
 inline bool beats(float a, float b) { return a != a ? b == b : a > b; }
 
-// The lm_head on the team: a unit is one packed block of PACK_BLOCK vocabulary ids, which it also
-// widens to fp32 into the logits and picks the block's largest from per row while the block is in
-// L1, so the caller only compares the blocks' picks.
+// The lm_head on the team: a unit is the projection's unit, one packed block of PACK_BLOCK
+// vocabulary ids, which it also widens to fp32 into the logits and picks the block's largest from
+// per row while the block is in L1, so the caller only compares the blocks' picks.
 struct HeadJob {
-  const Projection* p;
-  const uint16_t* x;
-  uint16_t* y;
+  ProjectionJob proj;  // y [M, N] = x [M, K] @ lm_head^T
   float* logits;
-  int64_t ldl, M, N, K, blocks;
+  int64_t ldl, blocks;
   float* best;        // [M, blocks]
   int64_t* best_id;   // [M, blocks]
 
   static void run(const void* ctx, int64_t b) {
     const HeadJob& j = *(const HeadJob*)ctx;
-    j.p->blocks(j.x, j.K, j.p->packed, j.y, j.N, j.M, j.N, j.K, b, b + 1);
-    const int64_t lo = b * l3::PACK_BLOCK, hi = lo + l3::PACK_BLOCK < j.N ? lo + l3::PACK_BLOCK : j.N;
-    for (int64_t t = 0; t < j.M; ++t) {
-      const uint16_t* y = j.y + t * j.N;
+    const ProjectionJob& p = j.proj;
+    ProjectionJob::run(&p, b);
+    const int64_t lo = b * l3::PACK_BLOCK, hi = lo + l3::PACK_BLOCK < p.N ? lo + l3::PACK_BLOCK : p.N;
+    for (int64_t t = 0; t < p.M; ++t) {
+      const uint16_t* y = p.y + t * p.ldy;
       float* out = j.logits + t * j.ldl;
       float top = bf16_to_float(y[lo]);
       int64_t at = lo;
@@ -273,7 +272,7 @@ void l3_decode_head(const Model* m, const Head* head, int64_t rows, const uint16
   m->add_rms_norm(h, H, delta, H, head->norm, m->eps, hidden, H, x, H, rows, H);
   std::vector<float> best(rows * blocks);
   std::vector<int64_t> best_id(rows * blocks);
-  const HeadJob job{&head->lm_head, x, y, logits, ldl, rows, V, H, blocks, best.data(), best_id.data()};
+  const HeadJob job{{&head->lm_head, x, H, y, V, rows, V, H}, logits, ldl, blocks, best.data(), best_id.data()};
   l3::step_team(threads).run(&HeadJob::run, &job, blocks);
   for (int64_t t = 0; t < rows; ++t) {
     int64_t at = 0;

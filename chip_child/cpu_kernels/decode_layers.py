@@ -247,7 +247,9 @@ class DecodeLayers:
         # against final_logits and first_max as well, and refused for good if they differ.
         self._head: _Head | None = None
         self.head_verified = self.head_refused = False
-        self._head_out = torch.empty(0, dtype=torch.bfloat16)  # its bf16 logits [rows, vocab]: scratch
+        # Its scratch for the most rows a step has had: the bf16 logits, and the fp32 logits and ids
+        # of packed rows (idle lanes left out), written to their lanes after.
+        self._head_bufs: tuple[torch.Tensor, ...] = ()
 
     @classmethod
     def of(cls, rt: Runtime) -> "DecodeLayers | None":
@@ -369,14 +371,15 @@ class DecodeLayers:
         own where the rows are packed). Its first step also runs final_logits and first_max (the
         team's lm_head, as `logits` runs it) and must give the same bits, or those serve from then on."""
         rows, vocab = h.shape[0], self._head.vocab
-        if self._head_out.shape[0] < rows:  # the bf16 logits; the fp32 logits and ids of packed rows
-            self._head_out = torch.empty(rows, vocab, dtype=torch.bfloat16)
-            self._packed = torch.empty(rows, vocab), torch.empty(rows, dtype=torch.int64)
-        logits, ids = (to_logits, to_ids) if lanes is None else (self._packed[0][:rows], self._packed[1][:rows])
+        if not self._head_bufs or self._head_bufs[0].shape[0] < rows:
+            self._head_bufs = (torch.empty(rows, vocab, dtype=torch.bfloat16), torch.empty(rows, vocab),
+                               torch.empty(rows, dtype=torch.int64))
+        y, packed_logits, packed_ids = self._head_bufs
+        logits, ids = (to_logits, to_ids) if lanes is None else (packed_logits[:rows], packed_ids[:rows])
         if logits.stride() != (vocab, 1) or ids.dtype != torch.int64 or not ids.is_contiguous():
             raise ValueError(f"the greedy head writes contiguous fp32 logits [rows, {vocab}] and int64 ids")
         self.lib.l3_decode_head(self._model, self._head, rows, h.data_ptr(), delta.data_ptr(), hidden.data_ptr(),
-                                work.data_ptr(), self._head_out.data_ptr(), logits.data_ptr(), vocab, ids.data_ptr(),
+                                work.data_ptr(), y.data_ptr(), logits.data_ptr(), vocab, ids.data_ptr(),
                                 torch.get_num_threads())
         if not self.head_verified:
             self._verify_head(h + delta, logits, ids)
