@@ -209,6 +209,18 @@ inline void block_rows(const float* x, int64_t ldx, const uint16_t* wb, int64_t 
   }
 }
 
+// Rows [m0, m1) of x [M, K] (bf16, row stride ldx) widened into xp (fp32, row stride ldf = 2 *
+// pairs), an odd K's pad with a 0.
+inline void widen_rows(const uint16_t* x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, float* xp, int64_t ldf) {
+  for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t bits = (uint32_t)x[m * ldx + k] << 16;
+      memcpy(xp + m * ldf + k, &bits, 4);
+    }
+    if (K & 1) xp[m * ldf + K] = 0.0f;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -226,17 +238,26 @@ void l3_bf16_linear(const uint16_t* x, int64_t ldx, const uint16_t* packed, cons
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k = 0; k < K; ++k) {
-        const uint32_t bits = (uint32_t)x[m * ldx + k] << 16;
-        memcpy(xp + m * ldf + k, &bits, 4);
-      }
-      if (K & 1) xp[m * ldf + K] = 0.0f;
-    }
+    for (int64_t m = 0; m < M; ++m) widen_rows(x, ldx, m, m + 1, K, xp, ldf);
     for (int64_t b; (b = shares.next(omp_get_thread_num())) >= 0;) {
       const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
       block_rows(xp, ldf, packed + b * block_elems, M, pairs, bias ? bias + n0 : nullptr, y + n0, ldy, cols);
     }
+  }
+}
+
+// The blocks [b0, b1) of the same product on the calling thread alone (no OpenMP region), as
+// bf16_linear.cpp's entry of that name: a unit of decode_layers.cpp's step team. x is widened per
+// call (M x K conversions beside M x K x 64 products a block), so units need no shared state.
+void l3_bf16_linear_blocks(const uint16_t* x, int64_t ldx, const uint16_t* packed, uint16_t* y, int64_t ldy,
+                           int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
+  const int64_t pairs = l3::pairs_of(K), ldf = 2 * pairs, block_elems = pairs * BLOCK * 2;
+  static thread_local std::vector<float> xf;
+  xf.resize(M * ldf);
+  widen_rows(x, ldx, 0, M, K, xf.data(), ldf);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n0 = b * BLOCK, cols = N - n0 < BLOCK ? N - n0 : BLOCK;
+    block_rows(xf.data(), ldf, packed + b * block_elems, M, pairs, nullptr, y + n0, ldy, cols);
   }
 }
 

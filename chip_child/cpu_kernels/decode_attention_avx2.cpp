@@ -188,18 +188,25 @@ void decode_attention(const T* q, int64_t q_row_stride, T* k, T* v, int64_t head
                       const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens, int64_t rows,
                       int64_t kv_heads, int64_t group, int64_t head_dim, int64_t page_size, float scale, T* out,
                       int64_t out_row_stride, const NewKV& nkv, int threads) {
+  const auto one = [&](int64_t pair, std::vector<float>& scores, std::vector<int64_t>& offsets) {
+    const int64_t r = pair / kv_heads, j = pair % kv_heads;
+    if (nkv.slots) write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
+    attend_pair(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
+                block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
+                out + r * out_row_stride + j * group * head_dim, scores, offsets);
+  };
+  if (threads <= 0) {  // one pair, -threads - 1, on the calling thread (decode_layers.cpp's step team)
+    static thread_local std::vector<float> scores;
+    static thread_local std::vector<int64_t> offsets;
+    one(-(int64_t)threads - 1, scores, offsets);
+    return;
+  }
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
 #pragma omp for schedule(dynamic, 2)
-    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) {
-      const int64_t r = pair / kv_heads, j = pair % kv_heads;
-      if (nkv.slots) write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
-      attend_pair(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
-                  block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
-                  out + r * out_row_stride + j * group * head_dim, scores, offsets);
-    }
+    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) one(pair, scores, offsets);
   }
 }
 
@@ -209,7 +216,8 @@ extern "C" {
 
 int l3_decode_attention_max_head_dim(void) { return MAX_HEAD_DIM; }
 
-// The arguments of decode_attention.cpp's l3_decode_attention.
+// The arguments of decode_attention.cpp's l3_decode_attention, `threads` <= 0 (one pair on the
+// calling thread) included.
 void l3_decode_attention(int bf16, const void* q, int64_t q_row_stride, void* k, void* v,
                          int64_t head_stride, int64_t page_stride, const int32_t* block_table, int64_t table_stride,
                          const int32_t* seq_lens, int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim,

@@ -95,8 +95,8 @@ KERNEL = CheckedKernel("cpu_decode_layers", "decode_layers.cpp", "decode steps r
 
 def check_team(lib: ctypes.CDLL) -> float:
     """0 where a projection run on the step team gives the bits of the same kernel on one thread
-    (where the AVX-512 kernel is not usable, the team is never used: 0)."""
-    linear_lib = bf16_linear.KERNEL.library()
+    (where neither bf16 kernel is usable, the team is never used: 0)."""
+    linear_lib = _linear_library()
     if linear_lib is None:
         return 0.0
     g = torch.Generator().manual_seed(0)
@@ -124,9 +124,9 @@ def check_head(lib: ctypes.CDLL) -> float:
     """0 where l3_decode_head on the team gives the bits of its pieces run one by one (the norm
     kernel, the projection on one thread, torch's widening and first_max): the hidden states, the
     fp32 logits and the ids, with row 0's largest logit tied in two blocks (the first is its pick)
-    and then a NaN logit in every row (argmax picks it). Where the AVX-512 kernels are not usable
-    the team, and so the head, never runs: 0."""
-    linear_lib, ops_lib = bf16_linear.KERNEL.library(), layer_ops.library()
+    and then a NaN logit in every row (argmax picks it). Where no bf16 kernel or layer ops are
+    usable the team, and so the head, never runs: 0."""
+    linear_lib, ops_lib = _linear_library(), layer_ops.library()
     if linear_lib is None or ops_lib is None:
         return 0.0
     g = torch.Generator().manual_seed(0)
@@ -167,8 +167,14 @@ HEAD_KERNEL = CheckedKernel("cpu_decode_head", "decode_layers.cpp",
                             check_head, 0.0, cpu_flags=(), compile_flags=["-std=c++17", "-O2"])
 
 
+def _linear_library() -> ctypes.CDLL | None:
+    """The bf16 kernel the projections run on here (AVX-512 or AVX2), or None."""
+    best = bf16_linear.best_kernel()
+    return None if best is None else best[1]
+
+
 def team_projection(linear_lib: ctypes.CDLL, packed: int) -> _Projection:
-    """A matrix packed for the AVX-512 kernel (`linear_lib`), with the one-thread entry the team runs."""
+    """A matrix packed for a bf16 kernel (`linear_lib`), with the one-thread entry the team runs."""
     return _Projection(_address(linear_lib, "l3_bf16_linear"), packed, _address(linear_lib, "l3_bf16_linear_blocks"))
 
 
@@ -287,7 +293,7 @@ class DecodeLayers:
         ops_lib, attn_lib = layer_ops.library(), decode_attention.library()
         name, linear_lib = bf16_linear.best_kernel()  # what every PackedLinear here runs on
         runs = {name: _address(linear_lib, "l3_bf16_linear")}
-        blocks = {name: _address(linear_lib, "l3_bf16_linear_blocks")} if name == "avx512_bf16" else {}
+        blocks = {name: _address(linear_lib, "l3_bf16_linear_blocks")}
         if name == "avx512_bf16" and bf16_amx.KERNEL.library() is not None:
             runs["amx_bf16"] = _address(bf16_amx.KERNEL.library(), "l3_bf16_amx_linear")
         layers = (_Layer * mc.num_layers)()
@@ -307,10 +313,9 @@ class DecodeLayers:
         self._work_per_row = self.lib.l3_decode_layers_work(self._model)
         self._step_buffers, self._widest = {}, ()
         self._built_for = addresses
-        # The team runs units on the AVX-512 kernels' one-thread entries (a block, a pair) alone:
-        # every projection must have one (an AMX one has none), or no stage runs there.
-        on_team = (TEAM_KERNEL.usable() and torch.get_num_threads() > 1
-                   and attn_lib is decode_attention.KERNEL.library()
+        # The team runs units on the kernels' one-thread entries (a block, a pair) alone: every
+        # projection must have one (an AMX one has none), or no stage runs there.
+        on_team = (TEAM_KERNEL.usable() and torch.get_num_threads() > 1 and attn_lib is not None
                    and all(getattr(lw, n).kernel in blocks for lw in rt.weights.layers for n in PROJECTIONS))
         self.team_rows = self.lib.l3_decode_layers_team_rows(self._model) if on_team else 0
         head = rt.weights.lm_head

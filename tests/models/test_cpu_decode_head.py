@@ -15,10 +15,10 @@ from chip_child.local import LocalDriver, LocalRequest
 from kernel_helpers import decide_again  # noqa: E402
 from test_cpu_decode_layers import REQUESTS, assert_same, checkpoint, runtime  # noqa: E402
 
-# The head runs on the step team, which runs beside the AVX-512 projection kernel only.
+# The head runs on the step team, which runs beside our bf16 projection kernels only.
 needs_head = pytest.mark.skipif(not (decode_layers.HEAD_KERNEL.usable() and decode_layers.TEAM_KERNEL.usable()
-                                     and bf16_linear.KERNEL.usable()),
-                                reason="the greedy head runs only beside the AVX-512 projection kernel")
+                                     and bf16_linear.best_kernel()),
+                                reason="the greedy head runs only beside our bf16 projection kernels")
 # Rows that end apart: steps of 3, 2 and 1 rows in lanes of 4 and 2, each packed into the head's own buffers.
 UNEVEN = [LocalRequest(list(range(3, 4)), 5), LocalRequest(list(range(3, 9)), 12), LocalRequest(list(range(3, 20)), 8)]
 

@@ -10,14 +10,16 @@ import threading
 import pytest
 import torch
 
-from chip_child.cpu_kernels import bf16_linear, decode_layers
+from chip_child.cpu_kernels import bf16_linear, decode_attention, decode_layers
 from chip_child.local import LocalDriver
 
 from kernel_helpers import decide_again  # noqa: E402
 from test_cpu_decode_layers import REQUESTS, assert_same, checkpoint, runtime  # noqa: E402
 
-needs_team = pytest.mark.skipif(not (decode_layers.TEAM_KERNEL.usable() and bf16_linear.KERNEL.usable()),
-                                reason="the step team runs only beside the AVX-512 projection kernel")
+needs_team = pytest.mark.skipif(not (decode_layers.TEAM_KERNEL.usable() and bf16_linear.best_kernel()),
+                                reason="the step team runs only beside our bf16 projection kernels")
+# Both kernels where the cpu runs both (an AVX-512 cpu runs the AVX2 one too): each has the team's entry.
+LINEAR_KERNELS = [k for k in (bf16_linear.KERNEL, bf16_linear.AVX2_KERNEL) if k.usable()]
 
 
 def projection(lib: ctypes.CDLL, n: int, k: int, seed: int):
@@ -40,9 +42,11 @@ def on_team(team: ctypes.CDLL, p, x: torch.Tensor, n: int, threads: int) -> torc
 
 
 @needs_team
-@pytest.mark.parametrize("rows, n, k", [(1, 64, 32), (1, 4096, 512), (2, 3 * 64 + 17, 97), (3, 1536, 1536)])
-def test_a_projection_on_the_team_gives_the_bits_of_one_thread(rows, n, k) -> None:
-    lib, team = bf16_linear.KERNEL.library(), decode_layers.TEAM_KERNEL.library()
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows, n, k", [(1, 64, 32), (1, 4096, 512), (2, 3 * 64 + 17, 97), (3, 1536, 1536),
+                                        (5, 2 * 64, 96)])  # AVX2: 5 rows take its many-rows path
+def test_a_projection_on_the_team_gives_the_bits_of_one_thread(kernel, rows, n, k) -> None:
+    lib, team = kernel.library(), decode_layers.TEAM_KERNEL.library()
     packed, p = projection(lib, n, k, seed=n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     want = on_one_thread(lib, packed, x, n)
@@ -50,11 +54,46 @@ def test_a_projection_on_the_team_gives_the_bits_of_one_thread(rows, n, k) -> No
         assert torch.equal(on_team(team, p, x, n, threads), want)
 
 
+def attention_call(lib: ctypes.CDLL, q, k, v, table, lens, new_k, new_v, slots, out, threads: int) -> None:
+    kvh, _, page, hd = k.shape
+    lib.l3_decode_attention(1, q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+                            table.data_ptr(), table.stride(0), lens.data_ptr(), q.shape[0], kvh, q.shape[1] // kvh,
+                            hd, page, 0.125, out.data_ptr(), out.stride(0), new_k.data_ptr(), new_k.stride(0),
+                            new_v.data_ptr(), new_v.stride(0), slots.data_ptr(), threads)
+
+
+@pytest.mark.parametrize("kernel", [k for k in (decode_attention.KERNEL, decode_attention.AVX2_KERNEL) if k.usable()],
+                         ids=lambda k: k.name)
+def test_attention_pairs_run_one_by_one_give_the_bits_of_the_whole_call(kernel) -> None:
+    """The team's attention unit (`threads` -1 - pair: one (row, kv head) pair on the calling
+    thread, its new key and value written first) over every pair: the whole call's output and cache."""
+    g = torch.Generator().manual_seed(3)
+    kvh, group, hd, page, pages, rows = 2, 3, 64, 4, 64, 4
+    lens = torch.tensor([1, 7, 16, 61], dtype=torch.int32)
+    table = torch.randperm(pages, generator=g).to(torch.int32).view(rows, 16)
+    k, v = (torch.randn(kvh, pages, page, hd, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(rows, kvh * group, hd, generator=g).bfloat16()
+    new_k, new_v = (torch.randn(rows, kvh, hd, generator=g).bfloat16() for _ in range(2))
+    last = lens.long() - 1
+    slots = (table[torch.arange(rows), last // page].long() * page + last % page).contiguous()
+    whole, pairs = (torch.empty_like(q) for _ in range(2))
+    k_whole, v_whole, k_pairs, v_pairs = k.clone(), v.clone(), k.clone(), v.clone()
+    attention_call(kernel.library(), q, k_whole, v_whole, table, lens, new_k, new_v, slots, whole, 2)
+    one, k_one = torch.zeros_like(q), k.clone()  # pair 3 alone (row 1, kv head 1) touches its own part only
+    attention_call(kernel.library(), q, k_one, v.clone(), table, lens, new_k, new_v, slots, one, -1 - 3)
+    assert torch.equal(one[1, group:], whole[1, group:]) and one.view(-1).count_nonzero() == group * hd
+    assert torch.equal(k_one[1].reshape(-1, hd)[slots[1]], new_k[1, 1]) and (k_one != k).any(-1).sum() == 1
+    for pair in range(rows * kvh):
+        attention_call(kernel.library(), q, k_pairs, v_pairs, table, lens, new_k, new_v, slots, pairs, -1 - pair)
+    assert not torch.equal(k_whole, k)  # the new keys went in
+    assert torch.equal(pairs, whole) and torch.equal(k_pairs, k_whole) and torch.equal(v_pairs, v_whole)
+
+
 @needs_team
 def test_the_caller_runs_every_unit_when_no_helper_takes_one() -> None:
     """Helpers held off (as if another process had their cores): the call still completes, on the
     caller alone, where a barrier for every thread would wait for them."""
-    lib, team = bf16_linear.KERNEL.library(), decode_layers.TEAM_KERNEL.library()
+    lib, team = bf16_linear.best_kernel()[1], decode_layers.TEAM_KERNEL.library()
     packed, p = projection(lib, 40 * 64, 256, seed=1)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     want = on_one_thread(lib, packed, x, 40 * 64)
