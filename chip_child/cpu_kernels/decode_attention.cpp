@@ -9,22 +9,13 @@
 
 #include <vector>
 
+#include "attention_pairs.h"
 #include "avx512_common.h"
 
 namespace {
 
 using l3::VEC;
 constexpr int MAX_HEAD_DIM = 256;
-
-// The step's new keys and values, each written by the pair that reads it first (a pair reads only
-// its own row's cache for its own kv head, so no thread waits on another's write): one kernel call
-// per layer instead of a cache write and then the attention. slots null: already in the cache.
-struct NewKV {
-  const void* k;  // [rows, kv_heads, head_dim], heads contiguous; row stride k_row_stride elements
-  const void* v;
-  int64_t k_row_stride, v_row_stride;
-  const int64_t* slots;  // [rows]: page * page_size + offset
-};
 
 // Loads and stores of 16 lanes, masked: a head size that is not a multiple of 16 ends in a partial vector.
 inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -198,45 +189,21 @@ PairFn<T> pair_fn_at_least(int64_t chunks) {  // the instance for `chunks` vecto
   }
 }
 
-// The new token's key and value of the pair (row r, kv head j) into its slot of the head's cache.
-template <typename T>
-inline void write_new(const NewKV& nkv, int64_t r, int64_t j, T* k, T* v, int64_t page_stride, int64_t page_size,
-                      int64_t head_dim) {
-  const int64_t slot = nkv.slots[r];
-  const int64_t at = slot / page_size * page_stride + slot % page_size * head_dim;
-  const T* nk = (const T*)nkv.k + r * nkv.k_row_stride + j * head_dim;
-  const T* nv = (const T*)nkv.v + r * nkv.v_row_stride + j * head_dim;
-  memcpy(k + at, nk, head_dim * sizeof(T));
-  memcpy(v + at, nv, head_dim * sizeof(T));
-}
-
 template <typename T>
 void decode_attention(const T* q, int64_t q_row_stride, T* k, T* v, int64_t head_stride,
                       int64_t page_stride, const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens,
                       int64_t rows, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t page_size, float scale,
-                      T* out, int64_t out_row_stride, const NewKV& nkv, int threads) {
+                      T* out, int64_t out_row_stride, const l3::NewKV& nkv, int threads) {
   const PairFn<T> attend = pair_fn_at_least<T, 1>((head_dim + VEC - 1) / VEC);
   const auto one = [&](int64_t pair, std::vector<float>& scores, std::vector<int64_t>& offsets) {
     const int64_t r = pair / kv_heads, j = pair % kv_heads;
-    if (nkv.slots) write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
+    if (nkv.slots)
+      l3::write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
     attend(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
            block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
            out + r * out_row_stride + j * group * head_dim, scores, offsets);
   };
-  if (threads <= 0) {  // one pair, -threads - 1, on the calling thread (decode_layers.cpp's step team)
-    static thread_local std::vector<float> scores;
-    static thread_local std::vector<int64_t> offsets;
-    one(-(int64_t)threads - 1, scores, offsets);
-    return;
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores;
-    std::vector<int64_t> offsets;
-// dynamic: rows differ in context, and a thread that other processes preempt holds back only its pairs
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) one(pair, scores, offsets);
-  }
+  l3::run_pairs(rows * kv_heads, threads, one);
 }
 
 }  // namespace
@@ -260,7 +227,7 @@ void l3_decode_attention(int bf16, const void* q, int64_t q_row_stride, void* k,
                          int64_t page_size, float scale, void* out, int64_t out_row_stride, const void* new_k,
                          int64_t new_k_row_stride, const void* new_v, int64_t new_v_row_stride,
                          const int64_t* new_slots, int threads) {
-  const NewKV nkv{new_k, new_v, new_k_row_stride, new_v_row_stride, new_slots};
+  const l3::NewKV nkv{new_k, new_v, new_k_row_stride, new_v_row_stride, new_slots};
   if (bf16)
     decode_attention<uint16_t>((const uint16_t*)q, q_row_stride, (uint16_t*)k, (uint16_t*)v, head_stride,
                                page_stride, block_table, table_stride, seq_lens, rows, kv_heads, group, head_dim,

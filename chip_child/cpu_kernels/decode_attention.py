@@ -37,12 +37,14 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def attend(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
-           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+           threads: int | None = None) -> torch.Tensor:
     """q [rows, heads, head_dim]; k_cache, v_cache one layer's [kv_heads, pages, page_size,
     head_dim] (contiguous from the page on); block_table int32 [rows, >= pages a row uses]; seq_lens
     int32 [rows], the new token included; out like q. The new tokens' keys and values are in the
     cache already, or `new_kv` = (k, v [rows, kv_heads, head_dim], slots [rows]) has the kernel
-    write them first (page * page_size + offset, as a slot mapping)."""
+    write them first (page * page_size + offset, as a slot mapping). `threads`: torch's by default;
+    -1 - pair runs only that (row, kv head) pair on this thread, as the decode step's team does."""
     rows, heads, hd = q.shape
     kvh, _, page_size, _ = k_cache.shape
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:  # read through raw pointers
@@ -61,7 +63,7 @@ def attend(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                             out.data_ptr(), out.stride(0), None if nk is None else nk.data_ptr(),
                             0 if nk is None else nk.stride(0), None if nv is None else nv.data_ptr(),
                             0 if nv is None else nv.stride(0), None if slots is None else slots.data_ptr(),
-                            torch.get_num_threads())
+                            torch.get_num_threads() if threads is None else threads)
     return out
 
 

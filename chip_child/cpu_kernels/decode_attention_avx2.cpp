@@ -11,6 +11,7 @@
 
 #include <vector>
 
+#include "attention_pairs.h"
 #include "avx2_common.h"
 
 #define UNROLL L3_UNROLL
@@ -23,13 +24,6 @@ constexpr int MAX_CHUNKS = MAX_HEAD_DIM / VEC;
 constexpr int HEADS_PER_PASS = 2;  // query heads that share one pass over the keys and over the values
 constexpr int KEYS = 4;            // keys per step of the pass over the keys
 constexpr int SLICE = 4;           // vectors of a value per pass over the values
-
-struct NewKV {  // as in decode_attention.cpp: the step's new keys and values, written by the pair that reads them
-  const void* k;
-  const void* v;
-  int64_t k_row_stride, v_row_stride;
-  const int64_t* slots;
-};
 
 // The four horizontal sums of a, b, c, d, in one vector.
 inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -175,39 +169,19 @@ void attend_pair(const T* q, const T* k, const T* v, const int32_t* pages, int64
 }
 
 template <typename T>
-inline void write_new(const NewKV& nkv, int64_t r, int64_t j, T* k, T* v, int64_t page_stride, int64_t page_size,
-                      int64_t head_dim) {
-  const int64_t slot = nkv.slots[r];
-  const int64_t at = slot / page_size * page_stride + slot % page_size * head_dim;
-  memcpy(k + at, (const T*)nkv.k + r * nkv.k_row_stride + j * head_dim, head_dim * sizeof(T));
-  memcpy(v + at, (const T*)nkv.v + r * nkv.v_row_stride + j * head_dim, head_dim * sizeof(T));
-}
-
-template <typename T>
 void decode_attention(const T* q, int64_t q_row_stride, T* k, T* v, int64_t head_stride, int64_t page_stride,
                       const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens, int64_t rows,
                       int64_t kv_heads, int64_t group, int64_t head_dim, int64_t page_size, float scale, T* out,
-                      int64_t out_row_stride, const NewKV& nkv, int threads) {
+                      int64_t out_row_stride, const l3::NewKV& nkv, int threads) {
   const auto one = [&](int64_t pair, std::vector<float>& scores, std::vector<int64_t>& offsets) {
     const int64_t r = pair / kv_heads, j = pair % kv_heads;
-    if (nkv.slots) write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
+    if (nkv.slots)
+      l3::write_new(nkv, r, j, k + j * head_stride, v + j * head_stride, page_stride, page_size, head_dim);
     attend_pair(q + r * q_row_stride + j * group * head_dim, k + j * head_stride, v + j * head_stride,
                 block_table + r * table_stride, seq_lens[r], group, head_dim, page_size, page_stride, scale,
                 out + r * out_row_stride + j * group * head_dim, scores, offsets);
   };
-  if (threads <= 0) {  // one pair, -threads - 1, on the calling thread (decode_layers.cpp's step team)
-    static thread_local std::vector<float> scores;
-    static thread_local std::vector<int64_t> offsets;
-    one(-(int64_t)threads - 1, scores, offsets);
-    return;
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> scores;
-    std::vector<int64_t> offsets;
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t pair = 0; pair < rows * kv_heads; ++pair) one(pair, scores, offsets);
-  }
+  l3::run_pairs(rows * kv_heads, threads, one);
 }
 
 }  // namespace
@@ -224,7 +198,7 @@ void l3_decode_attention(int bf16, const void* q, int64_t q_row_stride, void* k,
                          int64_t page_size, float scale, void* out, int64_t out_row_stride, const void* new_k,
                          int64_t new_k_row_stride, const void* new_v, int64_t new_v_row_stride,
                          const int64_t* new_slots, int threads) {
-  const NewKV nkv{new_k, new_v, new_k_row_stride, new_v_row_stride, new_slots};
+  const l3::NewKV nkv{new_k, new_v, new_k_row_stride, new_v_row_stride, new_slots};
   if (bf16)
     decode_attention<uint16_t>((const uint16_t*)q, q_row_stride, (uint16_t*)k, (uint16_t*)v, head_stride,
                                page_stride, block_table, table_stride, seq_lens, rows, kv_heads, group, head_dim,

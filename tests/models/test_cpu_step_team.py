@@ -54,14 +54,6 @@ def test_a_projection_on_the_team_gives_the_bits_of_one_thread(kernel, rows, n, 
         assert torch.equal(on_team(team, p, x, n, threads), want)
 
 
-def attention_call(lib: ctypes.CDLL, q, k, v, table, lens, new_k, new_v, slots, out, threads: int) -> None:
-    kvh, _, page, hd = k.shape
-    lib.l3_decode_attention(1, q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-                            table.data_ptr(), table.stride(0), lens.data_ptr(), q.shape[0], kvh, q.shape[1] // kvh,
-                            hd, page, 0.125, out.data_ptr(), out.stride(0), new_k.data_ptr(), new_k.stride(0),
-                            new_v.data_ptr(), new_v.stride(0), slots.data_ptr(), threads)
-
-
 @pytest.mark.parametrize("kernel", [k for k in (decode_attention.KERNEL, decode_attention.AVX2_KERNEL) if k.usable()],
                          ids=lambda k: k.name)
 def test_attention_pairs_run_one_by_one_give_the_bits_of_the_whole_call(kernel) -> None:
@@ -76,15 +68,17 @@ def test_attention_pairs_run_one_by_one_give_the_bits_of_the_whole_call(kernel) 
     new_k, new_v = (torch.randn(rows, kvh, hd, generator=g).bfloat16() for _ in range(2))
     last = lens.long() - 1
     slots = (table[torch.arange(rows), last // page].long() * page + last % page).contiguous()
-    whole, pairs = (torch.empty_like(q) for _ in range(2))
+    new = (new_k, new_v, slots)
+    lib = kernel.library()
     k_whole, v_whole, k_pairs, v_pairs = k.clone(), v.clone(), k.clone(), v.clone()
-    attention_call(kernel.library(), q, k_whole, v_whole, table, lens, new_k, new_v, slots, whole, 2)
+    whole = decode_attention.attend(lib, q, k_whole, v_whole, table, lens, 0.125, torch.empty_like(q), new, threads=2)
     one, k_one = torch.zeros_like(q), k.clone()  # pair 3 alone (row 1, kv head 1) touches its own part only
-    attention_call(kernel.library(), q, k_one, v.clone(), table, lens, new_k, new_v, slots, one, -1 - 3)
+    decode_attention.attend(lib, q, k_one, v.clone(), table, lens, 0.125, one, new, threads=-1 - 3)
     assert torch.equal(one[1, group:], whole[1, group:]) and one.view(-1).count_nonzero() == group * hd
     assert torch.equal(k_one[1].reshape(-1, hd)[slots[1]], new_k[1, 1]) and (k_one != k).any(-1).sum() == 1
+    pairs = torch.empty_like(q)
     for pair in range(rows * kvh):
-        attention_call(kernel.library(), q, k_pairs, v_pairs, table, lens, new_k, new_v, slots, pairs, -1 - pair)
+        decode_attention.attend(lib, q, k_pairs, v_pairs, table, lens, 0.125, pairs, new, threads=-1 - pair)
     assert not torch.equal(k_whole, k)  # the new keys went in
     assert torch.equal(pairs, whole) and torch.equal(k_pairs, k_whole) and torch.equal(v_pairs, v_whole)
 
