@@ -7,6 +7,7 @@
 #   scripts/bench_peers.sh                # the 27M and 128M random Qwen3 checkpoints, bf16
 #   scripts/bench_peers.sh 128m           # one of them
 #   REPEATS=3 scripts/bench_peers.sh 128m # repeated runs (each a full alternation of the three engines)
+#   python scripts/peer_run_medians.py ../peers-build/runs/128m-*   # then their medians, target by target
 #
 # Each run prints the driver's table, then l3worker's offline figure against the compute limit that
 # scripts/bench_compute_limit.py measures just before, and keeps every log under PEERS_BUILD/runs/<size>-<n>/.

@@ -16,6 +16,7 @@ RENAMED = {
     "max_num_seqs": "max_batch_size",
     "max_num_batched_tokens": "max_num_batched_tokens",
     "gpu_memory_utilization": "gpu_memory_utilization",
+    "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "num_gpu_blocks_override": "num_pages",
     "block_size": "page_size",
     "enable_prefix_caching": "enable_prefix_caching",

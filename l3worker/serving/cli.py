@@ -204,7 +204,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"l3worker serve: ready at {running.url} serving {model.names[0]} (model {model.model_dir}, "
               f"max_num_seqs {args.max_num_seqs}, max_model_len {model.max_model_len}, "
               f"kv cache {pages} pages of {cfg.page_size} ({pages * cfg.page_size} tokens"
-              f"{f' from gpu_memory_utilization {args.gpu_memory_utilization}' if worker.kv_sizing else ''}), "
+              f"{f' from {worker.kv_sizing.source}' if worker.kv_sizing else ''}), "
               f"{model.defaults.describe()}"
               f"{', chat template' if model.chat_template else ', no chat template'}"
               f"{f', cpu layout {cpu_layout}' if cpu_layout else ''}"
@@ -330,6 +330,7 @@ def _worker_kwargs(args: argparse.Namespace, model_dir: str, max_model_len: int,
                 device_ids=None if args.device_ids is None else list(args.device_ids), max_batch_size=args.max_num_seqs,
                 max_seq_len=max_model_len, page_size=args.block_size,
                 num_pages=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 dtype=_VLLM_DTYPES.get(args.dtype, args.dtype), decode_graphs=False if args.enforce_eager else None,
                 pipeline_depth=args.pipeline_depth, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, scheduling_policy=args.scheduling_policy,

@@ -47,10 +47,11 @@ def _kv_events_config(text: str) -> dict | None:
 
 
 def _human_int(text: str) -> int:
-    """vLLM's --max-model-len spelling: 4096, 32k (x1000) or 32K (x1024), 1m / 1M."""
+    """vLLM's spelling of --max-model-len and --kv-cache-memory-bytes: 4096, 32k (x1000) or 32K (x1024), 1m / 1M,
+    4g / 4G."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens such as 4096, 32k or 32K, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number such as 4096, 32k or 32K, got {text!r}")
     number, unit = m.groups()
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[unit]
     return int(float(number) * scale)
@@ -173,9 +174,12 @@ def _cache_args(g: argparse._ArgumentGroup) -> None:
                    help="size the KV cache from this fraction of the device's memory (on a cpu: of the RAM or "
                         "the cgroup's limit) less the weights, in (0, 1]; leave room for activations (None: room "
                         "for --max-model-len in every row)")
+    g.add_argument("--kv-cache-memory-bytes", type=_human_int, default=None, metavar="BYTES",
+                   help="the KV cache's size on each device, e.g. 4G (GiB) or 4g (10**9 bytes); overrides "
+                        "--gpu-memory-utilization (on a cpu, vLLM's VLLM_CPU_KVCACHE_SPACE=<GiB> when this is omitted)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
-                   help="KV-cache pages in all; overrides --gpu-memory-utilization (None: from it, or room for "
-                        "--max-model-len in every row)")
+                   help="KV-cache pages in all; overrides --kv-cache-memory-bytes and --gpu-memory-utilization "
+                        "(None: from them, or room for --max-model-len in every row)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="auto: the KV cache in the model's dtype; fp8 / fp8_e4m3: in float8 (twice the tokens of "
                         "bf16 in the same memory; the torch attention backend only)")

@@ -8,12 +8,10 @@ the way prepare() does (`_relaunch`) and resumes every request (see l3worker/eng
 """
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import sys
 import time
-import weakref
 from dataclasses import asdict, replace
 from functools import partial
 from typing import Iterator, Sequence
@@ -37,7 +35,7 @@ from l3worker.worker.worker_stats import worker_stats
 from l3worker.worker.lora_controls import LoraControls, lora_info, lora_registry
 from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check_kv_cache_dtype, check_limits,
                                         check_speculation_switches, default_pipeline_depth, positive_int)
-from l3worker.worker.kv_sizing import KvSizing, host_tier_pages, size_kv_cache
+from l3worker.worker.kv_sizing import KvSizing, host_tier_pages, kv_cache_bytes, size_kv_cache, size_kv_cache_in
 from l3worker.worker.cpu_placement import CpuPlacement
 from l3worker.worker.shared_buffers import StepBuffers
 from l3worker.engine.speculation import check_proposer, speculative_tokens
@@ -54,6 +52,7 @@ from l3worker.engine.requests import RequestState
 from l3worker.engine.stats import GenerateStats, advance_bar
 from l3worker.worker.rollout import RolloutControls
 from l3worker.worker.socket_dir import make_socket_dir
+from l3worker.worker.teardown import live_workers, run_every
 
 RESTART_GRACE_S = 2.0  # how long a failed generation's live children may take to exit before a kill
 
@@ -74,6 +73,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         # vLLM's: size the KV cache from this fraction of the device's memory (kv_sizing.py);
         # None: room for max_seq_len in every row. num_pages, when given, overrides it.
         gpu_memory_utilization: float | None = None,
+        kv_cache_memory_bytes: int | None = None,  # vLLM's: the KV cache's bytes per device; wins over the fraction
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",  # vLLM's: "fp8" / "fp8_e4m3" store the KV pages in float8
         kv_offloading_size: float | None = None,  # vLLM's: GiB of host memory for evicted prefix pages
@@ -175,12 +175,16 @@ class DistributedWorker(RolloutControls, LoraControls):
         shard = shard_config(self.model_config, layout.tensor_parallel_size, enable_expert_parallel)
         kv_itemsize = 1 if cache_dtype_of(kv_cache_dtype) else run_dtype.itemsize  # an fp8 cache: a byte a value
         self.kv_sizing: KvSizing | None = None
-        if gpu_memory_utilization is not None:
+        if (kv_bytes := kv_cache_bytes(kv_cache_memory_bytes, kind)) is not None:  # or VLLM_CPU_KVCACHE_SPACE
+            self.kv_sizing = size_kv_cache_in(shard, kv_bytes, kind=kind, local_ranks=len(device_ids),
+                                              kv_itemsize=kv_itemsize, page_size=page_size, max_seq_len=max_seq_len)
+        elif gpu_memory_utilization is not None:
             self.kv_sizing = size_kv_cache(
                 shard, fraction=gpu_memory_utilization, kind=kind, device_id=device_ids[0],
                 itemsize=run_dtype.itemsize, local_ranks=len(device_ids), page_size=page_size, max_seq_len=max_seq_len,
                 kv_itemsize=kv_itemsize)
-            num_pages = num_pages if num_pages is not None else self.kv_sizing.num_pages
+        if self.kv_sizing is not None and num_pages is None:
+            num_pages = self.kv_sizing.num_pages
         if speculative is not None:
             speculative = check_proposer(speculative, self.model_config, layout.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -228,7 +232,8 @@ class DistributedWorker(RolloutControls, LoraControls):
         if self.loras is not None:
             self.engine.metrics.track_lora(partial(lora_info, self.engine))
         self.engine.scheduling_policy = check_choice("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES)
-        self.engine.kv_events_config, self.engine.kv_events_rank = KVEventsConfig.of(kv_events_config), data_parallel_rank
+        self.engine.kv_events_config = KVEventsConfig.of(kv_events_config)
+        self.engine.kv_events_rank = data_parallel_rank
         self._requests_served = 0
         self._generate_calls = 0
         self._last = GenerateStats()
@@ -253,7 +258,7 @@ class DistributedWorker(RolloutControls, LoraControls):
             self._core_plan = plan = self._plan_cores()
             self._nodes = [RemoteNode(self._ctx, self.layout, node, self._buffers)
                            for node in range(1, self.layout.nnodes)]
-            _live_workers.add(self)
+            live_workers.add(self)
             if plan:
                 pin_socket_threads(self._ctx, plan.service)  # before the first socket starts its threads
             grammars = self.engine.input_processor.grammars
@@ -338,12 +343,11 @@ class DistributedWorker(RolloutControls, LoraControls):
 
     def _stop_children(self, grace_s: float) -> None:
         children, self._children = self._children, []
-        for child in children:
-            child.stop(grace_s)
         self._doorbell = None
+        run_every(partial(child.stop, grace_s) for child in children)  # one that fails leaves none running
 
     def _others_pinned(self) -> bool:
-        return any(w._core_plan or w.step_core is not None for w in _live_workers if w is not self)
+        return any(w._core_plan or w.step_core is not None for w in live_workers if w is not self)
 
     def _plan_cores(self) -> CorePlan | None:
         return self._placement.plan(len(self.device_ids), self._others_pinned())
@@ -352,32 +356,37 @@ class DistributedWorker(RolloutControls, LoraControls):
         return self._placement.spin_budget(self._children[0].info, len(self._children), self.spin_wait_s)
 
     def close(self) -> None:
-        """Stops every child and removes the socket directory. Idempotent; safe after failures."""
-        self.engine.request_stop()  # a restart under way gives up instead of starting children
-        self._stop_children(5.0)
-        self.engine.input_processor.grammars.close()  # its compile threads end with the worker
-        self.engine.close_kv_events()
-        if self.loras is not None:
-            self.loras.close()  # the adapters' host copies in shared memory
-        for node in self._nodes:
-            node.close()  # the followers see the link close and exit
+        """Stops every child and frees what the worker holds. Idempotent; safe after failures: every
+        step runs even when one before it raised, and the first such error is raised at the end."""
+        run_every([
+            self.engine.request_stop,  # a restart under way gives up instead of starting children
+            partial(self._stop_children, 5.0),
+            self.engine.input_processor.grammars.close,  # its compile threads end with the worker
+            self.engine.close_kv_events,
+            self.loras.close if self.loras is not None else None,  # adapters' host copies in shared memory
+            *(node.close for node in self._nodes),  # the followers see the link close and exit
+            self._release_host,
+        ])
+
+    def _release_host(self) -> None:
+        """The sockets, their directory, the wake fd and the step core; then the state is closed."""
         self._nodes = []
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)  # also closes a socket whose child never started
-            self._ctx = None
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
-            self._socket_dir = None
-        self._buffers = None
-        self._doorbell = None
-        if self._wake_fd is not None:
-            os.close(self._wake_fd)
-            self._wake_fd = None
-        self._core_plan = None  # its cores are free for another worker
-        self._placement.release()
-        if self._state != "closed" and self.engine.error is None:
-            self.engine.fail(WorkerError("the worker was closed"))
-        self._state = "closed"
+        try:
+            if self._ctx is not None:
+                self._ctx.destroy(linger=0)  # also closes a socket whose child never started
+                self._ctx = None
+        finally:
+            if self._socket_dir is not None:
+                shutil.rmtree(self._socket_dir, ignore_errors=True)
+                self._socket_dir = None
+            self._buffers = self._doorbell = self._core_plan = None  # its cores are free for another worker
+            if self._wake_fd is not None:
+                fd, self._wake_fd = self._wake_fd, None
+                os.close(fd)
+            self._placement.release()
+            if self._state != "closed" and self.engine.error is None:
+                self.engine.fail(WorkerError("the worker was closed"))
+            self._state = "closed"
 
     def __enter__(self) -> "DistributedWorker":
         return self.prepare()
@@ -485,13 +494,3 @@ class DistributedWorker(RolloutControls, LoraControls):
     def step_records(self) -> list[dict]:
         """Every step of the last generate() call, for --profile."""
         return self._last.step_table()
-
-
-_live_workers: "weakref.WeakSet[DistributedWorker]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_workers() -> None:
-    """A program that forgets close() still stops its children on a normal exit."""
-    for worker in list(_live_workers):
-        worker.close()

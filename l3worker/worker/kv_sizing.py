@@ -1,4 +1,6 @@
-"""KV-cache pages from a share of the device's memory: vLLM's `gpu_memory_utilization`.
+"""KV-cache pages from a share of the device's memory (vLLM's `gpu_memory_utilization`), or from a
+number of bytes for the cache alone (vLLM's `kv_cache_memory_bytes`, and on a cpu its
+VLLM_CPU_KVCACHE_SPACE in GiB).
 
 vLLM gives the KV cache what is left of `gpu_memory_utilization` x the device's memory once the
 weights (and its profiled activations) are in. The parent computes the same before any child
@@ -22,6 +24,7 @@ from chip_child.models.loader import ModelConfig, expected_tensor_shapes
 GIB = 1 << 30
 MAX_SLOTS = 2**31 - 1  # KV slot ids (page * page_size + offset) are int32 on the wire
 _PROBE_TIMEOUT_S = 120.0
+CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's, on its cpu backend: the KV cache's GiB
 # The device's total memory and what is free now, in bytes, from a child that exits at once.
 _PROBE = """import sys, torch
 kind, index = sys.argv[1], int(sys.argv[2])
@@ -37,19 +40,22 @@ print(total, free)
 class KvSizing:
     """How many KV pages a memory fraction buys: every figure per device (a cpu node is one device)."""
 
-    fraction: float  # gpu_memory_utilization
-    memory_bytes: int  # what the fraction is of
+    fraction: float | None  # gpu_memory_utilization; None where the cache's bytes were given
+    memory_bytes: int  # what the fraction is of, or the cache's bytes
     weight_bytes: int  # the weights held in that memory
     page_bytes: int  # one page of every layer's K and V, over the ranks sharing the memory
     num_pages: int  # usable pages (the scratch page 0 not counted)
     page_size: int
     device: str  # "cpu" or "cuda:N" / "npu:N": where memory_bytes was read
+    source: str  # the setting the pages came from, with its value
 
     @property
     def tokens(self) -> int:
         return self.num_pages * self.page_size
 
     def describe(self) -> str:
+        if self.fraction is None:
+            return f"{self.num_pages} KV pages ({self.tokens} tokens) in {_size(self.memory_bytes)} ({self.source})"
         return (f"{self.num_pages} KV pages ({self.tokens} tokens) in {self.fraction} of {_size(self.memory_bytes)} "
                 f"({self.device}) less {_size(self.weight_bytes)} of weights")
 
@@ -151,12 +157,51 @@ def size_kv_cache(cfg: ModelConfig, *, fraction: float, kind: str, device_id: in
     page_bytes = kv_bytes_per_token(cfg, kv_itemsize or itemsize) * page_size * sharing
     # One page more than the usable ones: page 0 is the scratch page idle rows write to.
     num_pages = min(max(requested - weights, 0) // page_bytes - 1, MAX_SLOTS // page_size - 1)
-    sizing = KvSizing(fraction, total, weights, page_bytes, max(num_pages, 0), page_size, where)
-    row_pages = math.ceil(max_seq_len / page_size)
-    if num_pages < row_pages:
-        raise ValueError(f"gpu_memory_utilization={fraction} leaves {sizing.describe()}; one row of "
-                         f"max_seq_len={max_seq_len} needs {row_pages} pages of {page_size} tokens: raise "
-                         "gpu_memory_utilization or lower max_seq_len")
+    sizing = KvSizing(fraction, total, weights, page_bytes, max(num_pages, 0), page_size, where,
+                      f"gpu_memory_utilization {fraction}")
+    return _room_for_a_row(sizing, f"gpu_memory_utilization={fraction}", "gpu_memory_utilization", max_seq_len)
+
+
+def kv_cache_bytes(asked: int | None, kind: str, environ: dict[str, str] | None = None) -> tuple[int, str] | None:
+    """The KV cache's bytes on each device and the setting they came from: `asked` (vLLM's
+    kv_cache_memory_bytes), else on a cpu vLLM's VLLM_CPU_KVCACHE_SPACE (GiB; unset, empty or 0: not
+    given); None for neither. ValueError naming the setting for a value that is not a positive integer."""
+    if asked is not None:
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be a positive number of bytes, got {asked!r}")
+        return asked, f"kv_cache_memory_bytes={asked}"
+    text = (os.environ if environ is None else environ).get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if kind != "cpu" or text in ("", "0"):
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a whole number of GiB, got {text!r}")
+    return int(text) * GIB, f"{CPU_KVCACHE_SPACE_ENV}={text}"
+
+
+def size_kv_cache_in(cfg: ModelConfig, kv_bytes: tuple[int, str], *, kind: str, local_ranks: int,
+                     kv_itemsize: int, page_size: int, max_seq_len: int, memory: int | None = None) -> KvSizing:
+    """The pages a cache of `kv_bytes` (kv_cache_bytes) holds on each device; the weights come on top.
+    `cfg` is one rank's view: each rank holds its share of the heads in bytes of its own, as vLLM's
+    workers do. ValueError naming the setting when one row of max_seq_len does not fit, or on a cpu
+    when the `local_ranks` caches exceed the memory this process may use (`memory`: instead of reading it)."""
+    total, source = kv_bytes
+    field = source.partition("=")[0]
+    if kind == "cpu":
+        memory = cpu_memory_bytes() if memory is None else memory
+        if total * local_ranks > memory:
+            raise ValueError(f"{source}: {local_ranks} cache(s) of {_size(total)} exceed the {_size(memory)} of "
+                             f"memory this process may use; lower {field}")
+    page_bytes = kv_bytes_per_token(cfg, kv_itemsize) * page_size
+    num_pages = min(total // page_bytes - 1, MAX_SLOTS // page_size - 1)  # page 0: the scratch page
+    sizing = KvSizing(None, total, 0, page_bytes, max(num_pages, 0), page_size, "each device", source)
+    return _room_for_a_row(sizing, source, field, max_seq_len)
+
+
+def _room_for_a_row(sizing: KvSizing, asked: str, field: str, max_seq_len: int) -> KvSizing:
+    row_pages = math.ceil(max_seq_len / sizing.page_size)
+    if sizing.num_pages < row_pages:
+        raise ValueError(f"{asked} leaves {sizing.describe()}; one row of max_seq_len={max_seq_len} needs "
+                         f"{row_pages} pages of {sizing.page_size} tokens: raise {field} or lower max_seq_len")
     return sizing
 
 

@@ -105,6 +105,7 @@ def test_vllm_engine_arguments_map_to_the_worker() -> None:
     assert got == dict(max_batch_size=8, max_seq_len=512, gpu_memory_utilization=0.5, decode_graphs=False,
                        dtype="bfloat16", page_size=16, num_pages=40, tensor_parallel_size=1, device="cpu")
     assert worker_kwargs(dict(dtype="float", enforce_eager=False)) == dict(dtype="float32", decode_graphs=None)
+    assert worker_kwargs(dict(kv_cache_memory_bytes=1 << 30)) == dict(kv_cache_memory_bytes=1 << 30)
 
 
 # -- sampling defaults --------------------------------------------------------------------------------

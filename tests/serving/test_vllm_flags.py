@@ -45,6 +45,8 @@ def test_an_unknown_flag_gets_argparses_error_with_the_subcommands_usage(capsys)
     assert err.startswith(SERVE_USAGE) and "error: unrecognized arguments: --no-such-flag" in err
     err = refused(capsys, "--max-num-seqs", "many")
     assert err.startswith(SERVE_USAGE) and "argument --max-num-seqs: invalid int value: 'many'" in err
+    err = refused(capsys, "--kv-cache-memory-bytes", "lots")
+    assert "argument --kv-cache-memory-bytes: expected a number such as 4096, 32k or 32K, got 'lots'" in err
 
 
 def test_every_vllm_serve_flag_is_implemented_or_refused_by_name(capsys) -> None:
@@ -117,6 +119,10 @@ def test_flags_reach_the_worker_arguments(tmp_path) -> None:
                           builtin=False)["stream_interval"] == 4
     plain = _worker_kwargs(parse_serve_args(["serve"]), str(tmp_path), 256, builtin=True)
     assert (plain["decode_graphs"], plain["gpu_memory_utilization"], plain["model_dir"]) == (None, None, None)
+    for text, size in (("2G", 2 << 30), ("4g", 4 * 10**9), ("123456", 123456)):  # vLLM's spellings
+        args = parse_serve_args(["serve", "--kv-cache-memory-bytes", text])
+        assert _worker_kwargs(args, str(tmp_path), 256, builtin=False)["kv_cache_memory_bytes"] == size
+    assert plain["kv_cache_memory_bytes"] is None
 
 
 def test_cpu_engines_split_the_memory_fraction_accelerators_do_not() -> None:

@@ -30,9 +30,9 @@ def sole_worker() -> None:
     """A worker of another test module that this process keeps alive (a module-scoped fixture,
     under pytest-xdist) holds its cores, and the workers made here then pin nothing, as they
     should: the tests that check the pins skip."""
-    from l3worker.worker.distributed_worker import _live_workers
+    from l3worker.worker.teardown import live_workers
 
-    if any(w._core_plan or w.step_core is not None or w._placement._claim is not None for w in _live_workers):
+    if any(w._core_plan or w.step_core is not None or w._placement._claim is not None for w in live_workers):
         pytest.skip("another live worker of this process holds its cores")
 
 

@@ -359,3 +359,30 @@ def test_two_workers_side_by_side() -> None:
             a.close()
             b.close()
     assert_nothing_left(a_children + b_children, b_dir, shm_before)
+
+
+# -- a step of close() raises ------------------------------------------------------------------------
+@pytest.mark.parametrize("broken", ["engine.request_stop", "engine.input_processor.grammars.close"])
+def test_close_frees_everything_when_one_of_its_steps_raises(broken: str, monkeypatch) -> None:
+    """The first of close()'s steps, or one between stopping the children and freeing the sockets:
+    the error reaches the caller, and still no child, socket directory or shared memory is left."""
+    shm_before = shm_entries()
+    w = DistributedWorker(**SMALL).prepare()
+    children, socket_dir = [psutil.Process(pid) for pid in w.child_pids], w.socket_dir
+    owner_path, name = broken.rsplit(".", 1)
+    owner = w
+    for part in owner_path.split("."):
+        owner = getattr(owner, part)
+
+    def fail() -> None:
+        raise RuntimeError(f"{broken} failed")
+
+    monkeypatch.setattr(owner, name, fail)
+    with guard(), pytest.raises(RuntimeError, match=f"{broken} failed"):
+        w.close()
+    assert w.stats()["state"] == "closed" and w.child_pids == [] and w.socket_dir is None
+    assert_nothing_left(children, socket_dir, shm_before)
+    monkeypatch.undo()
+    w.close()  # quiet the second time
+    with pytest.raises(WorkerError, match="closed"):
+        w.generate(PROMPTS, GREEDY)

@@ -1,5 +1,6 @@
 """gpu_memory_utilization: KV pages from a share of the device's memory less the weights, computed in
-the parent before any child starts (l3worker/worker/kv_sizing.py), and the worker built with them."""
+the parent before any child starts (l3worker/worker/kv_sizing.py), and the worker built with them;
+kv_cache_memory_bytes and vLLM's VLLM_CPU_KVCACHE_SPACE: pages from the cache's own bytes."""
 from __future__ import annotations
 
 import math
@@ -13,8 +14,9 @@ from chip_child.models.qwen3 import shard_config
 from chip_child.models.tiny_model import ensure_tiny_model
 from l3worker import DistributedWorker, SamplingParams
 from l3worker.worker import kv_sizing
-from l3worker.worker.kv_sizing import (accelerator_memory_bytes, cgroup_memory_limit, kv_bytes_per_token,
-                                       size_kv_cache, weight_bytes)
+from l3worker.worker.kv_sizing import (CPU_KVCACHE_SPACE_ENV, accelerator_memory_bytes, cgroup_memory_limit,
+                                       kv_bytes_per_token, kv_cache_bytes, size_kv_cache, size_kv_cache_in,
+                                       weight_bytes)
 
 GIB = 1 << 30
 FP32 = 4
@@ -125,3 +127,77 @@ def test_the_worker_sizes_its_cache_from_the_fraction_and_serves_with_it(tiny, m
     w.close()
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.001 leaves .* one row of max_seq_len=64"):
         DistributedWorker(str(tiny), gpu_memory_utilization=0.001, **common)
+
+
+# -- the cache's own bytes: kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE --------------------------------
+def test_the_setting_wins_over_the_environment_which_counts_on_a_cpu_only() -> None:
+    env = {CPU_KVCACHE_SPACE_ENV: "4"}
+    assert kv_cache_bytes(None, "cpu", env) == (4 * GIB, "VLLM_CPU_KVCACHE_SPACE=4")
+    assert kv_cache_bytes(None, "cuda", env) is None  # vLLM reads it on its cpu backend alone
+    assert kv_cache_bytes(123456, "cpu", env) == (123456, "kv_cache_memory_bytes=123456")
+    for unset in ({}, {CPU_KVCACHE_SPACE_ENV: ""}, {CPU_KVCACHE_SPACE_ENV: "0"}):  # vLLM's default is 0
+        assert kv_cache_bytes(None, "cpu", unset) is None
+
+
+@pytest.mark.parametrize("asked,env,needle", [
+    (0, {}, "kv_cache_memory_bytes must be a positive number of bytes, got 0"),
+    (-5, {}, "kv_cache_memory_bytes must be a positive number of bytes, got -5"),
+    (1.5e9, {}, "kv_cache_memory_bytes must be a positive number of bytes, got 1500000000.0"),
+    (True, {}, "kv_cache_memory_bytes must be a positive number of bytes, got True"),
+    (None, {CPU_KVCACHE_SPACE_ENV: "4.5"}, "VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB, got '4.5'"),
+    (None, {CPU_KVCACHE_SPACE_ENV: "-1"}, "VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB, got '-1'"),
+])
+def test_bad_cache_sizes_are_refused_by_name(asked, env, needle) -> None:
+    with pytest.raises(ValueError) as e:
+        kv_cache_bytes(asked, "cpu", env)
+    assert needle in str(e.value)
+
+
+def test_pages_are_the_caches_bytes_over_one_pages_kv_bytes_on_each_rank(tiny) -> None:
+    cfg = load_config(tiny)
+    page_bytes = kv_bytes_per_token(cfg, FP32) * 16
+    s = size_kv_cache_in(cfg, (100 * page_bytes + 7, "kv_cache_memory_bytes=x"), kind="cpu", local_ranks=1,
+                         kv_itemsize=FP32, page_size=16, max_seq_len=64, memory=GIB)
+    assert (s.num_pages, s.page_bytes, s.fraction, s.source) == (99, page_bytes, None, "kv_cache_memory_bytes=x")
+    assert s.describe() == f"99 KV pages (1584 tokens) in {(100 * page_bytes + 7) / (1 << 20):.1f} MiB " \
+                           "(kv_cache_memory_bytes=x)"
+    # two ranks: each holds half the heads of every page in bytes of its own, as vLLM's workers do
+    half = size_kv_cache_in(shard_config(cfg, 2), (100 * page_bytes, "kv_cache_memory_bytes=x"), kind="cpu",
+                            local_ranks=2, kv_itemsize=FP32, page_size=16, max_seq_len=64, memory=GIB)
+    assert half.num_pages == 199
+
+
+def test_a_cache_that_overflows_the_memory_or_misses_a_row_is_refused(tiny) -> None:
+    cfg = load_config(tiny)
+    with pytest.raises(ValueError, match=r"VLLM_CPU_KVCACHE_SPACE=2: 2 cache\(s\) of 2.00 GiB exceed the 3.00 GiB "
+                                         r"of memory this process may use; lower VLLM_CPU_KVCACHE_SPACE"):
+        size_kv_cache_in(cfg, (2 * GIB, "VLLM_CPU_KVCACHE_SPACE=2"), kind="cpu", local_ranks=2, kv_itemsize=FP32,
+                         page_size=16, max_seq_len=64, memory=3 * GIB)
+    page_bytes = kv_bytes_per_token(cfg, FP32) * 16
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=\d+ leaves .*one row of max_seq_len=512 needs 32 "
+                                         r"pages of 16 tokens: raise kv_cache_memory_bytes or lower max_seq_len"):
+        size_kv_cache_in(cfg, kv_cache_bytes(10 * page_bytes, "cpu"), kind="cpu", local_ranks=1, kv_itemsize=FP32,
+                         page_size=16, max_seq_len=512, memory=GIB)
+
+
+def test_the_worker_sizes_its_cache_from_the_bytes_or_vllms_variable(tiny, monkeypatch) -> None:
+    cfg = load_config(tiny)
+    page_bytes = kv_bytes_per_token(cfg, FP32) * 8
+    common = dict(device="cpu", max_batch_size=2, max_seq_len=64, page_size=8, num_threads=1)
+    monkeypatch.delenv(CPU_KVCACHE_SPACE_ENV, raising=False)
+    # the bytes win over the fraction, as in vLLM
+    with DistributedWorker(str(tiny), kv_cache_memory_bytes=31 * page_bytes, gpu_memory_utilization=0.9,
+                           **common) as w:
+        assert w.kv_sizing.num_pages == 30 and w.runtime_config.total_pages == 31
+        out = w.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4 and w.stats()["kv_pages_total"] == 30
+    monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "1")
+    w = DistributedWorker(str(tiny), **common)
+    assert w.kv_sizing.source == "VLLM_CPU_KVCACHE_SPACE=1" and w.kv_sizing.num_pages == GIB // page_bytes - 1
+    w.close()
+    w = DistributedWorker(str(tiny), num_pages=12, **common)  # --num-gpu-blocks-override wins over both
+    assert w.runtime_config.total_pages == 13
+    w.close()
+    monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "lots")
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB, got 'lots'"):
+        DistributedWorker(str(tiny), **common)
