@@ -365,28 +365,29 @@ class DistributedWorker(RolloutControls, LoraControls):
             self.engine.close_kv_events,
             self.loras.close if self.loras is not None else None,  # adapters' host copies in shared memory
             *(node.close for node in self._nodes),  # the followers see the link close and exit
+            self._destroy_context,
             self._release_host,
         ])
 
+    def _destroy_context(self) -> None:
+        """Closes every socket, one whose child never started too."""
+        ctx, self._ctx, self._nodes = self._ctx, None, []
+        if ctx is not None:
+            ctx.destroy(linger=0)
+
     def _release_host(self) -> None:
-        """The sockets, their directory, the wake fd and the step core; then the state is closed."""
-        self._nodes = []
-        try:
-            if self._ctx is not None:
-                self._ctx.destroy(linger=0)  # also closes a socket whose child never started
-                self._ctx = None
-        finally:
-            if self._socket_dir is not None:
-                shutil.rmtree(self._socket_dir, ignore_errors=True)
-                self._socket_dir = None
-            self._buffers = self._doorbell = self._core_plan = None  # its cores are free for another worker
-            if self._wake_fd is not None:
-                fd, self._wake_fd = self._wake_fd, None
-                os.close(fd)
-            self._placement.release()
-            if self._state != "closed" and self.engine.error is None:
-                self.engine.fail(WorkerError("the worker was closed"))
-            self._state = "closed"
+        """The socket directory, the wake fd and the step core; then the state is closed."""
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+        self._buffers = self._doorbell = self._core_plan = None  # its cores are free for another worker
+        if self._wake_fd is not None:
+            fd, self._wake_fd = self._wake_fd, None
+            os.close(fd)
+        self._placement.release()
+        if self._state != "closed" and self.engine.error is None:
+            self.engine.fail(WorkerError("the worker was closed"))
+        self._state = "closed"
 
     def __enter__(self) -> "DistributedWorker":
         return self.prepare()
