@@ -66,9 +66,12 @@ start() {  # engine port: becomes the server (exec), so that its pid is the serv
             --gpu-memory-utilization 0.3 ;;
   esac
 }
-pick() { grep -m1 "$2" "$1" | awk -F: '{gsub(/ /,"",$2); print $2}'; }
+# a figure the client did not print (it failed, or is older) is an empty field, not the end of the run
+pick() { { grep -m1 "$2" "$1" || true; } | awk -F: '{gsub(/ /,"",$2); print $2}'; }
+pid=""; trap '[ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null || true' EXIT  # no server outlives the driver
 FIGURES="$BUILD/served/figures.tsv"; : > "$FIGURES"  # the same figures, tab-separated, for served_ratios.py
-printf "%-15s %-7s %10s %12s %10s %10s %8s %9s\n" engine load "tok/s" "TTFT p50" "TPOT p50" "P99 ITL" failed launch_s
+printf "%-15s %-7s %10s %12s %10s %10s %8s %9s %7s\n" engine load "tok/s" "TTFT p50" "TPOT p50" "P99 ITL" failed \
+  launch_s "req/s"
 read -ra ORDER <<< "${ENGINES:-l3worker llama}"
 for n in $(seq 1 "${REPEATS:-1}"); do
   # Every other round runs the engines in reverse: a place in the round can be worth a few percent
@@ -96,8 +99,9 @@ for n in $(seq 1 "${REPEATS:-1}"); do
         --max-concurrency "$clients" --seed "$seed" --ignore-eos ${CLIENT_FLAGS:-} > "$out/$tag.log" 2>&1 || true
       log="$out/$tag.log"
       row=("$(pick "$log" "Output token throughput")" "$(pick "$log" "Median TTFT")" "$(pick "$log" "Median TPOT")"
-           "$(pick "$log" "P99 ITL")" "$(pick "$log" "^Failed requests:")" "$launch")
-      printf "%-15s %-7s %10s %12s %10s %10s %8s %9s\n" "$engine-$n" "$tag" "${row[@]}"
+           "$(pick "$log" "P99 ITL")" "$(pick "$log" "^Failed requests:")" "$launch"
+           "$(pick "$log" "Request throughput")" "$OUTLEN")
+      printf "%-15s %-7s %10s %12s %10s %10s %8s %9s %7s\n" "$engine-$n" "$tag" "${row[@]:0:7}"
       (IFS=$'\t'; echo "$engine"$'\t'"$n"$'\t'"$tag"$'\t'"${row[*]}") >> "$FIGURES"
     done
     kill -TERM $pid; wait $pid || true

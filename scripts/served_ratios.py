@@ -8,6 +8,10 @@ A row per figure, a column per peer; each cell gives every round's ratio (l3work
 same round) and their median. Throughput is better above 1, the times below 1. A figure that a
 round lacks (a load whose client failed, an engine that was not run) is left out of that cell, and
 a figure no round has, its row.
+The rows "from the run's duration" count each request as the output length it asked for (the
+client's --ignore-eos): they stay right where the client's own token count is off, as when it
+tokenizes a peer's text again with a tokenizer that does not give back the same tokens. At one
+client that row is the time a token, (the run's duration / requests - TTFT p50) / (output length - 1).
 Each l3worker variant the run had (an engine named l3worker-si4: `--stream-interval 4`) gets a
 table of its own against the same peers.
 """
@@ -19,7 +23,8 @@ import statistics
 from pathlib import Path
 
 COLUMNS = ("engine", "round", "load", "output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "p99_itl_ms", "failed",
-           "launch_s")
+           "launch_s", "req_s", "output_len")
+OLDER_COLUMNS = COLUMNS[:9]  # figures written before the driver gave request throughput and output length
 FIGURES = (  # (load, column, label)
     ("c1", "ttft_p50_ms", "1 client: TTFT p50"),
     ("c1", "tpot_p50_ms", "1 client: TPOT p50"),
@@ -31,6 +36,9 @@ FIGURES = (  # (load, column, label)
     ("c16new", "ttft_p50_ms", "16 clients, fresh prompts: TTFT p50"),
     ("c16new", "tpot_p50_ms", "16 clients, fresh prompts: TPOT p50"),
     ("c16new", "p99_itl_ms", "16 clients, fresh prompts: P99 ITL"),
+    ("c1", "token_ms_by_duration", "1 client: time a token, from the run's duration"),
+    ("c16rep", "req_s", "16 clients, repeated prompts: output tok/s, from the run's duration"),
+    ("c16new", "req_s", "16 clients, fresh prompts: output tok/s, from the run's duration"),
     ("c1", "launch_s", "launch to /health 200"),
 )
 OURS = "l3worker"
@@ -41,15 +49,19 @@ def read_figures(path: Path) -> dict[tuple[str, str, str], dict[str, float]]:
     figures: dict[tuple[str, str, str], dict[str, float]] = {}
     with path.open(newline="") as f:
         for line, row in enumerate(csv.reader(f, delimiter="\t"), 1):
-            if len(row) != len(COLUMNS):
+            if len(row) not in (len(COLUMNS), len(OLDER_COLUMNS)):
                 raise ValueError(f"{path}:{line}: {len(row)} fields, expected {len(COLUMNS)} ({', '.join(COLUMNS)})")
             fields = dict(zip(COLUMNS, row))
             values = {}
-            for name in COLUMNS[3:]:
+            for name in COLUMNS[3:len(row)]:
                 try:
                     values[name] = float(fields[name])
                 except ValueError:
                     continue
+            if values.get("req_s") and values.get("output_len", 0) > 1 and "ttft_p50_ms" in values:
+                # one request after another at one client: a request's time is 1 / req_s
+                per_request_ms = 1000 / values["req_s"]
+                values["token_ms_by_duration"] = (per_request_ms - values["ttft_p50_ms"]) / (values["output_len"] - 1)
             figures[(fields["engine"], fields["round"], fields["load"])] = values
     return figures
 

@@ -4,6 +4,7 @@ one. The runs themselves need the peers kit, which CI does not install."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,7 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 STUB_CLIENT = """#!/bin/sh
 printf 'Output token throughput (tok/s): 1\\nMedian TTFT (ms): 1\\nMedian TPOT (ms): 1\\n'
-printf 'P99 ITL (ms): 1\\nFailed requests: 0\\n'
+printf 'P99 ITL (ms): 1\\nFailed requests: 0\\nRequest throughput (req/s): 0.5\\n'
 """
 
 
@@ -99,3 +100,23 @@ def test_every_other_round_runs_the_engines_in_reverse(build: dict[str, str], tm
     assert result.returncode == 0, result.stderr
     assert order.read_text().split() == ["l3worker", "base", "base", "l3worker", "l3worker", "base"]
     assert "| 1 client: TPOT p50 | 1.00, 1.00, 1.00 (median 1.00) |" in result.stdout
+    assert "| 1 client: time a token, from the run's duration | 1.00, 1.00, 1.00 (median 1.00) |" in result.stdout
+
+
+def test_a_client_that_prints_no_figures_leaves_empty_fields_and_no_server(build: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """A load whose client failed is a row of empty fields; the run goes on and stops every server."""
+    (tmp_path / "venv/bin/l3worker").write_text(STUB_SERVER.format(python=sys.executable))
+    (tmp_path / "peers/vllm-venv/bin/vllm").write_text("#!/bin/sh\necho 'the client failed' >&2; exit 1\n")
+    for path in ("venv/bin/l3worker", "peers/vllm-venv/bin/vllm"):
+        (tmp_path / path).chmod(0o755)
+    (tmp_path / "venv/bin/python").symlink_to(sys.executable)  # the driver's ratios at the end
+    (tmp_path / "base" / "l3worker").mkdir(parents=True)
+    result = run({**build, "ENGINES": "l3worker base", "BASE_TREE": str(tmp_path / "base"),
+                  "ORDER_FILE": str(tmp_path / "order.txt")})
+    assert result.returncode == 0, result.stderr
+    rows = (tmp_path / "peers/served/figures.tsv").read_text().splitlines()
+    assert [row.split("\t")[:3] for row in rows] == [["l3worker", "1", "c1"], ["base", "1", "c1"]]
+    assert all(row.split("\t")[3:8] == [""] * 5 for row in rows)
+    with socket.socket() as s:  # the driver's port: free again
+        assert s.connect_ex(("127.0.0.1", 8110)) != 0

@@ -54,7 +54,7 @@ def test_a_missing_figure_or_load_leaves_its_cell_without_that_round(tmp_path: P
 
 
 def test_bad_figures_are_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="figures.tsv:1: 3 fields, expected 9"):
+    with pytest.raises(ValueError, match="figures.tsv:1: 3 fields, expected 11"):
         read_figures(write(tmp_path, [("l3worker", 1, "c1")]))
     with pytest.raises(ValueError, match="no l3worker rows"):
         ratio_table(read_figures(write(tmp_path, [r for r in ROWS if r[0] != "l3worker"])))
@@ -81,3 +81,19 @@ def test_an_l3worker_variant_gets_its_own_table_against_the_peers_alone(tmp_path
     out = subprocess.run([sys.executable, str(SCRIPT), str(write(tmp_path, rows))], capture_output=True, text=True,
                          check=True).stdout
     assert out.index("| l3worker / peer |") < out.index("| l3worker-si4 / peer |")
+
+
+def test_the_rows_from_the_runs_duration_count_each_request_as_its_output_length(tmp_path: Path) -> None:
+    # the peer's tok/s and TPOT are off (its text tokenized again); request throughput is not
+    rows = [("l3worker", 1, "c1", 50, 100, 20.0, 30, 0, 10.0, 0.4, 128),  # 2,500 ms a request
+            ("llama", 1, "c1", 400, 150, 2.0, 25, 0, 0.5, 0.5, 128),  # 2,000 ms a request
+            ("l3worker", 1, "c16new", 200, 900, 60.0, 90, 0, 10.0, 1.6, 128),
+            ("llama", 1, "c16new", 1600, 1200, 8.0, 80, 0, 0.5, 1.2, 128)]
+    table = ratio_table(read_figures(write(tmp_path, rows)))
+    # (2500 - 100) / 127 = 18.90 ms against (2000 - 150) / 127 = 14.57 ms
+    assert cells(table, "1 client: time a token, from the run's duration") == [f"{2400 / 1850:.2f}"]
+    assert cells(table, "16 clients, fresh prompts: output tok/s, from the run's duration") == ["1.33"]
+    assert cells(table, "16 clients, fresh prompts: output tok/s") == ["0.12"]  # the client's own count
+    older = read_figures(write(tmp_path, [r[:9] for r in rows]))  # figures from before the two columns
+    assert "token_ms_by_duration" not in older[("l3worker", "1", "c1")]
+    assert "from the run's duration" not in ratio_table(older)
