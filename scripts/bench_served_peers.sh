@@ -104,7 +104,7 @@ for n in $(seq 1 "${REPEATS:-1}"); do
       printf "%-15s %-7s %10s %12s %10s %10s %8s %9s %7s\n" "$engine-$n" "$tag" "${row[@]:0:7}"
       (IFS=$'\t'; echo "$engine"$'\t'"$n"$'\t'"$tag"$'\t'"${row[*]}") >> "$FIGURES"
     done
-    kill -TERM $pid; wait $pid || true
+    kill -TERM $pid; wait $pid || true; pid=""  # stopped: the EXIT trap must not signal a reused pid
   done
 done
 # the ratios need l3worker and a peer (served_ratios.py refuses figures without either)
