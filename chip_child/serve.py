@@ -14,6 +14,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -33,6 +34,7 @@ from chip_child.step.controls import RuntimeControls
 from chip_child.step.host_kv import HostKV
 from chip_child.step.runtime import ChipRuntime, LaunchedStep, StepOutputs
 from chip_child.child_spec import ChildSpec
+from chip_child.spec_handover import EARLY_FLAG, receive_spec
 
 PR_SET_PDEATHSIG = 1
 PARENT_CHECK_MS = 500
@@ -385,8 +387,24 @@ def serve(spec: ChildSpec) -> None:
         ctx.term()
 
 
+def spec_text(argv: list[str]) -> str | None:
+    """The spec's JSON: argv's, or, for a child started ahead of it, what arrives on stdin (a
+    socket pair), None when the pair closed first."""
+    if argv[1:] != [EARLY_FLAG]:
+        return argv[1]
+    with socket.socket(fileno=0) as stdin:
+        text = receive_spec(stdin)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # stdin as a child started with its spec has it
+    os.close(null)
+    return text
+
+
 def main(argv: list[str]) -> None:
-    spec = ChildSpec.from_json(argv[1])
+    text = spec_text(argv)
+    if text is None:  # an early child its parent did not use
+        exit_without_teardown()
+    spec = ChildSpec.from_json(text)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _exit_when_orphaned(spec.parent_pid)
     try:

@@ -18,7 +18,8 @@ from chip_child.models.loader import load_tokenizer
 from l3worker.serving.core_client import CoreClient
 from l3worker.serving.launcher import ApiServerConfig
 from l3worker.distributed.router import Router, RouterConfig
-from l3worker.serving.runner import ModelInfo, ServeOptions, SignalStop, model_for, run_server, serve
+from l3worker.serving.runner import ModelInfo, ServeOptions, model_for, run_server, serve
+from l3worker.serving.signal_stop import SignalStop
 
 
 async def _serve(config: ApiServerConfig, stop: SignalStop) -> None:

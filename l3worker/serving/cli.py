@@ -14,6 +14,8 @@ from chip_child.step.row_fields import MAX_LOGPROBS
 from l3worker.bench.cli import add_bench_parser, bench_command
 from l3worker.distributed.dp_link import DpLayout
 from l3worker.engine.kv_events import KVEventsConfig
+from l3worker.serving.early_core import EarlyCore
+from l3worker.serving.signal_stop import SignalStop
 from chip_child.config import KV_CACHE_DTYPES
 from l3worker.serving.serve_args import add_serve_parser, api_key_default
 from l3worker.serving.vllm_flags import unsupported_flag, vllm_spelling
@@ -134,11 +136,19 @@ def serve_command(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     if args.disable_log_requests:
         logging.getLogger("l3worker.serving.requests").setLevel(logging.WARNING)
+    stop = SignalStop()
+    early = EarlyCore.start(args)  # before the imports and checks below, which its own imports overlap
+    try:
+        return _serve(args, stop, early)
+    finally:
+        if early is not None:
+            early.discard()  # a no-op once the launch took it
+
+
+def _serve(args: argparse.Namespace, stop: SignalStop, early: EarlyCore | None) -> int:
     # The HTTP server's modules (uvicorn, FastAPI) and torch load only now: `--help` and a bad flag
     # answer without them.
-    from l3worker.serving.runner import ModelInfo, SignalStop, bind, run_server, serve, served_model
-
-    stop = SignalStop()
+    from l3worker.serving.runner import ModelInfo, bind, run_server, serve, served_model
 
     if args.headless:
         return headless_dp_command(args) if headless_dp(args) else headless_command(args)
@@ -225,7 +235,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     def run() -> None:
         nonlocal launch, client
-        launch, client = launch_core(worker_kwargs, args.api_server_count, dp, router, remote)
+        launch, client = launch_core(worker_kwargs, args.api_server_count, dp, router, remote, early)
         launch_api_servers(launch, args.api_server_count, sock, info, options, router)
         # A stop while the engines load (or wait for the ones on other nodes) ends their start-up.
         stop.before_server = launch.stop_starting

@@ -16,13 +16,19 @@ goes away (a pidfd on it is polled with the control socket): nobody could reach 
 """
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # first of all: the early chip-child's imports overlap this module's own
+    from l3worker.serving.early_core import start_early_child
+
+    EARLY_CHILD = start_early_child(sys.argv)
+
 import ctypes
 import json
 import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +47,7 @@ from l3worker.engine.metrics import families_to_wire
 from l3worker.engine.stats import GenerateStats
 from l3worker.params import RequestOutput
 from l3worker.worker.distributed_worker import DistributedWorker
+from l3worker.worker.early_child import EarlyChild
 
 log = logging.getLogger("l3worker.serving.engine_core")
 # A file to write every served step's record to (l3worker.engine.stats.StepRecord, as a JSON list)
@@ -264,8 +271,20 @@ def _sigterm_when_parent_dies() -> None:
         pass
 
 
-def main() -> int:
-    config = CoreConfig.from_json(sys.stdin.read())
+def main(early: EarlyChild | None = None) -> int:
+    """`early`: a cpu chip-child started ahead, which the worker's first launch takes (or discards)."""
+    try:
+        return _run(early)
+    finally:
+        if early is not None:
+            early.discard()  # a no-op once the worker took it
+
+
+def _run(early: EarlyChild | None) -> int:
+    text = sys.stdin.read()
+    if not text:  # started early, and the arguments were refused
+        return 0
+    config = CoreConfig.from_json(text)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launching API server's to handle
@@ -284,6 +303,7 @@ def main() -> int:
         # Before any thread starts: the worker sizes and pins its children within this share.
         os.sched_setaffinity(0, config.cpu_cores)
     worker = DistributedWorker(**config.worker)
+    worker.early_child = early
     try:
         core = EngineCore(config, worker)
     except BaseException:
@@ -294,4 +314,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(EARLY_CHILD))

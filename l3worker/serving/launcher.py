@@ -28,6 +28,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from chip_child.device import allowed_cores, device_type
+from l3worker.serving.early_core import CORE_MODULE, EarlyCore
 from l3worker.serving.engine_core import CoreConfig
 from l3worker.serving.core_client import CoreClient
 from l3worker.distributed.dp_remote import RemoteConfig
@@ -207,10 +208,12 @@ def _wait_or_kill(proc: subprocess.Popen) -> None:
 
 
 def launch_core(worker_kwargs: dict, api_server_count: int, dp: DataParallel = DataParallel(),
-                router: RouterConfig | None = None, remote: dict | None = None) -> tuple[Launch, CoreClient]:
+                router: RouterConfig | None = None, remote: dict | None = None,
+                early: EarlyCore | None = None) -> tuple[Launch, CoreClient]:
     """Starts the local engine cores (each prepares its worker on its own) and, with `remote` (the
     RemoteConfig's endpoint, expected and startup_timeout_s) the relay the other ranks connect to;
-    returns API server 0's client, whose outputs socket is bound before the cores start."""
+    returns API server 0's client, whose outputs socket is bound before the cores start. `early`:
+    engine core 0, already started, waiting for its config."""
     launch = Launch(make_socket_dir("l3worker-serve-"))
     controls, outputs = _endpoints(launch.run_dir, dp.size, api_server_count)
     try:
@@ -219,7 +222,8 @@ def launch_core(worker_kwargs: dict, api_server_count: int, dp: DataParallel = D
         for engine in range(dp.local):
             config = CoreConfig(dp.engine_kwargs(worker_kwargs, engine), controls[engine], outputs, os.getpid(),
                                 engine, dp.cpu_cores(worker_kwargs, engine))
-            launch.cores.append(spawn("l3worker.serving.engine_core", config.to_json()))
+            launch.cores.append(early.take(config.to_json()) if early is not None and engine == 0
+                                else spawn(CORE_MODULE, config.to_json()))
         if dp.local < dp.size:
             config = RemoteConfig(controls={str(e): controls[e] for e in range(dp.local, dp.size)}, outputs=outputs,
                                   parent_pid=os.getpid(), **remote)

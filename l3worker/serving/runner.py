@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 import threading
 from dataclasses import dataclass
@@ -167,33 +166,6 @@ class _Uvicorn(uvicorn.Server):
             self._stop_ran = True
             await self._on_stop()
         return await super().on_tick(counter)
-
-
-class SignalStop:
-    """SIGINT and SIGTERM ask the server's orderly stop, also before uvicorn takes the signals over
-    and after it hands them back (it re-raises what it caught): nothing raises KeyboardInterrupt
-    through the engine's shutdown. Give `on_server` to serve()."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.server: _Uvicorn | None = None
-        # Called on a stop before the server exists (start-up may wait long, e.g. for engines on
-        # other nodes): it ends the wait.
-        self.before_server: Callable[[], None] | None = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.requested = True
-        if self.server is not None:
-            self.server.should_exit = True
-        elif self.before_server is not None:
-            self.before_server()
-
-    def on_server(self, server: _Uvicorn) -> None:
-        self.server = server
-        if self.requested:
-            server.should_exit = True
 
 
 @dataclass

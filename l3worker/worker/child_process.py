@@ -7,24 +7,22 @@ Ctrl-C aimed at the user's program reaches the parent, which then stops the chil
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Callable
 
 import msgpack
 import zmq
 
-import chip_child
 from chip_child.config import RuntimeConfig
-from chip_child.device import child_environment, device_type
+from chip_child.device import device_type
 from chip_child.protocol import Shutdown, encode
 from chip_child.child_spec import ChildSpec
 from l3worker.errors import ChildDiedError, ChildError, StepTimeoutError, StoppingError
+from l3worker.worker.early_child import EarlyChild, child_env
 from l3worker.worker.shared_buffers import StepBuffers
 
 LIVENESS_POLL_MS = 100
@@ -69,24 +67,23 @@ def check_cancel(cancel: threading.Event | None) -> None:
 
 
 class ChildProcess:
-    def __init__(self, ctx: zmq.Context, spec: ChildSpec, buffers: StepBuffers):
+    def __init__(self, ctx: zmq.Context, spec: ChildSpec, buffers: StepBuffers, early: EarlyChild | None = None):
+        """Starts the child, or hands `early` (a cpu child already started) its spec."""
         self.spec = spec
         self.rank = spec.rank
         self.socket_path = spec.socket_path
         self._doorbell = buffers.doorbell.numpy()
-        env = dict(os.environ)
-        if device_type(spec.runtime["device"]) == "cpu":
-            env = child_environment(env)
-        package_root = str(Path(chip_child.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.sock = ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         try:
             self.sock.bind(spec.endpoint)
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "chip_child", spec.to_json()],
-                pass_fds=spec.fds, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-            )
+            if early is not None:
+                self.proc = early.hand_over(spec.to_json(), spec.fds)
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "chip_child", spec.to_json()], pass_fds=spec.fds,
+                    env=child_env(cpu=device_type(spec.runtime["device"]) == "cpu"), stdin=subprocess.DEVNULL,
+                    start_new_session=True)
         except BaseException:
             self.sock.close(0)
             raise

@@ -37,6 +37,7 @@ from l3worker.worker.arg_checks import (SCHEDULING_POLICIES, check_choice, check
                                         check_speculation_switches, default_pipeline_depth, positive_int)
 from l3worker.worker.kv_sizing import KvSizing, host_tier_pages, kv_cache_bytes, size_kv_cache, size_kv_cache_in
 from l3worker.worker.cpu_placement import CpuPlacement
+from l3worker.worker.early_child import EarlyChild
 from l3worker.worker.shared_buffers import StepBuffers
 from l3worker.engine.speculation import check_proposer, speculative_tokens
 from l3worker.worker.doorbell import ORDERED_STORES, Doorbell, make_wake_fd
@@ -218,6 +219,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         check_optional_bool("overlap_steps", overlap_steps)
         self.overlap_steps = overlap_steps
         self._children: list[ChildProcess] = []
+        self.early_child: EarlyChild | None = None  # a cpu child started ahead, for the first launch (engine core)
         self._ctx: zmq.Context | None = None
         self._socket_dir: str | None = None
         self._buffers: StepBuffers | None = None
@@ -287,6 +289,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         cores = self._placement.cores if step_core is not None else None
         fault = self._faults[gen] if gen < len(self._faults) else None
         self._generation += 1
+        early, self.early_child = self.early_child and self.early_child.usable(cfg.device, self.device_ids), None
         dist_init = None if world == 1 else layout.dist_init if layout.nnodes > 1 else \
             f"file://{self._socket_dir}/tp-store-{gen}"
         cfg = replace(cfg, tp_size=world, dist_init=dist_init)
@@ -307,7 +310,7 @@ class DistributedWorker(RolloutControls, LoraControls):
                               fault=fault, cpu_cores=plan.children[rank] if plan else cores, step_core=step_core,
                               service_cores=plan.service if plan else None, overlap_steps=self.overlap_steps,
                               layout_trial=trial, generation=gen)
-            self._children.insert(rank, ChildProcess(self._ctx, spec, self._buffers))  # local ranks first
+            self._children.insert(rank, ChildProcess(self._ctx, spec, self._buffers, early))  # local ranks first
         wait_all_ready(self._children, self.startup_timeout_s, self.engine.stopping)
         # Restarts run what the trial chose, untimed (it takes seconds on a loaded machine).
         self._placement.started(trial, self._children[0].info.get("cpu_layout"), self.step_core)
@@ -342,8 +345,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         return self._children, self._doorbell
 
     def _stop_children(self, grace_s: float) -> None:
-        children, self._children = self._children, []
-        self._doorbell = None
+        children, self._children, self._doorbell = self._children, [], None
         run_every(partial(child.stop, grace_s) for child in children)  # one that fails leaves none running
 
     def _others_pinned(self) -> bool:
@@ -360,6 +362,7 @@ class DistributedWorker(RolloutControls, LoraControls):
         step runs even when one before it raised, and the first such error is raised at the end."""
         run_every([
             self.engine.request_stop,  # a restart under way gives up instead of starting children
+            self.early_child.discard if self.early_child else None,
             partial(self._stop_children, 5.0),
             self.engine.input_processor.grammars.close,  # its compile threads end with the worker
             self.engine.close_kv_events,

@@ -80,16 +80,43 @@ def test_sigterm_while_the_engine_core_starts_ends_its_start_up(served) -> None:
         return core is not None or s.proc.poll() is not None
 
     assert wait_for(core_started, GUARD_S) and core is not None, s.stderr[-20:]
+    early_children = core.children()  # the chip-child it started before its imports, with no argv to name it by
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0, s.stderr[-20:]
     out = [s.lines.get(timeout=5) for _ in range(s.lines.qsize())]
     assert "l3worker serve: stopped while starting" in out, out
     assert not [line for line in out if line.startswith("l3worker serve: ready")]
-    assert not alive(core)
+    assert not alive(core) and not [c for c in early_children if alive(c)]
     # a chip-child names its socket dir, in the server's TMPDIR, in its argv
     assert not [p for p in psutil.process_iter(["cmdline"]) if any(str(s.tmpdir) in a for a in p.info["cmdline"] or ())
                 and alive(p)]
     assert os.listdir(s.tmpdir) == []
+
+
+def test_the_engine_core_and_its_chip_child_start_before_the_arguments_are_checked(served) -> None:
+    """Their imports overlap API server 0's (launch time): the core starts first with --early-child,
+    and the chip-child it started then serves, handed its spec (--spec-on-stdin)."""
+    s = served("--max-num-seqs", "1", "--max-model-len", "64", "--block-size", "16", "--device", "cpu")
+    s.ready()
+    [core] = started_processes(s.proc.pid, "l3worker.serving.engine_core")
+    [child] = started_processes(s.proc.pid, "chip_child")
+    assert core.cmdline()[-2:] == ["--early-child", "cpu"] and child.cmdline()[-1] == "--spec-on-stdin"
+    assert child.ppid() == core.pid
+
+
+def test_refused_arguments_end_the_early_engine_core_and_leave_nothing(served, tmp_path) -> None:
+    mark = f"refused-{os.getpid()}-{tmp_path.name}"
+    s = served("--max-num-seqs", "0", env={"L3WORKER_TEST_MARK": mark})
+    assert s.proc.wait(60) == 2
+    assert not [p for p in psutil.process_iter() if alive(p) and _has_mark(p, mark)]
+    assert os.listdir(s.tmpdir) == []
+
+
+def _has_mark(proc: psutil.Process, mark: str) -> bool:
+    try:
+        return proc.environ().get("L3WORKER_TEST_MARK") == mark
+    except psutil.Error:  # gone, or not ours to read
+        return False
 
 
 def test_bad_arguments_exit_2(served, tmp_path) -> None:

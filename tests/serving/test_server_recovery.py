@@ -182,9 +182,14 @@ def test_restarts_exhausted_answer_503_and_exit_cleanly(served) -> None:
     engine_core = started_processes(s.proc.pid, "l3worker.serving.engine_core")
     children[0].kill()
     wait_until(lambda: metric(http, RESTARTS) == 1, 60, "a restart")
-    wait_until(lambda: http.get("/health").status_code == 200, 60, "/health 200 again")
-    second = started_processes(s.proc.pid, "chip_child")
-    assert second and not {c.pid for c in second} & {c.pid for c in children}
+    # /health stays 200 through a restart (requests resume), so wait for the new child itself,
+    # then for a completion it serves.
+    old_pids = {c.pid for c in children}
+    wait_until(lambda: any(c.pid not in old_pids for c in started_processes(s.proc.pid, "chip_child")),
+               60, "a new chip_child")
+    assert http.post("/v1/completions", json=GREEDY).status_code == 200
+    second = [c for c in started_processes(s.proc.pid, "chip_child") if c.pid not in old_pids]
+    assert second and http.get("/health").status_code == 200
     children += second + engine_core
     second[0].kill()  # one more than --max-restarts allows
     wait_until(lambda: http.get("/health").status_code == 503, 60, "/health 503")

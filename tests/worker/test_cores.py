@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chip_child import cpu_layout, device
+from chip_child import cpu_layout, device, environment
 from l3worker.worker import cpu_placement
 from l3worker.worker.cpu_placement import CpuPlacement
 from chip_child.device import CorePlan, allowed_cores, plan_cores
@@ -109,8 +109,8 @@ def test_default_layout_is_timed_at_start_up_and_the_child_runs_as_chosen(ckpt: 
         (assert_every_core if s["cpu_layout"] == "every_core" else assert_spare_core)(w)
         other = "spare_core" if s["cpu_layout"] == "every_core" else "every_core"
         assert layout_metric(w) == {s["cpu_layout"]: 1.0, other: 0.0}
-        if not any(name in os.environ for name in device.OMP_WAIT_VARIABLES):
-            assert child_env(w.child_pids[0])["GOMP_SPINCOUNT"] == str(device.CHILD_GOMP_SPINCOUNT)
+        if not any(name in os.environ for name in environment.OMP_WAIT_VARIABLES):
+            assert child_env(w.child_pids[0])["GOMP_SPINCOUNT"] == str(environment.CHILD_GOMP_SPINCOUNT)
         tokens = w.generate(PROMPT, SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
     with DistributedWorker(ckpt, **COMMON) as w:  # num_threads given: no trial, the layout its threads make
         s = w.stats()
@@ -206,9 +206,9 @@ def test_layout_threads(monkeypatch) -> None:
 
 
 def test_the_users_openmp_wait_settings_win() -> None:
-    assert device.child_environment({"OMP_WAIT_POLICY": "active"}) == {"OMP_WAIT_POLICY": "active"}
-    assert device.child_environment({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}
-    assert device.child_environment({}) == {"GOMP_SPINCOUNT": str(device.CHILD_GOMP_SPINCOUNT)}
+    assert environment.child_environment({"OMP_WAIT_POLICY": "active"}) == {"OMP_WAIT_POLICY": "active"}
+    assert environment.child_environment({"GOMP_SPINCOUNT": "5"}) == {"GOMP_SPINCOUNT": "5"}
+    assert environment.child_environment({}) == {"GOMP_SPINCOUNT": str(environment.CHILD_GOMP_SPINCOUNT)}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread affinities from /proc")
