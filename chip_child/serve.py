@@ -397,6 +397,11 @@ def spec_text(argv: list[str]) -> str | None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # stdin as a child started with its spec has it
     os.close(null)
+    if text is not None:
+        # A session of its own, as a child started with its spec has: where the kernel groups
+        # processes by session for scheduling (autogroup), sharing the engine core's group would
+        # halve the child's share of the cores whenever the core is busy too.
+        os.setsid()
     return text
 
 

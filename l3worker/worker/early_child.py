@@ -42,8 +42,9 @@ def surely_cpu(device: str) -> bool:
 
 class EarlyChild:
     """A started chip-child waiting for its spec: a launch hands it over, or it is discarded. It
-    shares its parent's process group (the engine core's own), so a core discarded before its
-    config arrives takes it along (l3worker/serving/early_core.py)."""
+    shares its parent's process group (the engine core's own) while it waits, so a core discarded
+    before its config arrives takes it along (l3worker/serving/early_core.py); handed its spec, it
+    starts a session of its own, as every other chip-child runs in."""
 
     def __init__(self) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

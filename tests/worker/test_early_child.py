@@ -71,6 +71,7 @@ def test_a_worker_hands_its_first_child_to_the_early_one_and_decodes_the_same(ck
         w.prepare()
         assert w.child_pids == [child.pid]  # no second process: the early one serves
         assert child.cmdline()[-1] == "--spec-on-stdin"
+        assert os.getsid(child.pid) == child.pid  # a session (and scheduling autogroup) of its own, as any child
         assert [o.outputs[0].token_ids for o in w.generate(PROMPTS, GREEDY)] == expected
     finally:
         w.close()
