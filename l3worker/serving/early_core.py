@@ -60,7 +60,6 @@ class EarlyCore:
         proc.wait()
 
 
-
 def start_early_child(argv: list[str]) -> "EarlyChild | None":
     """The engine core's first act, given `--early-child DEVICE`: its early chip-child. Until the
     core takes its signals over, a SIGTERM exits it in order, and any exit ends the child too."""
