@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
@@ -47,6 +47,12 @@ class ChildSpec:
     def fds(self) -> list[int]:
         """The shared buffers' descriptors and the wake-up eventfd: the child must inherit these."""
         return [fd for fd, *_ in self.buffers.values()] + ([self.wake_fd] if self.wake_fd is not None else [])
+
+    def renumbered(self, new: dict[int, int]) -> "ChildSpec":
+        """This spec with each of `fds` replaced by new[fd]: the number it arrived as in another
+        process (chip_child/spec_handover.py)."""
+        return replace(self, buffers={name: [new[fd], *rest] for name, (fd, *rest) in self.buffers.items()},
+                       wake_fd=new[self.wake_fd] if self.wake_fd is not None else None)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

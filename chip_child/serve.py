@@ -387,29 +387,28 @@ def serve(spec: ChildSpec) -> None:
         ctx.term()
 
 
-def spec_text(argv: list[str]) -> str | None:
-    """The spec's JSON: argv's, or, for a child started ahead of it, what arrives on stdin (a
-    socket pair), None when the pair closed first."""
+def read_spec(argv: list[str]) -> ChildSpec | None:
+    """The spec: argv's, or, for a child started ahead of it, what arrives on stdin (a socket
+    pair), None when the pair closed first."""
     if argv[1:] != [EARLY_FLAG]:
-        return argv[1]
+        return ChildSpec.from_json(argv[1])
     with socket.socket(fileno=0) as stdin:
-        text = receive_spec(stdin)
+        spec = receive_spec(stdin)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # stdin as a child started with its spec has it
     os.close(null)
-    if text is not None:
+    if spec is not None:
         # A session of its own, as a child started with its spec has: where the kernel groups
         # processes by session for scheduling (autogroup), sharing the engine core's group would
         # halve the child's share of the cores whenever the core is busy too.
         os.setsid()
-    return text
+    return spec
 
 
 def main(argv: list[str]) -> None:
-    text = spec_text(argv)
-    if text is None:  # an early child its parent did not use
+    spec = read_spec(argv)
+    if spec is None:  # an early child its parent did not use
         exit_without_teardown()
-    spec = ChildSpec.from_json(text)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _exit_when_orphaned(spec.parent_pid)
     try:

@@ -272,15 +272,8 @@ def _sigterm_when_parent_dies() -> None:
 
 
 def main(early: EarlyChild | None = None) -> int:
-    """`early`: a cpu chip-child started ahead, which the worker's first launch takes (or discards)."""
-    try:
-        return _run(early)
-    finally:
-        if early is not None:
-            early.discard()  # a no-op once the worker took it
-
-
-def _run(early: EarlyChild | None) -> int:
+    """`early`: a cpu chip-child started ahead, which the worker's first launch takes; any exit
+    before that ends it (start_early_child's exit hook)."""
     text = sys.stdin.read()
     if not text:  # started early, and the arguments were refused
         return 0

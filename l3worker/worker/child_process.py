@@ -78,7 +78,7 @@ class ChildProcess:
         try:
             self.sock.bind(spec.endpoint)
             if early is not None:
-                self.proc = early.hand_over(spec.to_json(), spec.fds)
+                self.proc = early.hand_over(spec)
             else:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "chip_child", spec.to_json()], pass_fds=spec.fds,

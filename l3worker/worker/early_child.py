@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import chip_child
+from chip_child.child_spec import ChildSpec
 from chip_child.environment import child_environment
 from chip_child.spec_handover import EARLY_FLAG, send_spec
 
@@ -78,11 +79,11 @@ class EarlyChild:
         self.discard()
         return None
 
-    def hand_over(self, spec_json: str, fds: list[int]) -> subprocess.Popen:
+    def hand_over(self, spec: ChildSpec) -> subprocess.Popen:
         """Sends the spec and the descriptors it names; from here on the child is the caller's."""
         proc, self.proc = self.proc, None
         try:
-            send_spec(self._sock, spec_json, fds)
+            send_spec(self._sock, spec)
         except OSError:  # the child died while it imported: the launch sees it gone
             pass
         finally:

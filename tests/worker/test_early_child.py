@@ -3,7 +3,6 @@ shared buffers over a socket pair, it serves exactly as a child started with the
 cannot use, or never hands anything, ends and leaves no process."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -14,6 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
+from chip_child.child_spec import ChildSpec
 from chip_child.spec_handover import receive_spec, send_spec
 from fault_helpers import alive, wait_for
 from l3worker import DistributedWorker, SamplingParams
@@ -32,13 +32,14 @@ def ckpt(make_checkpoint):
 def test_the_spec_arrives_with_its_descriptors_renumbered_to_the_ones_received() -> None:
     ours, theirs = socket.socketpair()
     read_end, write_end = os.pipe()
-    spec = {"buffers": {"sampled": [read_end, 64, [2, 4], "int32"]}, "wake_fd": write_end, "rank": 0}
-    send_spec(ours, json.dumps(spec), [read_end, write_end])
+    spec = ChildSpec(rank=0, socket_dir="/nowhere", runtime={}, buffers={"sampled": [read_end, 64, [2, 4], "int32"]},
+                     wake_fd=write_end)
+    send_spec(ours, spec)
     ours.close()
-    got = json.loads(receive_spec(theirs))
-    new_read, new_write = got["buffers"]["sampled"][0], got["wake_fd"]
+    got = receive_spec(theirs)
+    new_read, new_write = got.buffers["sampled"][0], got.wake_fd
     assert {new_read, new_write}.isdisjoint({read_end, write_end})
-    assert got["buffers"]["sampled"][1:] == [64, [2, 4], "int32"] and got["rank"] == 0
+    assert got.buffers["sampled"][1:] == [64, [2, 4], "int32"] and got.rank == 0
     os.write(new_write, b"x")  # the received descriptors are the same pipe
     assert os.read(read_end, 1) == b"x"
     os.write(write_end, b"y")
